@@ -1,0 +1,55 @@
+# Sourced by run_train.sh and run_tests.sh: picks a Python that has the pinned requirements, or makes .venv with them.
+#   PYTHON=/path/to/python   use that interpreter as it is (no checks, no installs)
+#   TORCH_SPEC="..."         pip arguments that replace the pinned torch line, e.g. a CUDA build:
+#                            TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"
+# Usage: source bootstrap.sh REQUIREMENTS_FILE...   -> sets PY
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+_requirements_met() {  # python, files...
+  local py="$1"; shift
+  TORCH_SPEC="${TORCH_SPEC:-}" "$py" - "$@" <<'PYEOF' 2>/dev/null
+import os, sys
+from importlib.metadata import version, PackageNotFoundError
+for path in sys.argv[1:]:
+    for line in open(path):
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        name, _, want = line.partition("==")
+        if name == "torch" and os.environ.get("TORCH_SPEC"):
+            want = ""
+        try:
+            have = version(name).split("+")[0]
+        except PackageNotFoundError:
+            sys.exit(1)
+        if want and have != want:
+            sys.exit(1)
+PYEOF
+}
+
+_bootstrap() {
+  local files=() f
+  for f in "$@"; do files+=("$ROOT/$f"); done
+  if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"; return; fi
+  if [ -x "$ROOT/.venv/bin/python" ] && _requirements_met "$ROOT/.venv/bin/python" "${files[@]}"; then
+    PY="$ROOT/.venv/bin/python"; return
+  fi
+  local sys_py; sys_py="$(command -v python3 || command -v python)"
+  if [ -n "$sys_py" ] && _requirements_met "$sys_py" "${files[@]}"; then PY="$sys_py"; return; fi
+  echo "[bootstrap] installing pinned requirements into $ROOT/.venv (first run only, about a minute) ..." >&2
+  [ -x "$ROOT/.venv/bin/python" ] || "$sys_py" -m venv "$ROOT/.venv" || { echo "error: could not create .venv (is python3-venv installed?)" >&2; exit 1; }
+  local pip=("$ROOT/.venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+  if [ -n "${TORCH_SPEC:-}" ]; then
+    # shellcheck disable=SC2086
+    "${pip[@]}" $TORCH_SPEC || { echo "error: pip install $TORCH_SPEC failed" >&2; exit 1; }
+    local filtered; filtered="$(mktemp)"
+    cat "${files[@]}" | grep -vE '^torch==' > "$filtered"
+    files=("$filtered")
+  fi
+  local args=(); for f in "${files[@]}"; do args+=(-r "$f"); done
+  "${pip[@]}" "${args[@]}" 2> >(grep -v "^WARNING: Location" >&2) || { echo "error: installing ${files[*]} failed (see pip's message above)" >&2; exit 1; }
+  PY="$ROOT/.venv/bin/python"
+}
+
+_bootstrap "$@"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -1,0 +1,78 @@
+"""Run a function on N real gloo ranks in separate processes, with a hard timeout so a hang fails fast.
+
+Usage in a test:  results = run_ranks(_body, world_size=4, args=(x,), timeout=120)
+`_body(rank, world_size, *args)` must be a module-level function; it runs after the default process group is
+initialised (gloo, CPU) and its return value (picklable) comes back in rank order. An exception on any rank fails
+the test with that rank's traceback.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, args, queue, threads):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put((rank, "ok", result))
+    except BaseException:  # report everything, including KeyboardInterrupt in the child
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, threads: int = 1) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, threads), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(results) + len(errors) < world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            if remaining <= 0:
+                raise TimeoutError(f"{world_size}-rank run did not finish within {timeout:.0f}s "
+                                   f"(finished ranks: {sorted(results)})")
+            try:
+                rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+            except Exception:
+                if errors and all(not p.is_alive() or p.exitcode is not None for p in procs):
+                    break
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead and not errors:
+                    raise RuntimeError(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+                if errors:  # the others are probably blocked in a collective with the failed rank
+                    break
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("rank failure:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,56 @@
+"""Recipes, overrides and their one-line errors."""
+import pytest
+
+from training.config import load_config, parse_overrides, to_toml
+from training.errors import RecipeError
+
+
+def write(tmp_path, text, name="r.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_debug_recipe_loads_with_typed_overrides():
+    cfg = load_config("recipes/debug.toml", ["--training.steps", "7", "--training.dtype=bfloat16",
+                                             "--data.document_masking", "true", "--optimizer.lr", "3e-4",
+                                             "--data.corpus", "a.txt,b.jsonl"])
+    assert cfg.training.steps == 7 and cfg.training.dtype == "bfloat16"
+    assert cfg.data.document_masking is True and cfg.optimizer.lr == pytest.approx(3e-4)
+    assert cfg.data.corpus == ["a.txt", "b.jsonl"]
+
+
+def test_print_config_round_trips(tmp_path):
+    cfg = load_config("recipes/debug.toml", ["--training.seq_len", "256"])
+    again = load_config(write(tmp_path, to_toml(cfg)))
+    assert to_toml(again) == to_toml(cfg)
+
+
+@pytest.mark.parametrize("text, overrides, expect", [
+    ("[traning]\nsteps = 3\n", [], "Did you mean 'training'"),
+    ("[training]\nstep = 3\n", [], "Did you mean 'steps'"),
+    ("[training]\nsteps = 'many'\n", [], "training.steps: expected an integer"),
+    ("[training]\nseq_len = 1\n", [], "training.seq_len must be >= 2"),
+    ("[parallelism]\ncp_load_balancer = 'zigzog'\n", [], "Did you mean 'zigzag'"),
+    ("[training]\n", ["--training.compile", "maybe"], "expected true or false"),
+    ("[training]\n", ["--training.steps"], "needs a value"),
+    ("steps = 3\n", [], "must be a [section] table"),
+    ("[training\n", [], "not valid TOML"),
+])
+def test_bad_recipes_give_one_line_errors(tmp_path, text, overrides, expect):
+    path = write(tmp_path, text)
+    with pytest.raises(RecipeError) as err:
+        load_config(path, overrides)
+    message = str(err.value)
+    assert expect in message and "\n" not in message
+
+
+def test_missing_recipe_names_the_file():
+    with pytest.raises(RecipeError, match="'nope.toml' does not exist"):
+        load_config("nope.toml")
+
+
+def test_override_syntax():
+    assert parse_overrides(["--a.b", "1", "--c.d=x"]) == [("a", "b", "1"), ("c", "d", "x")]
+    with pytest.raises(RecipeError):
+        parse_overrides(["steps=3"])
