@@ -118,9 +118,11 @@ class Trainer:
         with torch.no_grad():
             model.init_weights(cfg.job.seed)
         self.model = model
+        self.model_parts = [model]  # pipeline stages held by this rank (one without PP)
 
         o = cfg.optimizer
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+        params = [p for part in self.model_parts for p in part.parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay, foreach=True)
         s = cfg.lr_scheduler
         self.scheduler = build_lr_scheduler(self.optimizer, s.warmup_steps, t.steps, s.decay_type, s.min_lr_ratio)
@@ -165,8 +167,8 @@ class Trainer:
                 (token_loss / global_tokens).backward()
             loss_sum += token_loss.detach()
         max_norm = self.cfg.training.max_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
