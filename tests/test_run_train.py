@@ -1,21 +1,9 @@
 """The launcher as a user meets it: bad input fails in one line, and a real multi-rank run leaves its outputs."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_train(*args, nproc=None, timeout=120):
-    env = dict(os.environ, PYTHON=sys.executable)
-    env.pop("NPROC", None)
-    if nproc:
-        env["NPROC"] = str(nproc)
-    return subprocess.run([os.path.join(ROOT, "run_train.sh"), *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=ROOT)
+from tests.trainer_runs import read_metrics, run_train
 
 
 @pytest.mark.parametrize("args, nproc, expect", [
@@ -35,11 +23,6 @@ def test_bad_input_is_one_line(args, nproc, expect):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and expect in lines[0], lines[0]
     assert "Traceback" not in result.stdout + result.stderr
-
-
-def read_metrics(folder):
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_two_rank_run_writes_metrics_and_tensorboard(tmp_path):

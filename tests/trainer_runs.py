@@ -1,0 +1,35 @@
+"""Launch the real trainer the way a user does (run_train.sh -> torchrun) and read what it wrote."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_train(*args, nproc: int | None = None, timeout: float = 180, env: dict | None = None):
+    """Runs ./run_train.sh with this interpreter (no bootstrap) and returns the CompletedProcess."""
+    full_env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
+    full_env.pop("NPROC", None)
+    if nproc:
+        full_env["NPROC"] = str(nproc)
+    return subprocess.run([os.path.join(ROOT, "run_train.sh"), *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, cwd=ROOT)
+
+
+def read_metrics(folder: str) -> list[dict]:
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(out: str, *args, nproc: int | None = None, timeout: float = 300) -> list[float]:
+    result = run_train("--job.dump_folder", out, *args, nproc=nproc, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return [r["loss"] for r in read_metrics(out)]
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
