@@ -1,0 +1,186 @@
+"""slurm/train.sbatch on a real Slurm: a controller and two slurmd "nodes" on loopback, all state in a temp folder.
+
+Debian's slurm-wlm and munge are installed with apt-get when missing (CI does it up front in .ci/run); the test is
+skipped, with the reason, only where they cannot be installed. Every daemon is started in the foreground by this
+test and stopped by its PID at the end.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "sinfo")
+NODES = ("node1", "node2")
+
+
+def _install_slurm() -> str:
+    """'' when the Slurm and munge programs are there (installing them if possible), else why not."""
+    if all(shutil.which(p) or os.path.exists(f"/usr/sbin/{p}") for p in DAEMONS):
+        return ""
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return "slurm-wlm/munge are not installed and cannot be (needs root and apt-get)"
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "slurm-wlm", "munge"]):
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        if done.returncode:
+            return f"'{' '.join(cmd)}' failed: {done.stderr.strip().splitlines()[-1:]}"
+    return ""
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _wait_for(predicate, timeout: float, what: str, logs=()) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.25)
+    tails = "".join(f"\n--- {p}:\n{open(p).read()[-1500:]}" for p in logs if os.path.exists(p))
+    folder = os.path.dirname(logs[0]) if logs else ""
+    tails += "".join(f"\n--- {n}:\n{open(os.path.join(folder, n)).read()[-800:]}"
+                     for n in (os.listdir(folder) if folder else []) if n.endswith(".stdout"))
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{tails}")
+
+
+def _slurm_conf(folder: str, ctld_port: int, node_ports: list[int], munge_socket: str) -> str:
+    cpus = os.cpu_count() or 2
+    lines = [
+        "ClusterName=longctx-test", "SlurmctldHost=localhost", f"SlurmctldPort={ctld_port}",
+        "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
+        f"AuthInfo=socket={munge_socket}",
+        f"StateSaveLocation={folder}/state", f"SlurmdSpoolDir={folder}/spool/%n",
+        f"SlurmctldPidFile={folder}/slurmctld.pid", f"SlurmdPidFile={folder}/slurmd-%n.pid",
+        f"SlurmctldLogFile={folder}/slurmctld.log", f"SlurmdLogFile={folder}/slurmd-%n.log",
+        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
+        "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SchedulerType=sched/builtin",
+        "ReturnToService=2", "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
+        "JobAcctGatherType=jobacct_gather/none", "MailProg=/bin/true", "SlurmctldTimeout=30", "SlurmdTimeout=30",
+        "InactiveLimit=0", "KillWait=5", "MinJobAge=300",
+    ]
+    for name, port in zip(NODES, node_ports):
+        lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={cpus} "
+                     f"State=UNKNOWN")
+    lines.append(f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES")
+    path = os.path.join(folder, "slurm.conf")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+class LocalSlurm:
+    """munged + slurmctld + one slurmd per fake node, each a child process of this test."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.procs: list[subprocess.Popen] = []
+        self.env = dict(os.environ)
+
+    def start(self) -> None:
+        f = self.folder
+        for sub in ["state", "munge", *(f"spool/{n}" for n in NODES)]:
+            os.makedirs(os.path.join(f, sub), exist_ok=True)
+        munge_dir = os.path.join(f, "munge")
+        shutil.copy("/etc/munge/munge.key", os.path.join(munge_dir, "munge.key"))
+        shutil.chown(munge_dir, "munge", "munge")
+        shutil.chown(os.path.join(munge_dir, "munge.key"), "munge", "munge")
+        os.chmod(munge_dir, 0o755)  # clients need to reach the socket
+        os.chmod(os.path.join(munge_dir, "munge.key"), 0o600)
+        munge_socket = os.path.join(munge_dir, "munge.socket")
+        self._spawn(["runuser", "-u", "munge", "--", _sbin("munged"), "--foreground", f"--socket={munge_socket}",
+                     f"--key-file={munge_dir}/munge.key", f"--pid-file={munge_dir}/munged.pid",
+                     f"--log-file={munge_dir}/munged.log", f"--seed-file={munge_dir}/munged.seed"], "munged")
+        _wait_for(lambda: os.path.exists(munge_socket), 20, "munged's socket", [f"{munge_dir}/munged.log"])
+        ctld_port, *node_ports = _free_ports(1 + len(NODES))
+        conf = _slurm_conf(f, ctld_port, node_ports, munge_socket)
+        self.env["SLURM_CONF"] = conf
+        self._spawn([_sbin("slurmctld"), "-D", "-i", "-f", conf], "slurmctld")
+        for name in NODES:
+            self._spawn([_sbin("slurmd"), "-D", "-N", name, "-f", conf], f"slurmd-{name}")
+        logs = [f"{f}/slurmctld.log", *(f"{f}/slurmd-{n}.log" for n in NODES)]
+        _wait_for(self._nodes_idle, 60, "both nodes idle", logs)
+
+    def _spawn(self, cmd: list[str], name: str) -> None:
+        out = open(os.path.join(self.folder, f"{name}.stdout"), "w")
+        self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                           start_new_session=True))
+
+    def _nodes_idle(self) -> bool:
+        for proc in self.procs:
+            if proc.poll() is not None:
+                raise AssertionError(f"a Slurm daemon exited early: {proc.args} -> {proc.returncode}")
+        done = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, env=self.env)
+        states = dict(line.split() for line in done.stdout.splitlines() if line.strip())
+        return all(states.get(n, "").startswith("idle") for n in NODES)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):  # the daemons started here, by PID; slurmd's job steps die with them
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _sbin(name: str) -> str:
+    return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = _install_slurm()
+    if reason:
+        print(f"SKIP test_slurm: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+    # Not under pytest's tmp folder: that is private to root, and munged runs as user munge.
+    folder = tempfile.mkdtemp(prefix="longctx-slurm-")
+    os.chmod(folder, 0o755)
+    cluster = LocalSlurm(folder)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_sbatch_trains_debug_recipe_on_two_nodes(slurm, tmp_path):
+    """2 nodes x 2 ranks (CPU: 'GPUs per node' are ranks per node), one c10d rendezvous, falling loss, exit 0."""
+    out = str(tmp_path / "run")
+    log = str(tmp_path / "job-%j.out")
+    env = dict(slurm.env, PYTHON=sys.executable, GPUS_PER_NODE="2", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               RDZV_PORT=str(_free_ports(1)[0]), REPO=ROOT)
+    env.pop("NPROC", None)
+    cmd = ["sbatch", "--wait", "--nodes=2", "--gpus-per-node=0", "--exclusive=user", f"--output={log}",
+           "--time=10", os.path.join(ROOT, "slurm", "train.sbatch"),
+           "--job.dump_folder", out, "--parallelism.dp_shard", "-1", "--training.steps", "8",
+           "--training.seq_len", "256", "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    logs = [os.path.join(tmp_path, name) for name in os.listdir(tmp_path) if name.startswith("job-")]
+    text = "".join(open(p).read() for p in logs)
+    assert done.returncode == 0, f"sbatch exit {done.returncode}\n{done.stderr[-2000:]}\n{text[-4000:]}"
+    assert "2 node(s) x 2 rank(s)" in text, text[-3000:]
+    assert "on 4 rank(s)" in text, text[-3000:]  # one world across both fake nodes
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    assert len(losses) == 8
+    assert losses[-1] < losses[0] - 0.5, losses
+    print(f"slurm job log (tail):\n{text[-1200:]}\nlosses: {losses}")

@@ -1,0 +1,43 @@
+"""Fail fast on a machine that cannot run the recipe: a GPU-sized recipe without GPUs is one line, not a stuck or
+swapping CPU job, and the line says how many GPUs it needs and how to check the plan here (--dry-run)."""
+from __future__ import annotations
+
+import math
+import os
+
+from training.config import Config
+from training.errors import RecipeError
+
+GPU_SIZED_PARAMETERS = 1e9
+"""With hardware.device = "auto", a model this large counts as GPU-sized (the 8B on CPU would not finish a step)."""
+
+
+def needs_gpus(cfg: Config) -> bool:
+    from models.llama import model_config
+    from train import model_overrides
+    from training.roofline import parameter_count
+
+    device = cfg.hardware.device
+    if device != "auto":
+        return device == "cuda"
+    return parameter_count(model_config(cfg.model.name, **model_overrides(cfg))) >= GPU_SIZED_PARAMETERS
+
+
+def check_gpus(cfg: Config, world_size: int) -> None:
+    """Raises RecipeError when the recipe needs GPUs this machine does not have (checked before torchrun)."""
+    if not needs_gpus(cfg):
+        return
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NPROC") or world_size)
+    per_node = cfg.hardware.gpus_per_node
+    nodes = math.ceil(world_size / per_node)
+    if visible >= local_ranks:
+        return
+    where = cfg.recipe_path
+    plan = f"{world_size} GPUs ({nodes} node(s) x {min(world_size, per_node)})"
+    have = "no GPU" if visible == 0 else f"{visible} GPU(s) for {local_ranks} local ranks"
+    raise RecipeError(f"{where}: this recipe needs {plan} and this machine has {have}. Check the plan here with "
+                      f"./run_train.sh {where} --dry-run ; on a cluster: sbatch --nodes={nodes} slurm/train.sbatch "
+                      f"{where}")

@@ -1,0 +1,209 @@
+"""`./run_train.sh RECIPE --dry-run`: does the plan fit, and how fast would it go, before anyone spends a GPU-day.
+
+One process, no GPU. For every training stage: memory of the rank(s) that matter, measured on a fake process group
+of the recipe's world size (training/memory_probe.py), held against the device memory, and a step time and MFU from
+a stated roofline (training/roofline.py). Names the first stage that does not fit and what to change, after
+checking the change with one more measurement. Exit code 0 when every stage fits, 1 otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+from training.config import Config
+from training.errors import RecipeError
+from training.memory_probe import GIB, RankMemory, measure_memory
+from training.roofline import H100_SXM, ROOFLINE_STATEMENT, Layout, parameter_count, step_cost
+
+RUNTIME_RESERVE_GIB = 2.0
+"""Device memory that tensors cannot use: the CUDA context (~0.5 GiB) and NCCL communicator buffers (~1 GiB)."""
+
+
+@dataclass
+class Stage:
+    name: str
+    cfg: Config
+
+
+def stage_configs(cfg: Config) -> list[Stage]:
+    """The recipe's training stages, each a complete Config (its own seq_len, cp, rope, ...). Today one stage: the
+    recipe itself; context-length ramps return one Config per [[ramp]] stage from here."""
+    return [Stage("recipe", cfg)]
+
+
+@dataclass
+class StageResult:
+    stage: Stage
+    world: int
+    dims: object
+    memory: RankMemory
+    times: dict
+    ranks: list[int]
+    """The ranks measured (the table shows the one with the highest peak)."""
+
+    @property
+    def peak_gib(self) -> float:
+        return self.memory.peak / GIB
+
+
+def ranks_that_matter(dims) -> list[int]:
+    """Without PP every rank holds the same shapes (rank 0 the largest uneven FSDP shard); with PP the first stage
+    holds the most in-flight activations and the last one the output layer and the loss."""
+    last_stage_first_rank = (dims.pp - 1) * (dims.world_size // dims.pp)
+    return sorted({0, last_stage_first_rank})
+
+
+def measure_stage(stage: Stage, world: int, gpus_per_node: int) -> StageResult:
+    from models.llama import model_config
+    from train import model_overrides, preflight
+
+    cfg = stage.cfg
+    dims = preflight(cfg, world)
+    if dims.pp > 1:  # a schedule's stages exchange tensor shapes at run time, which a fake process group cannot answer
+        raise RecipeError(f"{cfg.recipe_path}: the dry run measures plans with parallelism.pp = 1 only; check this "
+                          f"one with --parallelism.pp 1 and dp_shard x {dims.pp} (the same GPUs) as an approximation.")
+    mcfg = model_config(cfg.model.name, **model_overrides(cfg))
+    ranks = ranks_that_matter(dims)
+    memories = [measure_memory(cfg, world, mcfg.n_layers, rank) for rank in ranks]
+    memory = max(memories, key=lambda m: m.peak)
+    t, p = cfg.training, cfg.parallelism
+    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
+    layout = Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node)
+    reshard = {"always": True, "never": False, "default": p.pp == 1}[p.fsdp_reshard_after_forward]
+    cost = step_cost(mcfg, layout, seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum=grad_accum,
+                     dtype=t.dtype, ac_mode=cfg.activation_checkpoint.mode, ac_every=cfg.activation_checkpoint.every,
+                     reshard_after_forward=reshard, cp_ring_bytes=memory.cp_ring_bytes)
+    times = cost.times(H100_SXM)
+    times["tokens_per_gpu_s"] = t.local_batch_size * dims.dp * grad_accum * t.seq_len / times["overlap_s"] / world
+    times["comm_gib"] = (cost.nvlink_bytes + cost.ib_bytes) / GIB
+    return StageResult(stage, world, dims, memory, times, ranks)
+
+
+def _with(cfg: Config, section: str, **values) -> Config:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
+
+
+def propose_fix(result: StageResult, usable_gib: float) -> tuple[str, Config | None]:
+    """What to change in a stage that does not fit: (advice, a config to check it with, if any)."""
+    cfg, dims, mem = result.stage.cfg, result.dims, result.memory
+    state_gib, act_gib = mem.state / GIB, mem.activations / GIB
+    if cfg.activation_checkpoint.mode != "full":
+        return ("set activation_checkpoint.mode = \"full\" (each block keeps only its input)",
+                _with(cfg, "activation_checkpoint", mode="full"))
+    if state_gib >= usable_gib:
+        need = math.ceil(dims.dp_shard * dims.cp * state_gib / (0.5 * usable_gib))
+        return (f"parameters, gradients and optimizer state alone take {state_gib:.1f} GiB: shard them over more "
+                f"GPUs (FSDP over dp_shard x cp = {need} or more ranks, i.e. more nodes)", None)
+    # Activations scale as 1/cp (each rank holds seq_len / cp tokens): trade dp_shard for cp, keeping the GPUs.
+    room = usable_gib - state_gib
+    factor = 2
+    while act_gib / factor > room and factor < 1024:
+        factor *= 2
+    new_cp = dims.cp * factor
+    multiple = 2 * new_cp if cfg.parallelism.cp_load_balancer == "zigzag" else new_cp
+    if dims.dp_shard % factor == 0 and cfg.training.seq_len % multiple == 0:
+        return (f"raise parallelism.cp from {dims.cp} to {new_cp} and lower dp_shard from {dims.dp_shard} to "
+                f"{dims.dp_shard // factor} (same {result.world} GPUs; activations ~1/cp)",
+                _with(cfg, "parallelism", cp=new_cp, dp_shard=dims.dp_shard // factor))
+    gpus = result.world * factor // math.gcd(factor, dims.dp_shard)
+    return (f"raise parallelism.cp from {dims.cp} to {new_cp} (activations ~1/cp): that takes about {gpus} GPUs, "
+            f"or shorten training.seq_len by {factor}x", None)
+
+
+def _header(cfg: Config, world: int, first: StageResult, n_layers: int) -> list[str]:
+    from models.llama import model_config
+    from train import model_overrides
+
+    hw, memory = cfg.hardware, first.memory
+    mcfg = model_config(cfg.model.name, **model_overrides(cfg))
+    nodes = math.ceil(world / hw.gpus_per_node)
+    usable = hw.device_memory_gib - RUNTIME_RESERVE_GIB
+    depth = (f"blocks {memory.blocks_measured[0]} and {memory.blocks_measured[1]} measured, extrapolated linearly to "
+             f"{n_layers}" if len(memory.blocks_measured) == 2 else f"all {n_layers} blocks")
+    count = parameter_count(mcfg)
+    size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+    lines = [f"dry run of {cfg.recipe_path}: {cfg.model.name} ({size} parameters), "
+             f"{world} GPUs = {nodes} node(s) x {min(world, hw.gpus_per_node)}, {cfg.training.dtype}, "
+             f"activation checkpointing {cfg.activation_checkpoint.mode}"]
+    if cfg.job.description:
+        lines.append(f"  recipe: {cfg.job.description}")
+    lines += [
+        f"  memory: measured, not estimated: rank(s) {', '.join(map(str, first.ranks))} of a fake process group of "
+        f"{world} ranks, real model and composer on fake tensors, one optimizer step under torch's FSDPMemTracker; "
+        f"{depth}",
+        f"  device: {hw.device_memory_gib:g} GiB per GPU minus {RUNTIME_RESERVE_GIB:g} GiB for the CUDA context and "
+        f"NCCL buffers = {usable:g} GiB for tensors (hardware.device_memory_gib)",
+        f"  {ROOFLINE_STATEMENT}",
+    ]
+    if cfg.data.document_masking:
+        lines.append("  document masking is measured as plain causal attention (an upper bound: masked blocks skip)")
+    return lines
+
+
+COLUMNS = ("stage", "seq_len", "cp", "dp_shard", "tp", "pp", "params", "grads", "optim", "activ", "peak GiB", "fits",
+           "step s overlap..serial", "MFU", "tok/s/GPU", "comm GiB")
+
+
+def _gib(nbytes: float) -> str:
+    value = nbytes / GIB
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}"
+
+
+def _row(result: StageResult, index: int, usable_gib: float) -> list[str]:
+    d, m, t = result.dims, result.memory, result.times
+    return [f"{index} {result.stage.name}", f"{result.stage.cfg.training.seq_len:,}", str(d.cp), str(d.dp_shard),
+            str(d.tp), str(d.pp), _gib(m.params), _gib(m.grads), _gib(m.optimizer), _gib(m.activations),
+            _gib(m.peak), "yes" if result.peak_gib <= usable_gib else "NO",
+            f"{t['overlap_s']:.2f}..{t['serial_s']:.2f}",
+            f"{100 * t['mfu_overlap']:.0f}%..{100 * t['mfu_serial']:.0f}%", f"{t['tokens_per_gpu_s']:,.0f}",
+            f"{t['comm_gib']:.0f}"]
+
+
+def format_table(rows: list[list[str]]) -> str:
+    table = [list(COLUMNS)] + rows
+    widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table)
+
+
+def run_dry_run(cfg: Config, world: int) -> int:
+    from models.llama import model_config
+    from train import model_overrides
+
+    start = time.perf_counter()
+    usable = cfg.hardware.device_memory_gib - RUNTIME_RESERVE_GIB
+    results = []
+    for index, stage in enumerate(stage_configs(cfg)):
+        try:
+            results.append(measure_stage(stage, world, cfg.hardware.gpus_per_node))
+        except RecipeError:
+            raise
+        except Exception as e:  # the real step failed: that is what a dry run is for
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            print(f"stage {index + 1} ({stage.name}, seq_len {stage.cfg.training.seq_len:,}): the training step fails "
+                  f"under the dry run, so it would fail on the GPUs too: {type(e).__name__}: {first_line}")
+            return 1
+    n_layers = model_config(cfg.model.name, **model_overrides(cfg)).n_layers
+    print("\n".join(_header(cfg, world, results[0], n_layers)))
+    print("  columns: GiB per rank (params/grads/optim = persistent state; activ = the rest of the peak: saved and "
+          "recomputed activations, logits and loss, gathered parameters, comm buffers); comm = bytes sent per step")
+    print(format_table([_row(r, i + 1, usable) for i, r in enumerate(results)]))
+    failing = next((i for i, r in enumerate(results) if r.peak_gib > usable), None)
+    if failing is None:
+        worst = max(results, key=lambda r: r.peak_gib)
+        print(f"every stage fits: highest peak {_gib(worst.memory.peak)} GiB of {usable:g} GiB usable "
+              f"(stage {results.index(worst) + 1}, {worst.memory.peak_phase}). "
+              f"dry run took {time.perf_counter() - start:.0f}s")
+        return 0
+    bad = results[failing]
+    advice, candidate = propose_fix(bad, usable)
+    print(f"stage {failing + 1} ({bad.stage.name}, seq_len {bad.stage.cfg.training.seq_len:,}) does NOT fit: "
+          f"peak {_gib(bad.memory.peak)} GiB > {usable:g} GiB usable, reached in the {bad.memory.peak_phase}.")
+    print(f"  change: {advice}")
+    if candidate is not None:
+        checked = measure_stage(Stage(bad.stage.name, candidate), world, cfg.hardware.gpus_per_node)
+        verdict = "fits" if checked.peak_gib <= usable else "still does not fit"
+        print(f"  checked with the same measurement: peak {_gib(checked.memory.peak)} GiB, {verdict}")
+    print(f"dry run took {time.perf_counter() - start:.0f}s")
+    return 1

@@ -1,0 +1,217 @@
+"""One rank's memory for one training step of a recipe, measured without a GPU and without the memory.
+
+The rank joins a fake process group of the recipe's world size (collectives return at once, in one process), the
+real model is built on the meta device and given to the real composer (TP, activation checkpointing, FSDP2), then
+materialised as fake tensors (shapes and dtypes, no storage). One optimizer step runs under torch's FSDPMemTracker,
+which sees every tensor the step creates and frees, including FSDP's all-gather buffers, checkpoint recomputation,
+ring-attention blocks and the optimizer's temporaries. Nothing here is estimated from formulas.
+
+Two phases are measured with separate trackers, forward+backward and gradient clipping + optimizer step, because a
+step peaks in one or the other and each grows linearly with the number of (identical) blocks: `measure_memory` can
+therefore measure 3, 4 and 5 blocks, check that they lie on one line, and extrapolate exactly to the full depth,
+which keeps a 1M-token, CP-64 probe fast.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from training.config import Config
+
+GIB = 2**30
+
+
+@dataclass
+class RankMemory:
+    """One rank's bytes for one optimizer step. The persistent state (params, grads, optimizer) is read after the
+    optimizer step, when all of it exists; `peak` is the most the step ever held at once."""
+    params: float
+    """Parameters as this rank stores them (FSDP/TP shards), plus buffers."""
+    grads: float
+    """Gradients of those shards."""
+    optimizer: float
+    """AdamW state (two moments per parameter element)."""
+    peak_forward_backward: float
+    peak_optimizer_step: float
+    cp_ring_bytes: float | None
+    """Bytes this rank's ring attention sent in one micro-batch (forward, backward and any recomputation)."""
+    blocks_measured: tuple[int, ...]
+
+    @property
+    def peak(self) -> float:
+        return max(self.peak_forward_backward, self.peak_optimizer_step)
+
+    @property
+    def peak_phase(self) -> str:
+        return "forward/backward" if self.peak_forward_backward >= self.peak_optimizer_step else "optimizer step"
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def activations(self) -> float:
+        """Everything at the peak beyond the persistent state: saved activations, recomputation, logits and loss,
+        gathered parameters and communication buffers (FSDP, ring attention)."""
+        return self.peak - self.state
+
+    def agrees_with(self, other: "RankMemory", rel: float = 1e-6) -> bool:
+        names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes")
+        pairs = [(getattr(self, n), getattr(other, n)) for n in names]
+        return all(a == b or abs(a - b) <= rel * max(abs(a), abs(b)) for a, b in pairs if a is not None)
+
+    def extrapolate(self, deeper: "RankMemory", extra_blocks: float) -> "RankMemory":
+        """self measured at d blocks, `deeper` at d + 1: every number is affine in the depth."""
+        def line(a, b):
+            return None if a is None else a + extra_blocks * (b - a)
+        names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes")
+        values = {n: line(getattr(self, n), getattr(deeper, n)) for n in names}
+        return RankMemory(**values, blocks_measured=self.blocks_measured + deeper.blocks_measured)
+
+
+def _kind(category: str) -> str:
+    name = category.lower()
+    if "opt" in name:
+        return "optimizer"
+    if "grad" in name or "reduce scatter" in name:
+        return "grads"
+    if "param" in name or "all gather" in name or "buffer" in name:
+        return "params"
+    return "activations"
+
+
+def _by_kind(snapshot: dict) -> dict[str, float]:
+    """A tracker snapshot {device: {category: bytes}} summed into params / grads / optimizer / activations / Total."""
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "Total": 0.0}
+    for per_device in snapshot.values():
+        for category, nbytes in per_device.items():
+            name = getattr(category, "value", category)
+            out["Total" if name == "Total" else _kind(name)] += nbytes
+    return out
+
+
+def _tracker(model, optimizer):
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return FSDPMemTracker(model, optimizer)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    return tracker
+
+
+def _fake_batch(cfg: Config) -> dict:
+    t = cfg.training
+    shape = (t.local_batch_size, t.seq_len)
+    return {"input_ids": torch.zeros(shape, dtype=torch.long), "labels": torch.zeros(shape, dtype=torch.long),
+            "position_ids": torch.arange(t.seq_len).expand(shape).clone(),
+            "document_ids": torch.zeros(shape, dtype=torch.long)}
+
+
+def _cp_context(cfg: Config, mesh, batch: dict, stats):
+    """As the trainer shards a batch, without document masking: document ids are data, and fake tensors hold none
+    (a masked ring skips blocks, so causal attention is the upper bound)."""
+    p = cfg.parallelism
+    if p.cp == 1:
+        return contextlib.nullcontext()
+    from parallelisms.context_parallel import context_parallel
+
+    names = ["input_ids", "labels", "position_ids"]
+    return context_parallel(mesh.cp_mesh, buffers=[batch[n] for n in names], buffer_seq_dims=[1] * len(names),
+                            no_restore_buffers={batch[n] for n in names}, load_balancer=p.cp_load_balancer,
+                            stats=stats)
+
+
+def _measure_step(cfg: Config, world_size: int) -> RankMemory:
+    """Runs on an initialised (fake) process group; builds, parallelizes and steps the model under fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from models.llama import Llama, model_config
+    from parallelisms.context_parallel import CommStats
+    from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.parallelize import clip_grad_norm_, parallelize, uses_loss_parallel
+    from parallelisms.tensor_parallel import loss_context, token_loss_sum
+    from train import model_overrides
+
+    p, t, o = cfg.parallelism, cfg.training, cfg.optimizer
+    dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
+    mesh = dims.build_mesh("cpu")
+    mcfg = model_config(cfg.model.name, **model_overrides(cfg))
+    with torch.device("meta"):
+        model = Llama(mcfg)
+    model = parallelize(model, mesh, cfg)
+    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
+    global_tokens = t.local_batch_size * dims.dp * grad_accum * t.seq_len
+    stats = CommStats()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")  # without FSDP the dtype is float32 (bf16 always goes through FSDP)
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                      weight_decay=o.weight_decay, foreach=True)
+        # Create AdamW's state (and warm DTensor's sharding caches) before measuring: in training it exists from the
+        # first step on, so every later step peaks with it in memory.
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        clip_grad_norm_(params, t.max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        with _tracker(model, optimizer) as tracker:
+            # As Trainer.train_step does it (same variables alive at the same time); a second micro-batch runs with
+            # accumulated gradients.
+            for micro in range(min(grad_accum, 2)):
+                batch = _fake_batch(cfg)
+                if micro == 1:
+                    stats_before = stats.kv_bytes_sent + stats.backward_bytes_sent
+                with _cp_context(cfg, mesh, batch, stats), loss_context(uses_loss_parallel(cfg, mesh)):
+                    logits = model(batch["input_ids"], batch["position_ids"])
+                    scaled = token_loss_sum(logits, batch["labels"]) / global_tokens
+                    scaled.backward()
+            del logits, scaled, batch
+            peak_forward_backward = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
+        with _tracker(model, optimizer) as tracker:
+            clip_grad_norm_(params, t.max_norm)
+            optimizer.step()
+            state = _by_kind(tracker.get_tracker_snapshot("current"))
+            optimizer.zero_grad(set_to_none=True)
+            peak_optimizer_step = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
+    ring = stats.kv_bytes_sent + stats.backward_bytes_sent
+    if grad_accum > 1:
+        ring -= stats_before
+    return RankMemory(state["params"], state["grads"], state["optimizer"], peak_forward_backward,
+                      peak_optimizer_step, float(ring) if p.cp > 1 else None, (mcfg.n_layers,))
+
+
+def measure_rank(cfg: Config, world_size: int, rank: int = 0) -> RankMemory:
+    """One rank of a fake process group of `world_size`, measured at the recipe's full depth."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        return _measure_step(cfg, world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+def with_blocks(cfg: Config, n_layers: int) -> Config:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers))
+
+
+def measure_memory(cfg: Config, world_size: int, n_layers: int, rank: int = 0,
+                   extrapolate_above: int = 6) -> RankMemory:
+    """Full depth for shallow models. Deeper ones are measured at 3, 4 and 5 blocks: when the two increments agree
+    (every block is the same shape, so memory peaks and the ring's bytes grow by the same amount per block once the
+    first and last blocks' FSDP special cases are in place) the line is extrapolated to `n_layers`; otherwise the
+    full depth is measured."""
+    if n_layers <= extrapolate_above or cfg.parallelism.pp > 1:
+        return measure_rank(cfg, world_size, rank)
+    m3, m4, m5 = (measure_rank(with_blocks(cfg, d), world_size, rank) for d in (3, 4, 5))
+    if m3.extrapolate(m4, 2).agrees_with(m5):
+        return m3.extrapolate(m4, n_layers - 3)
+    return measure_rank(cfg, world_size, rank)
