@@ -1,0 +1,114 @@
+"""One attention block on a fused SDPA primitive that also returns the log-sum-exp, chosen by device at run time.
+
+The ring merges blocks through their log-sum-exp and runs the backward of every block against the FINAL output and
+log-sum-exp, so it needs the aten primitives themselves (not `F.scaled_dot_product_attention`, which would also be
+routed back into the ring by the context-parallel mode):
+- CPU:  `aten._scaled_dot_product_flash_attention_for_cpu` (+ `_backward`); handles GQA and a float additive mask.
+- CUDA: `aten._scaled_dot_product_flash_attention` (+ `_backward`) for fp16/bf16 without a mask, otherwise
+  `aten._scaled_dot_product_efficient_attention` (+ `_backward`), whose mask needs a 16-aligned last dim and whose
+  log-sum-exp is padded to a multiple of 32 rows. K/V heads are expanded for GQA on CUDA (written from the op schemas;
+  NOT tested: this box has no GPU).
+Blocks with `is_causal=True` always have Lq == Lk, so top-left (CPU) and bottom-right (CUDA flash) alignment agree.
+Every kernel returns lse as float32 (B, H, Lq).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+
+class CpuFlashBlock:
+    name = "cpu_flash"
+
+    def forward(self, q, k, v, *, is_causal: bool, scale: float | None, mask: torch.Tensor | None):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(
+            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+        return out, lse, None
+
+    def backward(self, dout, q, k, v, out, lse, aux, *, is_causal: bool, scale: float | None,
+                 mask: torch.Tensor | None):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+            dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+
+
+def _expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    groups = n_heads // x.size(1)
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _fold_heads(grad: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    b, h, s, d = grad.shape
+    groups = h // n_kv_heads
+    return grad if groups == 1 else grad.view(b, n_kv_heads, groups, s, d).sum(dim=2)
+
+
+class CudaFlashBlock:
+    """fp16/bf16, no mask. aux keeps the forward's bookkeeping outputs that the backward schema asks for."""
+    name = "cuda_flash"
+
+    def forward(self, q, k, v, *, is_causal, scale, mask):
+        assert mask is None, "the CUDA flash kernel takes no mask; the efficient kernel handles masked blocks"
+        n_heads = q.size(1)
+        res = aten._scaled_dot_product_flash_attention.default(
+            q, _expand_heads(k, n_heads), _expand_heads(v, n_heads), 0.0, is_causal, False, scale=scale)
+        out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = res
+        return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
+
+    def backward(self, dout, q, k, v, out, lse, aux, *, is_causal, scale, mask):
+        cum_q, cum_k, max_q, max_k, rng_state, unused = aux
+        n_heads, n_kv = q.size(1), k.size(1)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward.default(
+            dout.contiguous(), q, _expand_heads(k, n_heads), _expand_heads(v, n_heads), out.contiguous(),
+            lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, is_causal, rng_state, unused, scale=scale)
+        return dq, _fold_heads(dk, n_kv), _fold_heads(dv, n_kv)
+
+
+class CudaEfficientBlock:
+    """Any float dtype, optional additive mask (padded to a 16-aligned row, expanded over heads)."""
+    name = "cuda_efficient"
+    LSE_ROW_ALIGN = 32
+    MASK_COL_ALIGN = 16
+
+    def _bias(self, mask, n_heads):
+        if mask is None:
+            return None
+        b, _, lq, lk = mask.shape
+        padded = mask.new_zeros(b, 1, lq, math.ceil(lk / self.MASK_COL_ALIGN) * self.MASK_COL_ALIGN)
+        padded[..., :lk] = mask
+        return padded[..., :lk].expand(b, n_heads, lq, lk)
+
+    def forward(self, q, k, v, *, is_causal, scale, mask):
+        n_heads, lq = q.size(1), q.size(2)
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention.default(
+            q, _expand_heads(k, n_heads), _expand_heads(v, n_heads), self._bias(mask, n_heads), True, 0.0,
+            is_causal, scale=scale)
+        return out, lse[..., :lq], (seed, offset)
+
+    def backward(self, dout, q, k, v, out, lse, aux, *, is_causal, scale, mask):
+        seed, offset = aux
+        n_heads, n_kv, lq = q.size(1), k.size(1), q.size(2)
+        padded_rows = math.ceil(lq / self.LSE_ROW_ALIGN) * self.LSE_ROW_ALIGN
+        lse = F.pad(lse, (0, padded_rows - lq)).contiguous()
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
+            dout.contiguous(), q, _expand_heads(k, n_heads), _expand_heads(v, n_heads), self._bias(mask, n_heads),
+            out.contiguous(), lse, seed, offset, 0.0, [True, True, True, False], is_causal, scale=scale)
+        return dq, _fold_heads(dk, n_kv), _fold_heads(dv, n_kv)
+
+
+def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, needs_mask: bool):
+    """CPU flash on CPU; on CUDA flash for half precision without a mask (head dim % 8), else memory-efficient."""
+    if device_type == "cpu":
+        return CpuFlashBlock()
+    if device_type == "cuda":
+        if dtype in (torch.float16, torch.bfloat16) and not needs_mask and head_dim % 8 == 0:
+            return CudaFlashBlock()
+        return CudaEfficientBlock()
+    raise NotImplementedError(f"ring attention has no block kernel for device {device_type!r} (CPU and CUDA only)")
+
+
+def choose_block_kernel(q: torch.Tensor, needs_mask: bool):
+    return kernel_for(q.device.type, q.dtype, q.size(-1), needs_mask)

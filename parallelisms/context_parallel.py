@@ -1,0 +1,113 @@
+"""Context parallelism for any model that calls `F.scaled_dot_product_attention` (CONTRACT, see ARCHITECTURE.md).
+
+`context_parallel(...)` shards the batch's sequence buffers in place (tokens, labels, position_ids, document ids: all
+the same way, so RoPE sees true positions) and routes every SDPA call made inside it to `ring_attention` through a
+TorchFunctionMode: no monkey-patching, and the model needs no CP-specific code. SDPA calls the ring cannot compute
+exactly (an attn_mask, dropout) raise `UnsupportedAttentionError` instead of computing something else.
+
+Labels must be shifted BEFORE sharding, and the loss divides the local sum by the global token count.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from parallelisms.ring_attention import CommStats, UnsupportedAttentionError, ring_attention
+from parallelisms.ring_plan import DocumentShards
+from parallelisms.sequence_sharding import (LOAD_BALANCERS, check_load_balancer, check_sequence_length,
+                                            local_positions, resolve_group, shard_sequence, unshard_sequence)
+
+__all__ = ["shard_sequence", "unshard_sequence", "ring_attention", "context_parallel", "CommStats",
+           "UnsupportedAttentionError", "LOAD_BALANCERS", "check_sequence_length", "local_positions"]
+
+
+class RingAttentionMode(TorchFunctionMode):
+    """Sends `F.scaled_dot_product_attention` to the ring; every other torch call passes through untouched."""
+
+    def __init__(self, group: dist.ProcessGroup, load_balancer: str, local_lengths: set[int],
+                 documents: DocumentShards | None, stats: CommStats | None):
+        super().__init__()
+        self.group, self.load_balancer = group, load_balancer
+        self.local_lengths, self.documents, self.stats = local_lengths, documents, stats
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._ring(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _ring(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        if attn_mask is not None:
+            raise UnsupportedAttentionError(
+                "scaled_dot_product_attention under context_parallel: an explicit attn_mask cannot be split over the "
+                "ring; use is_causal=True, and pass document_ids= to context_parallel for packed documents")
+        if dropout_p != 0.0:
+            raise UnsupportedAttentionError(
+                f"scaled_dot_product_attention under context_parallel: dropout_p={dropout_p} is not supported "
+                "(the ring would need the same dropout pattern on every rank); use dropout_p=0.0")
+        if query.dim() == 4 and key.dim() == 4 and query.size(1) != key.size(1) and not enable_gqa:
+            raise UnsupportedAttentionError(
+                f"scaled_dot_product_attention: {query.size(1)} query heads vs {key.size(1)} key/value heads "
+                "needs enable_gqa=True (as without context parallelism)")
+        if self.local_lengths and query.size(-2) not in self.local_lengths:
+            raise UnsupportedAttentionError(
+                f"scaled_dot_product_attention under context_parallel got a sequence of {query.size(-2)} tokens, but "
+                f"the sharded buffers hold {sorted(self.local_lengths)} per rank: was the input sharded by "
+                "context_parallel's buffers?")
+        return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale,
+                              load_balancer=self.load_balancer, stats=self.stats, _documents=self.documents)
+
+
+def _check_buffers(buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int], document_ids) -> None:
+    if len(buffers) != len(buffer_seq_dims):
+        raise ValueError(f"context_parallel: {len(buffers)} buffers but {len(buffer_seq_dims)} buffer_seq_dims")
+    if document_ids is not None:
+        if not any(b is document_ids for b in buffers):
+            raise ValueError("context_parallel: document_ids must be one of `buffers` (it is sharded with them)")
+        if document_ids.dim() != 2:
+            raise ValueError(f"context_parallel: document_ids must be (batch, seq), got {tuple(document_ids.shape)}")
+
+
+@contextlib.contextmanager
+def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
+                     no_restore_buffers: Sequence[torch.Tensor] | None = None, load_balancer: str = "zigzag",
+                     document_ids: torch.Tensor | None = None, stats: CommStats | None = None) -> Iterator[None]:
+    """Shards `buffers` in place along `buffer_seq_dims` and routes SDPA to the ring until exit.
+
+    cp_mesh: a 1-D DeviceMesh or ProcessGroup (size 1 is valid and runs the same path). Buffers are restored on exit
+    (without a copy) unless listed in `no_restore_buffers`; run the backward inside the block too, since autograd
+    refuses tensors that changed after it saved them (tokens for the embedding, labels for the loss). `document_ids` (B, S), one of `buffers`: every routed SDPA
+    call then masks attention to each token's own document, combined with causality when the call is causal.
+    `stats`: a CommStats the ring adds its counters to.
+    """
+    group = resolve_group(cp_mesh)
+    check_load_balancer(load_balancer)
+    _check_buffers(buffers, buffer_seq_dims, document_ids)
+    cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+    for buf, dim in zip(buffers, buffer_seq_dims):
+        check_sequence_length(buf.size(dim), cp_size, load_balancer)
+    documents = None
+    if document_ids is not None:  # every rank's ids, taken before sharding (no collective needed)
+        documents = DocumentShards.from_full(document_ids.detach(), cp_size, load_balancer)
+    keep = {id(b) for b in (no_restore_buffers or [])}
+    originals = []
+    with torch.no_grad():
+        for buf, dim in zip(buffers, buffer_seq_dims):
+            local = shard_sequence(buf, dim, cp_rank, cp_size, load_balancer).clone(memory_format=torch.contiguous_format)
+            if id(buf) not in keep:
+                originals.append((buf, torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf)))
+            buf.set_(local)
+    local_lengths = {buf.size(dim) for buf, dim in zip(buffers, buffer_seq_dims)}
+    try:
+        with RingAttentionMode(group, load_balancer, local_lengths, documents, stats):
+            yield
+    finally:
+        with torch.no_grad():
+            for buf, alias in originals:
+                buf.set_(alias)

@@ -1,0 +1,107 @@
+"""How a sequence is laid out over the context-parallel ranks, and the moves between full and local layouts.
+
+Three load balancers (every rank holds S / P tokens, in increasing position order):
+- "zigzag":     2P chunks; rank r holds chunks r and 2P-1-r (head and tail), so causal work is equal on every rank.
+- "striped":    token t lives on rank t % P.
+- "contiguous": P chunks; rank r holds chunk r (causal work grows with r; kept for comparison).
+The ring needs nothing but these layouts: which blocks a rank computes follows from them (see ring_plan.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from training.errors import RecipeError
+
+LOAD_BALANCERS = ("zigzag", "striped", "contiguous")
+
+
+def check_load_balancer(load_balancer: str) -> None:
+    if load_balancer not in LOAD_BALANCERS:
+        raise RecipeError(f"parallelism.cp_load_balancer: unknown load balancer {load_balancer!r}; "
+                          f"use one of {', '.join(LOAD_BALANCERS)}")
+
+
+def sequence_divisor(cp_size: int, load_balancer: str) -> int:
+    """The number a sequence length must be divisible by: zigzag cuts it into 2*cp chunks, the others into cp."""
+    check_load_balancer(load_balancer)
+    return 2 * cp_size if load_balancer == "zigzag" else cp_size
+
+
+def check_sequence_length(seq_len: int, cp_size: int, load_balancer: str) -> None:
+    """Raises a RecipeError naming the length, the degree and the nearest valid length."""
+    if cp_size < 1:
+        raise RecipeError(f"parallelism.cp: context-parallel degree must be >= 1, got {cp_size}")
+    divisor = sequence_divisor(cp_size, load_balancer)
+    if seq_len % divisor == 0 and seq_len > 0:
+        return
+    lower = (seq_len // divisor) * divisor
+    upper = lower + divisor
+    nearest = upper if lower == 0 or seq_len - lower > upper - seq_len else lower
+    rule = f"2*cp = {divisor}" if load_balancer == "zigzag" else f"cp = {divisor}"
+    raise RecipeError(f"training.seq_len: sequence length {seq_len} is not divisible by {rule} "
+                      f"(cp degree {cp_size}, load balancer {load_balancer!r}); nearest valid length: {nearest}")
+
+
+def local_positions(seq_len: int, cp_rank: int, cp_size: int, load_balancer: str = "zigzag",
+                    device: torch.device | str | None = None) -> torch.Tensor:
+    """Global token positions held by `cp_rank`, in local order (int64)."""
+    check_sequence_length(seq_len, cp_size, load_balancer)
+    if load_balancer == "striped":
+        return torch.arange(cp_rank, seq_len, cp_size, device=device)
+    if load_balancer == "contiguous":
+        chunk = seq_len // cp_size
+        return torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    chunk = seq_len // (2 * cp_size)
+    tail = 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
+                      torch.arange(tail * chunk, (tail + 1) * chunk, device=device)])
+
+
+def shard_sequence(x: torch.Tensor, seq_dim: int, cp_rank: int, cp_size: int,
+                   load_balancer: str = "zigzag") -> torch.Tensor:
+    """This rank's tokens of `x` along `seq_dim` (a view for striped/contiguous, a new tensor for zigzag)."""
+    seq_len = x.size(seq_dim)
+    check_sequence_length(seq_len, cp_size, load_balancer)
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size})")
+    if cp_size == 1:
+        return x
+    if load_balancer == "striped":
+        index = [slice(None)] * x.dim()
+        index[seq_dim] = slice(cp_rank, None, cp_size)
+        return x[tuple(index)]
+    if load_balancer == "contiguous":
+        return x.chunk(cp_size, dim=seq_dim)[cp_rank]
+    chunks = x.chunk(2 * cp_size, dim=seq_dim)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=seq_dim)
+
+
+def resolve_group(group) -> dist.ProcessGroup:
+    """A ProcessGroup from a ProcessGroup or a 1-D DeviceMesh (None means the default group)."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"context parallelism needs a 1-D DeviceMesh, got {group.ndim} dims "
+                             f"{group.mesh_dim_names}; pass mesh['cp']")
+        return group.get_group()
+    return group if group is not None else dist.group.WORLD
+
+
+def unshard_sequence(x_local: torch.Tensor, seq_dim: int, group, load_balancer: str = "zigzag") -> torch.Tensor:
+    """The full tensor in global token order: all-gather over the CP group, then undo the layout (no autograd)."""
+    pg = resolve_group(group)
+    cp_size = dist.get_world_size(pg)
+    check_load_balancer(load_balancer)
+    if cp_size == 1:
+        return x_local.detach().clone()
+    local = x_local.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(cp_size)]
+    dist.all_gather(parts, local, group=pg)
+    seq_len = local.size(seq_dim) * cp_size
+    positions = torch.cat([local_positions(seq_len, r, cp_size, load_balancer, device=local.device)
+                           for r in range(cp_size)])
+    gathered = torch.cat(parts, dim=seq_dim)
+    full = torch.empty_like(gathered)
+    full.index_copy_(seq_dim, positions, gathered)
+    return full
