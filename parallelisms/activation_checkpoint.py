@@ -1,41 +1,83 @@
 """Activation checkpointing of transformer blocks: none, full, every k-th block, or op-selective.
 
-Op-selective keeps the outputs of every matmul and of the attention kernels (CPU and CUDA SDPA ops) and recomputes
-only the cheap element-wise work (norms, activations, RoPE), so no attention call is ever run twice.
+- full: every block keeps only its input; backward re-runs the whole block (attention included).
+- selective: the same for every `every`-th block (by block id, so pipeline stages agree with the full model).
+- op: inside every block, the outputs of the attention kernels (CPU and CUDA SDPA ops) and of every other matmul are
+  saved, the rest (norms, RoPE, activations, the other matmuls) is recomputed. No attention call ever runs twice,
+  and a tensor-parallel reduce-scatter is saved rather than repeated.
+
+Recompute runs inside backward, where torch-function modes are not active (autograd does not carry them over).
+Context parallelism routes attention to the ring through such a mode, so every mode re-enters, during recompute,
+the torch-function modes that were active in the block's forward: the recomputed block computes what it computed.
 """
 from __future__ import annotations
 
-import functools
+import contextlib
+from collections import Counter
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
-SAVED_OPS = {
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
+ATTENTION_OPS = frozenset({
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
-}
+    _aten._scaled_dot_product_attention_math.default,
+})
+ALWAYS_SAVED_OPS = ATTENTION_OPS | {torch.ops._c10d_functional.reduce_scatter_tensor.default}
+MATMUL_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default})
+MODES = ("none", "full", "selective", "op")
 
 
-def _save_matmuls_and_attention(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _op_policy():
+    """A fresh policy per checkpointed call: matmuls are counted separately in forward and in recompute, so both
+    passes pick the same (even-numbered) matmuls to save."""
+    matmuls = Counter()
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in ALWAYS_SAVED_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        if op in MATMUL_OPS:
+            phase = "recompute" if ctx.is_recompute else "forward"
+            matmuls[phase] += 1
+            if matmuls[phase] % 2 == 1:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+@contextlib.contextmanager
+def _entered(contexts):
+    with contextlib.ExitStack() as stack:
+        for ctx in contexts:
+            stack.enter_context(ctx)
+        yield
+
+
+def _full_context():
+    """(forward, recompute) contexts: recompute re-enters the forward's torch-function modes (e.g. the CP ring)."""
+    return contextlib.nullcontext(), _entered(_get_current_function_mode_stack())
+
+
+def _op_context():
+    forward, recompute = create_selective_checkpoint_contexts(_op_policy())
+    return forward, _entered([*_get_current_function_mode_stack(), recompute])
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int = 1) -> None:
+    """Wraps the blocks of `model` (a full Llama or a pipeline stage) in place."""
+    if mode not in MODES:
+        raise ValueError(f"activation checkpoint mode {mode!r} is not one of {MODES}")
     if mode == "none":
         return
     for name, block in list(model.layers.items()):
         if mode == "selective" and int(name) % every != 0:
             continue
-        if mode == "op":
-            context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_and_attention)
-            wrapped = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
-        else:
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        context_fn = _op_context if mode == "op" else _full_context
+        wrapped = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
         model.layers[name] = wrapped

@@ -1,16 +1,21 @@
-"""The composer: turns a full Llama into this rank's parallel piece, in the order the recipe reads.
+"""The composer: turns a full Llama (or one pipeline stage of it) into this rank's parallel piece, in recipe order.
 
-TP (+SP, loss parallel) -> CP (attention becomes ring; applied per batch by `context_parallel`) -> activation
+PP split into stages (parallelisms/pipeline_parallel.py, driven by the trainer) -> per stage: TP (+SP, loss
+parallel) -> CP (attention becomes ring; applied per batch by `context_parallel`, nothing to do here) -> activation
 checkpointing -> torch.compile per attention / feed-forward submodule -> FSDP2 over (dp_shard x cp), replicated over
-dp_replicate.
+dp_replicate. Then the module is materialised from the meta device and initialised from the seed, identically on
+every mesh.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.data_parallel import apply_fsdp
 from parallelisms.parallel_dims import TrainingMesh
+from parallelisms.tensor_parallel import apply_tp
 from training.config import Config
 
 
@@ -19,15 +24,22 @@ def uses_fsdp(cfg: Config, mesh: TrainingMesh) -> bool:
     return mesh.dims.fsdp_enabled or cfg.training.dtype != "float32"
 
 
+def uses_loss_parallel(cfg: Config, mesh: TrainingMesh) -> bool:
+    return mesh.dims.tp > 1 and cfg.parallelism.loss_parallel
+
+
 def apply_compile(model: torch.nn.Module) -> None:
     """Compiles attention and feed-forward separately (a whole block after TP+SP fails in backward, FACTS.md)."""
     for block in model.layers.values():
-        block.attention = torch.compile(block.attention)
-        block.feed_forward = torch.compile(block.feed_forward)
+        inner = getattr(block, "_checkpoint_wrapped_module", block)  # set on the block, not on an AC wrapper
+        inner.attention = torch.compile(inner.attention)
+        inner.feed_forward = torch.compile(inner.feed_forward)
 
 
 def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torch.nn.Module:
     par = cfg.parallelism
+    if mesh.dims.tp > 1:
+        apply_tp(model, mesh.tp_mesh, uses_loss_parallel(cfg, mesh))
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every)
     if cfg.training.compile:
         apply_compile(model)
@@ -35,3 +47,37 @@ def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torc
         reshard = {"always": True, "never": False, "default": par.pp == 1}[par.fsdp_reshard_after_forward]
         apply_fsdp(model, mesh.fsdp_mesh(), getattr(torch, cfg.training.dtype), reshard)
     return model
+
+
+def materialize(model: torch.nn.Module, device: torch.device, cfg: Config, mesh: TrainingMesh) -> None:
+    """Meta -> real storage on `device`, then the mesh-independent per-parameter init from the job seed."""
+    model.to_empty(device=device)
+    if not uses_fsdp(cfg, mesh):
+        model.to(getattr(torch, cfg.training.dtype))
+    with torch.no_grad():
+        model.init_weights(cfg.job.seed)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Clips by the global 2-norm over every shard (FSDP/TP DTensors are reduced over their meshes) and, with
+    `pp_group`, over every pipeline stage; returns that norm. max_norm <= 0 only measures.
+
+    Accumulated in float64: a float32 CPU norm of one large gradient is off by ~1e-5 relative, which would show up as
+    a mesh-dependent grad norm (every mesh shards the tensors differently)."""
+    params = [p for p in parameters if p.grad is not None]
+    per_tensor = torch._foreach_norm([p.grad for p in params], 2.0, dtype=torch.float64)
+    norm = torch.linalg.vector_norm(torch.stack(per_tensor))
+    if isinstance(norm, DTensor):  # a partial norm over the sharded mesh dims: sum the squares over each of them
+        squared = norm.to_local() ** 2
+        for dim, placement in enumerate(norm.placements):
+            if placement.is_partial():
+                dist.all_reduce(squared, group=norm.device_mesh.get_group(dim))
+    else:
+        squared = norm**2
+    if pp_group is not None:
+        dist.all_reduce(squared, group=pp_group)
+    norm = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float(), foreach=True)
+    return norm

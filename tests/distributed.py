@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
+import queue as queue_module
 import socket
 import traceback
 
@@ -32,7 +34,8 @@ def _entry(fn, rank, world_size, port, args, queue, threads):
         result = fn(rank, world_size, *args)
         dist.barrier()
         dist.destroy_process_group()
-        queue.put((rank, "ok", result))
+        # Plain pickle copies tensor data; the queue's own pickler would share memory that dies with this process.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report everything, including KeyboardInterrupt in the child
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -55,7 +58,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, thr
                                    f"(finished ranks: {sorted(results)})")
             try:
                 rank, status, payload = queue.get(timeout=min(remaining, 1.0))
-            except Exception:
+            except queue_module.Empty:
                 if errors and all(not p.is_alive() or p.exitcode is not None for p in procs):
                     break
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
@@ -65,7 +68,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, thr
                     break
                 continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
     finally:

@@ -1,0 +1,85 @@
+"""Tensor parallelism with sequence parallelism and loss parallelism for the Llama blocks (Megatron-style plan).
+
+Between blocks the residual stream is sharded on the sequence dim (SP): norms run on 1/tp of the tokens, and the
+all-gather before attention / feed-forward and the reduce-scatter after them replace TP's all-reduces. Inside a block
+wq/wk/wv and w1/w3 are column-wise (each rank holds whole heads / a slice of the hidden dim) and wo/w2 row-wise, so
+attention sees its LOCAL heads as plain tensors (the model infers the head count from the projection size) and calls
+SDPA with unexpanded local K/V; under context parallelism that call becomes the ring over the CP group.
+With loss parallelism the output projection stays sharded on the vocabulary and the cross entropy is computed on the
+shards (`loss_context`), so the (tokens x vocab) logits are never gathered.
+
+Works on a pipeline stage too: modules a stage does not hold (None) are skipped.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
+
+from training.errors import RecipeError
+
+
+def check_tp_degree(n_heads: int, n_kv_heads: int, tp: int, where: str = "recipe") -> None:
+    """Whole heads per rank: the column-wise split of wq/wk/wv must not cut a head."""
+    if n_heads % tp:
+        raise RecipeError(f"{where}: model n_heads {n_heads} is not divisible by parallelism.tp {tp}. "
+                          f"Use a tp that divides {n_heads}.")
+    if n_kv_heads % tp:
+        raise RecipeError(f"{where}: model n_kv_heads {n_kv_heads} is not divisible by parallelism.tp {tp} "
+                          f"(grouped-query attention shards K/V heads too). Use a tp that divides {n_kv_heads}.")
+
+
+def _block_plan() -> dict:
+    # Block inputs: h (B, S/tp, dim) sequence-sharded; cos/sin (B, S, 1, head_dim/2) plain tensors, left alone.
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel_enabled: bool = True) -> None:
+    """Shards `model` (a full Llama or a pipeline stage of one) in place over the 1-D `tp_mesh`.
+
+    Stage boundaries carry the sequence-sharded residual stream as plain tensors (B, S/tp, dim). With
+    `loss_parallel_enabled` the last stage returns vocabulary-sharded DTensor logits: compute the loss inside
+    `loss_context(True)`.
+    """
+    top: dict = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=Shard(1),
+                                        output_layouts=Shard(-1) if loss_parallel_enabled else Replicate(),
+                                        use_local_output=not loss_parallel_enabled)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _block_plan())
+
+
+def loss_context(enabled: bool):
+    """torch's `loss_parallel()` when the logits are vocabulary-sharded DTensors, else nothing."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross entropy of this rank's tokens, in float32; works on plain and vocabulary-sharded DTensor logits
+    (inside `loss_context`), returning a plain tensor either way."""
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss

@@ -1,0 +1,91 @@
+"""Activation checkpointing: every mode gives the loss and gradients of no checkpointing, recomputes exactly the
+attention calls it should (op-selective: none), and recompute sees the forward's torch-function modes (the CP ring)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from models.llama import Llama, LlamaConfig, canonical_name
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+
+TINY = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, rope_theta=10000.0)
+CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+class AttentionKernelCount(TorchDispatchMode):
+    """Counts executions of the CPU attention kernel (a value selective checkpointing serves from its cache never
+    reaches this mode, which sits below it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is CPU_ATTENTION:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class SdpaCalls(TorchFunctionMode):
+    """Counts F.scaled_dot_product_attention calls routed through a torch-function mode (as context parallelism is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _run(mode: str, every: int = 2):
+    model = Llama(LlamaConfig(**TINY))
+    apply_activation_checkpointing(model, mode, every)
+    model.init_weights(0)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 33), generator=g)
+    kernels, calls = AttentionKernelCount(), SdpaCalls()
+    with kernels, calls:
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+    grads = {canonical_name(n): p.grad for n, p in model.named_parameters()}
+    return loss.item(), grads, kernels.count, calls.count, model
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _run("none")
+
+
+# mode, every, attention kernel runs in forward + backward, F.sdpa calls seen by a function mode
+@pytest.mark.parametrize("mode, every, kernels, calls", [
+    ("full", 1, 8, 8),        # every block's attention runs again in recompute, through the mode
+    ("selective", 2, 6, 6),   # blocks 0 and 2 are recomputed
+    ("selective", 3, 6, 6),   # blocks 0 and 3
+    ("op", 1, 4, 8),          # recompute re-enters the mode, but the kernel output comes from the cache
+])
+def test_mode_matches_no_checkpointing(plain, mode, every, kernels, calls):
+    ref_loss, ref_grads, ref_kernels, ref_calls, _ = plain
+    assert (ref_kernels, ref_calls) == (4, 4)
+    loss, grads, got_kernels, got_calls, _ = _run(mode, every)
+    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
+    assert set(grads) == set(ref_grads)
+    for name, ref in ref_grads.items():
+        assert torch.allclose(grads[name], ref, rtol=1e-5, atol=1e-7), name
+    assert got_kernels == kernels
+    assert got_calls == calls
+
+
+def test_selective_wraps_every_kth_block_by_id():
+    *_, model = _run("selective", every=2)
+    wrapped = [name for name, block in model.layers.items() if hasattr(block, "_checkpoint_wrapped_module")]
+    assert wrapped == ["0", "2"]
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="activation checkpoint mode"):
+        apply_activation_checkpointing(Llama(LlamaConfig(**TINY)), "sometimes")

@@ -1,0 +1,99 @@
+"""Every mesh trains like one process: per-step loss and grad norm of the real trainer (torchrun, fp32, 5 steps,
+same rows) against a plain single-process Llama (bench/loss_parity.py's reference), token accounting that does not
+count CP/TP ranks as data, and impossible meshes refused in one line before any process group starts."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.loss_parity import GLOBAL_BATCH, MESHES, max_relative_error, reference_run, trainer_run, world_size
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS, SEQ_LEN, TOLERANCE = 5, 128, 1e-5
+FAST_MESHES = ("tp2", "pp2", "dp_shard2 x cp2")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run(STEPS, SEQ_LEN)
+
+
+def _check_run(reference, records, degrees):
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert max_relative_error(reference, records, "loss") <= TOLERANCE, (records, reference)
+    assert max_relative_error(reference, records, "grad_norm") <= TOLERANCE, (records, reference)
+    tokens_per_step = GLOBAL_BATCH * SEQ_LEN  # rows x tokens, never multiplied by the CP or TP degree
+    for r in records:
+        assert r["global_batch_size"] == GLOBAL_BATCH and r["seq_len"] == SEQ_LEN
+        assert r["cp"] == degrees.get("cp", 1)
+        assert r["tokens_seen"] == r["step"] * tokens_per_step
+        assert r["tokens_per_sec"] * r["step_time"] == pytest.approx(tokens_per_step, rel=1e-6)
+        assert r["tokens_per_sec_per_rank"] == pytest.approx(r["tokens_per_sec"] / world_size(degrees), rel=1e-9)
+
+
+def _mesh_params():
+    params = []
+    for name in MESHES:
+        marks = () if name in FAST_MESHES else (pytest.mark.slow,)
+        params.append(pytest.param(name, id=name.replace(" ", ""), marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("name", _mesh_params())
+def test_mesh_matches_single_process(reference, name):
+    degrees = MESHES[name]
+    _check_run(reference, trainer_run(degrees, STEPS, SEQ_LEN, timeout=900), degrees)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                      "ZBVZeroBubble"])
+def test_pipeline_schedules_with_tp_and_cp(reference, schedule):
+    degrees = dict(pp=2, cp=2, tp=2, dp_shard=1)
+    records = trainer_run(degrees, STEPS, SEQ_LEN, extra=["--parallelism.pp_schedule", schedule], timeout=900)
+    _check_run(reference, records, degrees)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
+def test_activation_checkpointing_under_cp_and_tp(reference, mode):
+    degrees = dict(cp=2, tp=2, dp_shard=1)
+    records = trainer_run(degrees, STEPS, SEQ_LEN, extra=["--activation_checkpoint.mode", mode], timeout=900)
+    _check_run(reference, records, degrees)
+
+
+# ---------------------------------------------------------------- impossible meshes: one line, before any collective
+def _run_train(*args, nproc=None):
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("NPROC", None)
+    if nproc:
+        env["NPROC"] = str(nproc)
+    return subprocess.run([os.path.join(ROOT, "run_train.sh"), *args], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize("args, nproc, expect", [
+    (["--parallelism.tp", "3", "--parallelism.dp_shard", "1"], None, "n_heads 16 is not divisible by parallelism.tp 3"),
+    (["--model.n_kv_heads", "2", "--parallelism.tp", "4", "--parallelism.dp_shard", "1"], None,
+     "n_kv_heads 2 is not divisible by parallelism.tp 4"),
+    (["--model.n_layers", "3", "--parallelism.pp", "4", "--parallelism.dp_shard", "1"], None,
+     "n_layers 3 is fewer than the 4 pipeline stages"),
+    (["--parallelism.cp", "2", "--parallelism.tp", "2", "--parallelism.dp_shard", "1", "--training.seq_len", "130"],
+     None, "training.seq_len 130 is not divisible by 4"),
+    (["--parallelism.tp", "2", "--parallelism.dp_shard", "1", "--training.seq_len", "127"], None,
+     "training.seq_len 127 is not divisible by 2"),
+    (["--parallelism.pp", "2", "--parallelism.dp_shard", "1", "--training.local_batch_size", "3",
+      "--parallelism.pp_microbatches", "2"], None, "local_batch_size 3 cannot be split into"),
+    (["--parallelism.cp", "2", "--parallelism.tp", "2", "--parallelism.dp_shard", "1"], 8,
+     "= 4, but 8 ranks were launched"),
+])
+def test_impossible_mesh_fails_in_one_line(args, nproc, expect):
+    result = _run_train(*args, "--job.dump_folder", os.devnull, nproc=nproc)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and expect in lines[0], lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
