@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
-# Train from a recipe:  ./run_train.sh [RECIPE.toml] [--section.key value ...] [--print-config]
+# Train from a recipe:  ./run_train.sh [RECIPE.toml] [--section.key value ...] [--print-config | --dry-run]
+#   --dry-run   plan check in one process: memory per rank and step time per stage on a fake process group
 #   NPROC=N     local ranks (default: the product of the recipe's parallel degrees, dp_shard = -1 counted as 1)
 #   PYTHON, TORCH_SPEC: see bootstrap.sh
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/bootstrap.sh" requirements.txt
 
-for arg in "$@"; do
-  if [ "$arg" = "--print-config" ]; then exec "$PY" "$HERE/train.py" "$@"; fi
+for arg in "$@"; do  # one process, no torchrun: printing the config, or the dry run on a fake process group
+  if [ "$arg" = "--print-config" ] || [ "$arg" = "--dry-run" ]; then exec "$PY" "$HERE/train.py" "$@"; fi
 done
+# Inside a job of slurm/train.sbatch (one task per node; it exports RDZV_ENDPOINT and NPROC = ranks per node), every
+# node's torchrun meets the others at the head node's c10d rendezvous, keyed by the job id. Elsewhere: one machine.
+launch=(--standalone)
+nodes=1
+if [ -n "${SLURM_JOB_ID:-}" ] && [ -n "${RDZV_ENDPOINT:-}" ]; then
+  nodes="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
+  launch=(--nnodes "$nodes" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$SLURM_JOB_ID")
+fi
 # Validate the recipe and the launch in one process first: bad input is one line, never a torchrun traceback wall.
-ranks="$(NPROC="${NPROC:-}" "$PY" "$HERE/train.py" --check "$@")" || exit $?
+world=""
+if [ -n "${NPROC:-}" ]; then world=$((nodes * NPROC)); fi
+ranks="$(WORLD_SIZE="$world" "$PY" "$HERE/train.py" --check "$@")" || exit $?
 NPROC="${NPROC:-$ranks}"
-exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "$HERE/train.py" "$@"
+# MAX_RESTARTS=N: torchrun restarts the job after a rank dies and it resumes from the newest complete checkpoint. A
+# restarted job needs a fresh rendezvous store: torch 2.13's shared one hands it the dead ranks' stale gloo addresses.
+exec env TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-$(( ${MAX_RESTARTS:-0} > 0 ))}" \
+  "$PY" -m torch.distributed.run "${launch[@]}" --max-restarts "${MAX_RESTARTS:-0}" --nproc-per-node "$NPROC" "$HERE/train.py" "$@"

@@ -136,12 +136,23 @@ class ParallelismConfig:
     """How sequence chunks are laid out on CP ranks: zigzag | striped | contiguous."""
     fsdp_reshard_after_forward: str = "default"
     """Free gathered parameters after forward: default (yes, but no under PP) | always | never."""
+    loss_parallel: bool = True
+    """With tp > 1: compute the cross entropy on vocabulary-sharded logits instead of gathering them first."""
+    pp_schedule: str = "1F1B"
+    """Pipeline schedule: GPipe | 1F1B (one stage per rank) | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble |
+    ZBVZeroBubble (several stages per rank; ZBV holds exactly two, V-shaped)."""
+    pp_microbatches: int = 0
+    """Microbatches each local batch is split into for the pipeline (0 = one row each, i.e. local_batch_size)."""
+    pp_layers_per_stage: int = 0
+    """Blocks per pipeline stage; the first and last stage take fewer when they do not divide n_layers. 0 = split
+    the blocks evenly over pp stages (2 x pp for multi-stage schedules)."""
 
 
 @dataclass
 class ActivationCheckpointConfig:
     mode: str = "none"
-    """none | full | selective (every `every`-th block) | op (save matmuls and attention, recompute the rest)."""
+    """none | full (every block) | selective (every `every`-th block) | op (inside every block: save the attention
+    kernels' outputs and every other matmul's, recompute the rest, so no attention call runs twice)."""
     every: int = 2
     """With mode = selective: checkpoint every k-th block."""
 
@@ -162,6 +173,37 @@ class CheckpointConfig:
     """Save every this many steps."""
     folder: str = "checkpoints"
     """Sub-folder of dump_folder holding step-<N>/ checkpoints."""
+    keep_latest_k: int = 3
+    """Keep the newest k complete checkpoints, deleting older ones after each save; 0 keeps them all."""
+    async_mode: str = "disabled"
+    """disabled: training waits while a checkpoint is written. async: the state is copied to CPU memory and written
+    by a background thread while training goes on (one save in flight at a time)."""
+    load_step: int = -1
+    """Resume from: -1 = the newest complete checkpoint in the folder, if any; N = step N exactly; 0 = start fresh
+    (existing checkpoints are ignored, and overwritten when the same step is saved again)."""
+    hf_load_path: str = ""
+    """A Hugging Face Llama folder (config.json + safetensors) whose weights start training when no checkpoint is
+    resumed. Its tensor shapes must match [model]; empty = the usual random init."""
+    hf_export_folder: str = ""
+    """Sub-folder of dump_folder that receives Hugging Face exports (step-<N>/, loadable by transformers'
+    LlamaForCausalLM.from_pretrained); empty = no export."""
+    hf_export_dtype: str = "bfloat16"
+    """dtype of exported weights: bfloat16 | float32 | float16."""
+    hf_export_interval: int = 0
+    """Export every this many steps as well as at the end of training; 0 = only at the end."""
+
+
+@dataclass
+class HardwareConfig:
+    """The machines a recipe is meant for: the launch check and the dry run read these (training itself picks CUDA or
+    CPU at run time)."""
+    device: str = "auto"
+    """auto: CUDA when visible, else CPU | cuda: a GPU-sized recipe; without enough GPUs the launcher refuses in one
+    line (and suggests --dry-run) instead of starting | cpu: never look for GPUs."""
+    gpus_per_node: int = 8
+    """GPUs per node: nodes to ask Slurm for, and which collectives the dry run puts on NVLink vs InfiniBand."""
+    device_memory_gib: float = 80.0
+    """Memory per GPU the dry run holds every stage's peak against (H100 SXM: 80 GiB)."""
 
 
 @dataclass
@@ -176,6 +218,7 @@ class Config:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     recipe_path: str = ""
     """The TOML file this config came from (for error messages)."""
 
@@ -187,7 +230,12 @@ CHOICES = {
     ("lr_scheduler", "decay_type"): ("linear", "cosine", "constant"),
     ("parallelism", "cp_load_balancer"): ("zigzag", "striped", "contiguous"),
     ("parallelism", "fsdp_reshard_after_forward"): ("default", "always", "never"),
+    ("parallelism", "pp_schedule"): ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                     "ZBVZeroBubble"),
     ("activation_checkpoint", "mode"): ("none", "full", "selective", "op"),
+    ("checkpoint", "async_mode"): ("disabled", "async"),
+    ("checkpoint", "hf_export_dtype"): ("bfloat16", "float32", "float16"),
+    ("hardware", "device"): ("auto", "cuda", "cpu"),
 }
 
 
@@ -296,7 +344,8 @@ def validate(cfg: Config) -> None:
     where = cfg.recipe_path
     positive = [("training", "steps"), ("training", "local_batch_size"), ("metrics", "log_freq"),
                 ("checkpoint", "interval"), ("parallelism", "pp"), ("parallelism", "dp_replicate"),
-                ("parallelism", "cp"), ("parallelism", "tp"), ("activation_checkpoint", "every")]
+                ("parallelism", "cp"), ("parallelism", "tp"), ("activation_checkpoint", "every"),
+                ("hardware", "gpus_per_node"), ("hardware", "device_memory_gib")]
     for section, key in positive:
         if getattr(getattr(cfg, section), key) < 1:
             raise RecipeError(f"{where}: {section}.{key} must be >= 1, got {getattr(getattr(cfg, section), key)}.")
@@ -310,6 +359,15 @@ def validate(cfg: Config) -> None:
         raise RecipeError(f"{where}: optimizer.lr must be > 0, got {cfg.optimizer.lr}.")
     if cfg.lr_scheduler.warmup_steps < 0:
         raise RecipeError(f"{where}: lr_scheduler.warmup_steps must be >= 0.")
+    ck = cfg.checkpoint
+    for key in ("keep_latest_k", "hf_export_interval"):
+        if getattr(ck, key) < 0:
+            raise RecipeError(f"{where}: checkpoint.{key} must be >= 0, got {getattr(ck, key)}.")
+    if ck.load_step < -1:
+        raise RecipeError(f"{where}: checkpoint.load_step must be -1 (newest), 0 (start fresh) or a step, "
+                          f"got {ck.load_step}.")
+    if ck.load_step > 0 and not ck.enable:
+        raise RecipeError(f"{where}: checkpoint.load_step = {ck.load_step} needs checkpoint.enable = true.")
     if not cfg.data.corpus:
         raise RecipeError(f"{where}: data.corpus is empty. Use [\"pydoc\"] or local .txt/.jsonl paths.")
 

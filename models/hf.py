@@ -1,0 +1,294 @@
+"""Hugging Face Llama interchange: a folder of config.json + safetensors <-> our `Llama`.
+
+Two layout differences matter, and both are fixed tables here:
+- names: `model.layers.i.self_attn.q_proj.weight` <-> `layers.i.attention.wq.weight`, and so on;
+- RoPE pairing: HF rotates halves (feature j of a head pairs with feature j + head_dim/2), we pair interleaved features
+  (2j, 2j+1) as Meta's reference does. The rows of wq and wk are permuted within each head on the way in and out, so
+  the same weights give the same attention scores; no other weight is touched.
+
+Reading and writing go through torch.distributed.checkpoint's HuggingFace storage reader and writer, so on a sharded
+(FSDP / TP / PP) model every rank reads only the slices it holds and an export is written once, consolidated, without
+gathering the model on one rank. Only wq/wk travel whole, one tensor at a time, because their permutation crosses
+shard boundaries.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import warnings
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from models.llama import Llama, LlamaConfig, canonical_name
+from training.errors import RecipeError
+
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+MAX_FILE_BYTES = 5 * 2**30  # export file size, as transformers' default max_shard_size
+
+
+def hf_name(name: str) -> str:
+    """Our (canonical) parameter name -> the HF tensor name."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+
+def rotate_half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF q/k rows -> ours: within each head, row j (j < hd/2) becomes 2j and row hd/2 + j becomes 2j + 1."""
+    return w.reshape(n_heads, 2, -1, w.shape[-1]).transpose(1, 2).reshape(w.shape)
+
+
+def interleaved_to_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Ours -> HF q/k rows (the inverse of `rotate_half_to_interleaved`)."""
+    return w.reshape(n_heads, -1, 2, w.shape[-1]).transpose(1, 2).reshape(w.shape)
+
+
+@contextlib.contextmanager
+def quiet_single_process_dcp():
+    """DCP warns that it assumes one process when no process group exists; here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# ---------------------------------------------------------------- config.json
+def read_hf_config(path: str) -> dict:
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise RecipeError(f"'{config_path}' does not exist; point the path at a Hugging Face Llama folder "
+                          f"(config.json + *.safetensors).") from None
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"'{config_path}' is not valid JSON ({e}).") from None
+
+
+def _rope_fields(hf: dict, where: str) -> dict:
+    """transformers 5 keeps RoPE in `rope_parameters`; 4.x in top-level `rope_theta` + `rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if not params.get("rope_type") and scaling:
+        params = {**scaling, **params}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return dict(rope_theta=float(theta), rope_scaling_factor=None)
+    if kind != "llama3":
+        raise RecipeError(f"{where}: RoPE type '{kind}' is not supported; only default and llama3 (Llama 3.1) are.")
+    return dict(rope_theta=float(theta), rope_scaling_factor=float(params["factor"]),
+                rope_low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                rope_high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                rope_original_max_position=int(params.get("original_max_position_embeddings", 8192)))
+
+
+def _ffn_fields(dim: int, hidden: int) -> dict:
+    """multiple_of / ffn_dim_multiplier that give SwiGLU size `hidden`: Meta's published pairs when one fits,
+    else the trivial pair (multiple_of = hidden)."""
+    for multiple_of, multiplier in ((256, None), (1024, 1.3), (4096, 1.3), (4096, 1.2)):
+        base = int(2 * 4 * dim / 3)
+        base = int(multiplier * base) if multiplier else base
+        if multiple_of * math.ceil(base / multiple_of) == hidden:
+            return dict(multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
+    base = int(2 * 4 * dim / 3)
+    return dict(multiple_of=hidden, ffn_dim_multiplier=None if base <= hidden else hidden / base)
+
+
+def from_hf_config(hf: dict, where: str = "config.json") -> LlamaConfig:
+    """An HF LlamaConfig dict (transformers 4.x or 5.x) -> our LlamaConfig."""
+    if hf.get("model_type", "llama") != "llama":
+        raise RecipeError(f"{where}: model_type '{hf.get('model_type')}' is not a Llama.")
+    for key, wanted in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if hf.get(key, wanted) != wanted:
+            raise RecipeError(f"{where}: {key} = {hf[key]!r} is not supported (Llama 3 uses {wanted!r}).")
+    try:
+        dim, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        if hf.get("head_dim") not in (None, dim // n_heads):
+            raise RecipeError(f"{where}: head_dim {hf['head_dim']} != hidden_size / num_attention_heads; "
+                              f"such models are not supported.")
+        cfg = LlamaConfig(dim=dim, n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
+                          n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+                          vocab_size=int(hf["vocab_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                          max_seq_len=int(hf.get("max_position_embeddings", 131072)),
+                          **_ffn_fields(dim, int(hf["intermediate_size"])), **_rope_fields(hf, where))
+    except KeyError as e:
+        raise RecipeError(f"{where}: missing key {e.args[0]!r}; is this a Llama config.json?") from None
+    assert cfg.ffn_hidden_dim == int(hf["intermediate_size"])
+    return cfg
+
+
+def to_hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
+    """config.json that transformers 4.x (rope_theta / rope_scaling) and 5.x (rope_parameters) both read."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    scaling = None
+    if cfg.rope_scaling_factor is not None:
+        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                   "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+                   "original_max_position_embeddings": cfg.rope_original_max_position}
+        rope = {**scaling, "rope_theta": cfg.rope_theta}
+    dtype_name = str(dtype).replace("torch.", "")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden_dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        "tie_word_embeddings": False, "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": rope,
+        "torch_dtype": dtype_name, "dtype": dtype_name, "use_cache": True, "initializer_range": 0.02,
+    }
+
+
+# ---------------------------------------------------------------- weights
+def _named_parameters(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    return {canonical_name(fqn): p for part in parts for fqn, p in part.named_parameters()}
+
+
+def _qk_heads(name: str, cfg: LlamaConfig) -> int | None:
+    """Heads to permute over for wq / wk, None for every other weight."""
+    if name.endswith("attention.wq.weight"):
+        return cfg.n_heads
+    if name.endswith("attention.wk.weight"):
+        return cfg.num_kv_heads
+    return None
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _place_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`full` (the whole tensor, on every rank) cut to `param`'s shard when param is a DTensor."""
+    full = full.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return full
+
+
+@torch.no_grad()
+def load_hf_weights(model_parts: Sequence[nn.Module], path: str, process_group=None) -> None:
+    """Copy an HF folder's weights into the (possibly sharded) model parts held by this rank; all ranks call it."""
+    params = _named_parameters(model_parts)
+    cfg: LlamaConfig = model_parts[0].config
+    hf_cfg = read_hf_config(path)
+    reader = HuggingFaceStorageReader(path)
+    try:
+        stored = reader.read_metadata().state_dict_metadata
+    except Exception as e:  # a truncated or foreign .safetensors file
+        raise RecipeError(f"'{path}': cannot read the safetensors headers ({type(e).__name__}: {e}).") from None
+    if not stored:
+        raise RecipeError(f"'{path}' holds no *.safetensors files.")
+    tied = "lm_head.weight" not in stored and hf_cfg.get("tie_word_embeddings", False)
+    targets: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, param in params.items():
+        key = "model.embed_tokens.weight" if tied and name == "output.weight" else hf_name(name)
+        if key not in stored:
+            raise RecipeError(f"'{path}' has no tensor '{key}' (for parameter {name}); the folder does not hold "
+                              f"this model's weights.")
+        if tuple(stored[key].size) != tuple(param.shape):
+            raise RecipeError(f"'{path}': tensor '{key}' has shape {list(stored[key].size)} but parameter {name} "
+                              f"has {list(param.shape)}; the model shapes differ.")
+        targets.setdefault(key, []).append((name, param))
+    # One target loads straight into its shard; permuted or shared tensors are read whole, then placed.
+    request, whole = {}, {}
+    for key, users in targets.items():
+        name, param = users[0]
+        if len(users) == 1 and _qk_heads(name, cfg) is None:
+            request[key] = param
+        else:
+            whole[key] = request[key] = torch.empty(tuple(param.shape), dtype=stored[key].properties.dtype)
+    distributed = _group_size(process_group) > 1
+    with quiet_single_process_dcp():
+        dcp.load(request, storage_reader=reader, process_group=process_group, no_dist=not distributed)
+    for key, full in whole.items():
+        for name, param in targets[key]:
+            heads = _qk_heads(name, cfg)
+            param.copy_(_place_like(rotate_half_to_interleaved(full, heads) if heads else full, param))
+
+
+def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Llama:
+    """A whole Llama from an HF folder (config.json + single or sharded safetensors), in this process."""
+    cfg = from_hf_config(read_hf_config(path), where=os.path.join(path, "config.json"))
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.rope.reset(cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                     cfg.rope_original_max_position)
+    load_hf_weights([model], path)
+    return model
+
+
+def _file_index(sizes: dict[str, int]) -> dict[str, int]:
+    """HF tensor name -> 1-based file number, in name order, files up to MAX_FILE_BYTES."""
+    mapping, index, used = {}, 1, 0
+    for key in sorted(sizes):
+        if used and used + sizes[key] > MAX_FILE_BYTES:
+            index, used = index + 1, 0
+        mapping[key] = index
+        used += sizes[key]
+    return mapping
+
+
+@torch.no_grad()
+def save_hf(model: nn.Module | Sequence[nn.Module], path: str, dtype: torch.dtype | None = None,
+            process_group=None) -> None:
+    """Write `path`/config.json + model-*.safetensors (+ index) that `LlamaForCausalLM.from_pretrained` loads.
+
+    `model` may be one Llama or this rank's pipeline parts; on a sharded model every rank of `process_group`
+    (default: the world) calls it and the files are written once. dtype None keeps the parameters' dtype.
+    """
+    parts = list(model) if isinstance(model, (list, tuple)) else [model]
+    cfg: LlamaConfig = parts[0].config
+    state, sizes = {}, {}
+    for name, param in _named_parameters(parts).items():
+        out_dtype = dtype or param.dtype
+        tensor = param.detach()
+        heads = _qk_heads(name, cfg)
+        if heads:
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            tensor = _place_like(interleaved_to_rotate_half(full, heads), param)
+        state[hf_name(name)] = tensor.to(out_dtype)
+        sizes[hf_name(name)] = param.numel() * torch.finfo(out_dtype).bits // 8
+    if _group_size(process_group) > 1:  # PP ranks hold different names: agree on one file layout
+        gathered = [None] * _group_size(process_group)
+        dist.all_gather_object(gathered, sizes, group=process_group)
+        sizes = {k: v for part in gathered for k, v in part.items()}
+    distributed = _group_size(process_group) > 1
+    is_writer = not distributed or dist.get_rank(process_group) == 0
+    if is_writer:
+        os.makedirs(path, exist_ok=True)
+    writer = HuggingFaceStorageWriter(path, fqn_to_index_mapping=_file_index(sizes), save_distributed=distributed,
+                                      enable_consolidation=distributed)
+    with quiet_single_process_dcp():
+        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not distributed)
+    if is_writer:
+        shutil.rmtree(os.path.join(path, "sharded"), ignore_errors=True)  # per-rank pieces, now consolidated
+        param_dtype = dtype or next(iter(state.values())).dtype
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(to_hf_config(cfg, param_dtype), f, indent=2)
+    if distributed:
+        dist.barrier(group=process_group)

@@ -1,0 +1,132 @@
+"""Surviving a dead rank (slow tier): with MAX_RESTARTS, torchrun restarts the job after a rank is SIGKILLed, and
+the new job resumes from the newest complete checkpoint. The reference is the same recipe run without a kill."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from tests.trainer_runs import ROOT
+from tests.training.test_checkpoint_runs import losses
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["--training.steps", "20", "--training.seq_len", "128", "--training.local_batch_size", "2",
+        "--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2",
+        "--metrics.enable_tensorboard", "false"]
+
+# Loaded by every Python process of the job through PYTHONPATH; only worker ranks of the first attempt act on it.
+KILL_DURING_SAVE = textwrap.dedent("""
+    import os
+    target = os.environ.get("KILL_DURING_SAVE", "")
+    if target and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        rank, folder = target.split(":", 1)
+        if os.environ.get("RANK") == rank:
+            import signal
+            from torch.distributed.checkpoint import filesystem
+
+            original = filesystem._FileSystemWriter.write_data
+
+            def write_data(self, plan, planner):
+                result = original(self, plan, planner)
+                if str(self.path).endswith(folder):  # this rank's file is written; the others wait for it
+                    result.wait()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return result
+
+            filesystem._FileSystemWriter.write_data = write_data
+""")
+
+
+def launch(folder: str, env_extra: dict | None = None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHON=sys.executable, NPROC="2", MAX_RESTARTS="1", **(env_extra or {}))
+    return subprocess.Popen([os.path.join(ROOT, "run_train.sh"), *ARGS, "--job.dump_folder", folder], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 400) -> tuple[str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"job did not finish in {timeout} s:\n{out[-2000:]}\n{err[-3000:]}")
+    assert process.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+    return out, err
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    folder = str(tmp_path_factory.mktemp("uninterrupted"))
+    finish(launch(folder))
+    return losses(folder)
+
+
+def worker_pid(tag: str, rank: int) -> int | None:
+    """The process of `rank` in the job whose environment carries `tag`."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = set(f.read().split(b"\0"))
+        except OSError:
+            continue
+        if f"CHECKPOINT_TEST_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env \
+                and any(v.startswith(b"LOCAL_RANK=") for v in env):
+            return int(entry)
+    return None
+
+
+def latest_step(folder: str) -> int:
+    try:
+        return max(losses(folder), default=0)
+    except (FileNotFoundError, ValueError):  # not written yet, or a line caught half-written
+        return 0
+
+
+def test_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(tmp_path, uninterrupted):
+    folder, tag = str(tmp_path), uuid.uuid4().hex
+    start = time.perf_counter()
+    process = launch(folder, {"CHECKPOINT_TEST_TAG": tag})
+    while latest_step(folder) < 7:  # step 5's checkpoint is published before step 5 is logged
+        assert process.poll() is None, "the job ended before the kill"
+        time.sleep(0.05)
+    pid = worker_pid(tag, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    killed_at = latest_step(folder)
+    killed_time = time.perf_counter()
+    out, err = finish(process)
+    total, after_kill = time.perf_counter() - start, time.perf_counter() - killed_time
+    print(f"killed rank 1 after step {killed_at}; job finished {after_kill:.1f} s later ({total:.1f} s in all)")
+    assert "resumed from" in out
+    resumed = int(out.split("resumed from")[1].split("(step ")[1].split(")")[0])
+    assert 5 <= resumed <= killed_at
+    got = losses(folder)
+    assert sorted(got) == list(range(1, 21))
+    assert got == uninterrupted  # every step, those after the restart included, bit for bit
+
+
+def test_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, uninterrupted):
+    """Rank 1 dies after writing its part of step 10; the partial folder is ignored and step 5 is resumed."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_DURING_SAVE)
+    folder = str(tmp_path / "run")
+    start = time.perf_counter()
+    process = launch(folder, {"KILL_DURING_SAVE": "1:step-10.partial",
+                              "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])})
+    out, err = finish(process)
+    print(f"kill during the step-10 save: job finished in {time.perf_counter() - start:.1f} s")
+    assert "saved step 10" in out  # by the restarted job: the first attempt died before publishing it
+    assert out.index("saved step 5") < out.index("resumed from") < out.index("saved step 10")
+    assert "(step 5)" in out.split("resumed from")[1].splitlines()[0]
+    assert losses(folder) == uninterrupted
+    assert sorted(os.listdir(os.path.join(folder, "checkpoints"))) == ["step-15", "step-20"]
