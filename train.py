@@ -15,8 +15,11 @@ import os
 import sys
 import time
 
-from training.config import Config, default_recipe, load_config, to_toml
+from training.config import Config
 from training.errors import RecipeError
+from training.preflight import model_overrides, preflight, preflight_stages, required_ranks
+from training.ramp import stage_at
+from training.recipe import default_recipe, load_config, to_toml
 
 
 def parse_cli(argv: list[str]) -> tuple[str, list[str], set[str]]:
@@ -28,84 +31,15 @@ def parse_cli(argv: list[str]) -> tuple[str, list[str], set[str]]:
     return recipe, rest, flags
 
 
-def required_ranks(cfg: Config) -> int:
-    """The ranks a recipe asks for when NPROC is not given (dp_shard = -1 counts as 1)."""
-    p = cfg.parallelism
-    return p.pp * p.dp_replicate * max(1, p.dp_shard) * p.cp * p.tp
-
-
-def preflight(cfg: Config, world_size: int):
-    """Every check that needs no process group; returns the resolved parallel degrees."""
-    from data.corpus import load_documents
-    from models.llama import model_config
-    from parallelisms.parallel_dims import ParallelDims
-    from parallelisms.pipeline_parallel import plan_pipeline
-    from parallelisms.tensor_parallel import check_tp_degree
-
-    p = cfg.parallelism
-    dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
-    mcfg = model_config(cfg.model.name, **model_overrides(cfg))
-    load_documents(cfg.data.corpus)  # raises on a missing path
-    if cfg.data.tokenizer_path and not os.path.exists(cfg.data.tokenizer_path):
-        raise RecipeError(f"{cfg.recipe_path}: data.tokenizer_path '{cfg.data.tokenizer_path}' does not exist. "
-                          f"Point it at a SentencePiece .model file or leave it empty to train one.")
-    rows_per_step = cfg.training.local_batch_size * dims.dp
-    gbs = cfg.training.global_batch_size
-    if gbs != -1 and (gbs <= 0 or gbs % rows_per_step):
-        raise RecipeError(f"{cfg.recipe_path}: training.global_batch_size {gbs} must be a multiple of "
-                          f"local_batch_size x dp = {rows_per_step}. Use {max(1, gbs // rows_per_step) * rows_per_step}.")
-    if p.tp > 1:
-        check_tp_degree(mcfg.n_heads, mcfg.num_kv_heads, p.tp, where=cfg.recipe_path)
-    check_sequence_split(cfg)
-    if p.pp > 1:
-        if cfg.data.document_masking:
-            raise RecipeError(f"{cfg.recipe_path}: data.document_masking is not supported with parallelism.pp > 1 "
-                              f"(document ids are per batch, the pipeline splits batches). Set pp = 1.")
-        plan_pipeline(mcfg.n_layers, p.pp, p.pp_schedule, p.pp_layers_per_stage, p.pp_microbatches,
-                      cfg.training.local_batch_size, where=cfg.recipe_path)
-    return dims
-
-
-def check_sequence_split(cfg: Config) -> None:
-    """seq_len must split into CP shards (2*cp chunks for zigzag; the ring also runs at cp=1 for document masking)
-    and each CP shard into tp pieces for sequence parallelism."""
-    p = cfg.parallelism
-    seq_len = cfg.training.seq_len
-    cp_active = p.cp > 1 or cfg.data.document_masking
-    cp_multiple = (2 * p.cp if p.cp_load_balancer == "zigzag" else p.cp) if cp_active else 1
-    multiple = math.lcm(cp_multiple, p.cp * p.tp)
-    if seq_len % multiple == 0:
-        return
-    nearest = max(multiple, round(seq_len / multiple) * multiple)
-    parts = []
-    if cp_multiple > 1:
-        parts.append(f"{cp_multiple} for {p.cp_load_balancer} CP over {p.cp} rank(s)")
-    if p.tp > 1:
-        parts.append(f"cp x tp = {p.cp * p.tp} for sequence parallelism over tp {p.tp}")
-    raise RecipeError(f"{cfg.recipe_path}: training.seq_len {seq_len} is not divisible by {multiple} "
-                      f"({'; '.join(parts)}). Use {nearest}.")
-
-
-def model_overrides(cfg: Config) -> dict:
-    m = cfg.model
-    names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta")
-    out = {k: getattr(m, k) for k in names if getattr(m, k)}
-    if m.rope_scaling_factor:
-        out["rope_scaling_factor"] = None if m.rope_scaling_factor < 0 else m.rope_scaling_factor
-    return out
-
-
 class Trainer:
-    comm_stats = None  # ring-attention byte counters (parallelisms.context_parallel.CommStats), set by run()
-
     def __init__(self, cfg: Config):
         import torch
         import torch.distributed as dist
 
         from data.corpus import load_documents
-        from data.loader import build_dataloader
         from data.tokenizer import build_tokenizer
-        from models.llama import Llama, flops_per_token, model_config
+        from models.llama import Llama, model_config
+        from parallelisms.context_parallel import CommStats
         from parallelisms.parallelize import materialize, parallelize, uses_loss_parallel
         from parallelisms.pipeline_parallel import build_pipeline, plan_pipeline
         from training.hardware import peak_flops, pick_device
@@ -113,8 +47,12 @@ class Trainer:
         from training.lr_schedule import build_lr_scheduler
         from training.metrics import MetricsLogger
 
-        self.cfg = cfg
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.stages = preflight_stages(cfg, world)
+        self.stage = self.stages[0]
+        # The model is built on the first stage's mesh; later stages only trade dp_shard for cp, so its FSDP, TP and
+        # PP groups hold the same ranks in every stage.
+        cfg = self.cfg = self.stage.cfg
         self.dims = preflight(cfg, world)
         self.device = pick_device(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         timeout = datetime.timedelta(seconds=cfg.job.collective_timeout_s)
@@ -124,19 +62,13 @@ class Trainer:
         torch.manual_seed(cfg.job.seed)
 
         # Data: rank 0 trains (or loads) the tokenizer first so the others hit its cache.
-        documents = load_documents(cfg.data.corpus)
+        self.documents = load_documents(cfg.data.corpus)
         if self.rank == 0:
-            build_tokenizer(cfg.data.tokenizer_path or None, documents, self._vocab_size(), cfg.data.cache_dir)
+            build_tokenizer(cfg.data.tokenizer_path or None, self.documents, self._vocab_size(), cfg.data.cache_dir)
         dist.barrier()
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer_path or None, documents, self._vocab_size(),
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer_path or None, self.documents, self._vocab_size(),
                                          cfg.data.cache_dir)
         t = cfg.training
-        self.grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * self.dims.dp)
-        self.global_batch_size = t.local_batch_size * self.dims.dp * self.grad_accum
-        self.dataloader = build_dataloader(
-            self.tokenizer, documents, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-            dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp, seed=cfg.job.seed,
-            document_masking=cfg.data.document_masking, num_workers=cfg.data.num_workers)
 
         # Model: built on the meta device, split into pipeline stages, parallelized, then materialised and
         # initialised identically on any mesh.
@@ -168,14 +100,48 @@ class Trainer:
                                            weight_decay=o.weight_decay, foreach=True)
         s = cfg.lr_scheduler
         self.scheduler = build_lr_scheduler(self.optimizer, s.warmup_steps, t.steps, s.decay_type, s.min_lr_ratio)
+        self.comm_stats = CommStats()
+        self._enter_stage(self.stage)
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizer,
                                          self.scheduler, self.dataloader, self.model_cfg, vars(self.dims))
         self.step = self.checkpointer.load()  # 0, or the step of the checkpoint resumed
-        self.flops_per_token = flops_per_token(self.model_cfg, t.seq_len, causal=True)
+        resumed = stage_at(self.stages, self.step)
+        if resumed is not self.stage:  # the data position carries over only inside the stage that saved it
+            same_stage = self.step > 0 and stage_at(self.stages, self.step - 1) is resumed
+            self._enter_stage(resumed, self.dataloader.global_rows_consumed if same_stage else 0)
         dist.barrier()  # every rank measures its peak at the same time, sharing the cores as in training
         self.peak_flops, self.peak_source = peak_flops(self.device, dtype)
         self.logger = MetricsLogger(cfg.job.dump_folder, t.steps, cfg.metrics.enable_tensorboard,
                                     is_writer=self.rank == 0, start_step=self.step)
+
+    def _enter_stage(self, stage, rows_consumed: int = 0) -> None:
+        """Switches to a ramp stage: its mesh (cp traded against dp_shard), batch split, data at its sequence length
+        (continuing at `rows_consumed` of that stage's row stream) and its RoPE."""
+        from data.loader import build_dataloader
+        from models.llama import flops_per_token, model_config
+        from parallelisms.parallel_dims import ParallelDims
+
+        self.stage, cfg = stage, stage.cfg
+        self.cfg = cfg
+        p, t = cfg.parallelism, cfg.training
+        dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, self.dims.world_size)
+        if dims != self.dims:
+            self.dims, self.mesh = dims, dims.build_mesh(self.device.type)
+        self.grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
+        self.global_batch_size = t.local_batch_size * dims.dp * self.grad_accum
+        self.dataloader = build_dataloader(
+            self.tokenizer, self.documents, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+            dp_rank=self.mesh.dp_rank, dp_size=dims.dp, seed=cfg.job.seed, document_masking=cfg.data.document_masking,
+            num_workers=cfg.data.num_workers, dataset=cfg.data.dataset)
+        if rows_consumed:
+            self.dataloader.load_state_dict({"global_rows_consumed": rows_consumed})
+        if hasattr(self, "checkpointer"):
+            self.checkpointer.dataloader = self.dataloader
+        m = self.model_cfg = model_config(cfg.model.name, **model_overrides(cfg))
+        for part in self.model_parts:
+            part.set_rope(m.rope_theta, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
+                          m.rope_original_max_position)
+        self.flops_per_token = flops_per_token(m, t.seq_len, causal=True)
 
     def _vocab_size(self) -> int:
         from models.llama import model_config
@@ -196,8 +162,23 @@ class Trainer:
             document_ids=batch["document_ids"] if self.cfg.data.document_masking else None, stats=self.comm_stats)
 
     def _global_tokens(self) -> int:
-        """Label tokens in one optimizer step over all ranks: every loss is a local sum divided by this."""
-        return self.global_batch_size * self.cfg.training.seq_len
+        """Label tokens in this optimizer step over all ranks: every loss is a local sum divided by this."""
+        return self._step_tokens
+
+    def _count_label_tokens(self, batches: list[dict]) -> int:
+        """Every label counts for text; passkey rows label only the answer, so count those over the dp ranks
+        (CP and TP ranks of one dp rank hold the same rows)."""
+        import torch
+        import torch.distributed as dist
+
+        from data.passkey import IGNORE_INDEX
+
+        if self.cfg.data.dataset == "text":
+            return self.global_batch_size * self.cfg.training.seq_len
+        count = torch.tensor([sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)], dtype=torch.float64)
+        if self.dims.dp > 1:
+            dist.all_reduce(count, group=self.mesh.data.get_group())
+        return int(count.item())
 
     def _pipeline_loss(self, logits, labels):
         """The last stage's loss for one microbatch (runs inside the schedule, under the loss-parallel context)."""
@@ -217,6 +198,7 @@ class Trainer:
         from parallelisms.parallelize import clip_grad_norm_
         from parallelisms.tensor_parallel import loss_context, token_loss_sum
 
+        self._step_tokens = self._count_label_tokens(batches)
         global_tokens = self._global_tokens()
         loss = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         for batch in batches:
@@ -242,28 +224,19 @@ class Trainer:
         return loss.item(), float(grad_norm)
 
     def run(self) -> None:
-        import torch
-        import torch.distributed as dist
+        from training.ramp import tokens_seen
 
-        from training.hardware import peak_memory_gib
-
-        cfg, t = self.cfg, self.cfg.training
-        if self.rank == 0:
-            print(f"training {self.model_cfg.n_layers}-layer dim-{self.model_cfg.dim} Llama on {self.dims.world_size} "
-                  f"rank(s) ({self.device.type}/{self.device.backend}); mesh pp {self.dims.pp} x dp_replicate "
-                  f"{self.dims.dp_replicate} x dp_shard {self.dims.dp_shard} x cp {self.dims.cp} x tp {self.dims.tp}; "
-                  f"seq {t.seq_len}, global batch {self.global_batch_size}, peak {self.peak_flops / 1e9:.0f} GFLOP/s "
-                  f"per rank ({self.peak_source})", flush=True)
-        from parallelisms.context_parallel import CommStats
-        from training.roofline import Layout, fsdp_bytes_per_step
-
-        self.comm_stats = CommStats()
-        logged_ring_bytes, logged_step = 0, self.step
-        layout = Layout(self.dims.pp, self.dims.dp_replicate, self.dims.dp_shard, self.dims.cp, self.dims.tp, 1)
-        reshard = cfg.parallelism.fsdp_reshard_after_forward in ("always", "default" if self.dims.pp == 1 else "")
-        fsdp_bytes = sum(fsdp_bytes_per_step(self.model_cfg, layout, t.dtype, self.grad_accum, reshard))
+        self._announce()
+        self._logged = (self.comm_stats.kv_bytes_sent + self.comm_stats.backward_bytes_sent, self.step)
         data_iter = iter(self.dataloader)
-        while self.step < t.steps:
+        while self.step < self.cfg.training.steps:
+            stage = stage_at(self.stages, self.step)
+            if stage is not self.stage:
+                if self.cfg.checkpoint.enable and self.step % self.cfg.checkpoint.interval:
+                    self.checkpointer.save(self.step)  # a stage boundary is always a checkpoint
+                self._enter_stage(stage)
+                self._announce()
+                data_iter = iter(self.dataloader)
             start = time.perf_counter()
             batches = [next(data_iter) for _ in range(self.grad_accum)]
             data_time = time.perf_counter() - start
@@ -273,28 +246,74 @@ class Trainer:
             step_time = time.perf_counter() - start
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss became {loss} at step {self.step}; lower optimizer.lr or check data.")
-            self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
-            if self.step % cfg.metrics.log_freq and self.step != t.steps:
-                continue
-            ring_bytes = self.comm_stats.kv_bytes_sent + self.comm_stats.backward_bytes_sent
-            ring_per_step = (ring_bytes - logged_ring_bytes) / max(1, self.step - logged_step)
-            logged_ring_bytes, logged_step = ring_bytes, self.step
-            # Maxima over ranks: step_time is the slowest rank's; -step_time gives the fastest rank's.
-            stats = torch.tensor([step_time, peak_memory_gib(self.device), data_time, ring_per_step, -step_time],
-                                 dtype=torch.float64)
-            if self.dims.world_size > 1:
-                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-            step_time, memory, data_time, ring_per_step, fastest = stats.tolist()
-            tokens_per_sec = self.global_batch_size * t.seq_len / step_time
-            mfu = self.flops_per_token * tokens_per_sec / (self.peak_flops * self.dims.world_size)
-            self.logger.log(self.step, {
-                "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
-                "tokens_per_sec_per_rank": tokens_per_sec / self.dims.world_size, "mfu": mfu,
-                "peak_flops_per_rank": self.peak_flops, "peak_source": self.peak_source,
-                "seq_len": t.seq_len, "cp": self.dims.cp, "global_batch_size": self.global_batch_size,
-                "tokens_seen": self.step * self.global_batch_size * t.seq_len, "memory": memory,
-                "step_time": step_time, "data_time": data_time, "step_time_fastest_rank": -fastest,
-                "cp_comm_bytes": ring_per_step, "fsdp_comm_bytes": fsdp_bytes})
+            last = self.step == self.cfg.training.steps
+            self.checkpointer.maybe_save(self.step, last=last)
+            if self.step % self.cfg.metrics.log_freq == 0 or last:
+                self._log_step(loss, lr, grad_norm, step_time, data_time, tokens_seen(self.stages, self.step))
+        if self.cfg.eval.passkey:
+            self.evaluate_passkey()
+
+    def _announce(self) -> None:
+        if self.rank != 0:
+            return
+        t, d, m = self.cfg.training, self.dims, self.model_cfg
+        where = f"{self.stage.name} from step {self.stage.start_step}: " if self.stage.index >= 0 else ""
+        print(f"{where}training {m.n_layers}-layer dim-{m.dim} Llama on {d.world_size} rank(s) "
+              f"({self.device.type}/{self.device.backend}); mesh pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard "
+              f"{d.dp_shard} x cp {d.cp} x tp {d.tp}; seq {t.seq_len}, global batch {self.global_batch_size} "
+              f"({self.grad_accum} micro-step(s)), rope theta {m.rope_theta:g}, peak {self.peak_flops / 1e9:.0f} "
+              f"GFLOP/s per rank ({self.peak_source})", flush=True)
+
+    def _log_step(self, loss: float, lr: float, grad_norm: float, step_time: float, data_time: float,
+                  tokens: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from training.hardware import peak_memory_gib
+        from training.roofline import Layout, fsdp_bytes_per_step
+
+        t, d = self.cfg.training, self.dims
+        ring_bytes = self.comm_stats.kv_bytes_sent + self.comm_stats.backward_bytes_sent
+        ring_per_step = (ring_bytes - self._logged[0]) / max(1, self.step - self._logged[1])
+        self._logged = (ring_bytes, self.step)
+        reshard = self.cfg.parallelism.fsdp_reshard_after_forward in ("always", "default" if d.pp == 1 else "")
+        layout = Layout(d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, 1)
+        fsdp_bytes = sum(fsdp_bytes_per_step(self.model_cfg, layout, t.dtype, self.grad_accum, reshard))
+        # Maxima over ranks: step_time is the slowest rank's; -step_time gives the fastest rank's.
+        stats = torch.tensor([step_time, peak_memory_gib(self.device), data_time, ring_per_step, -step_time],
+                             dtype=torch.float64)
+        if d.world_size > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        step_time, memory, data_time, ring_per_step, fastest = stats.tolist()
+        tokens_per_sec = self.global_batch_size * t.seq_len / step_time
+        mfu = self.flops_per_token * tokens_per_sec / (self.peak_flops * d.world_size)
+        self.logger.log(self.step, {
+            "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
+            "tokens_per_sec_per_rank": tokens_per_sec / d.world_size, "mfu": mfu,
+            "peak_flops_per_rank": self.peak_flops, "peak_source": self.peak_source,
+            "seq_len": t.seq_len, "cp": d.cp, "global_batch_size": self.global_batch_size,
+            "tokens_per_step": self.global_batch_size * t.seq_len, "rope_theta": self.model_cfg.rope_theta,
+            "stage": max(0, self.stage.index), "tokens_seen": tokens, "memory": memory,
+            "step_time": step_time, "data_time": data_time, "step_time_fastest_rank": -fastest,
+            "cp_comm_bytes": ring_per_step, "fsdp_comm_bytes": fsdp_bytes})
+
+    def evaluate_passkey(self) -> None:
+        """Passkey retrieval by depth x context length on the training mesh; table printed and saved as JSON."""
+        import json
+
+        from training.evaluation import evaluate_passkey, format_passkey_table
+
+        e, p = self.cfg.eval, self.cfg.parallelism
+        depths = [i / max(1, e.passkey_depths - 1) for i in range(e.passkey_depths)]
+        results = evaluate_passkey(
+            self.model, self.tokenizer, None, context_lengths=e.passkey_lengths or [self.cfg.training.seq_len],
+            depths=depths, samples=e.passkey_samples, seed=self.cfg.job.seed, device=self.device.torch_device,
+            cp_context=self._cp_context if (p.cp > 1 or self.cfg.data.document_masking) else None,
+            cp_mesh=self.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer)
+        if self.rank == 0:
+            print(format_passkey_table(results), flush=True)
+            with open(os.path.join(self.cfg.job.dump_folder, "passkey_eval.json"), "w") as f:
+                json.dump([{"context_length": n, "depth": d, "accuracy": a} for (n, d), a in results.items()], f)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -318,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         if "--dry-run" in flags:  # one process, fake process group: memory and speed of every stage (no GPU needed)
             from training.dry_run import run_dry_run
             return run_dry_run(cfg, world)
-        preflight(cfg, world)
+        preflight_stages(cfg, world)
         from training.device_check import check_gpus
         check_gpus(cfg, world)  # a GPU-sized recipe without GPUs stops here, in one line
         from models.llama import model_config

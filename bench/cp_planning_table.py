@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.config import load_config  # noqa: E402
+from training.recipe import load_config  # noqa: E402
 from training.dry_run import RUNTIME_RESERVE_GIB, Stage, measure_stage  # noqa: E402
 
 SEQ_LENS = (8192, 32768, 65536, 131072, 262144, 524288, 1048576)

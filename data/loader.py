@@ -28,6 +28,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from data.packing import PackedRows, pack_documents
+from data.passkey import PasskeyRows
 from training.errors import RecipeError
 
 _ROW_SHUFFLE_STREAM = 1  # keeps the row permutations' random stream apart from anything else seeded by `seed`
@@ -47,7 +48,9 @@ class GlobalRowStream(torch.utils.data.Dataset):
         self._cached_epoch = (-1, np.empty(0, dtype=np.int64))  # the last permutation used, per process
 
     def row_of(self, global_row: int) -> int:
-        """Which packed row global row `global_row` is."""
+        """Which packed row global row `global_row` is (synthetic sources, already random, are read in order)."""
+        if not getattr(self.packed, "needs_shuffle", True):
+            return global_row % self.packed.num_rows
         epoch, offset = divmod(global_row, self.packed.num_rows)
         if self._cached_epoch[0] != epoch:
             self._cached_epoch = (epoch, row_permutation(self.seed, epoch, self.packed.num_rows))
@@ -137,8 +140,9 @@ class _CountingIterator:
 
 def build_dataloader(tokenizer, documents: list[str], *, seq_len: int, local_batch_size: int, dp_rank: int,
                      dp_size: int, seed: int, document_masking: bool = False,
-                     num_workers: int = 0) -> PackedRowLoader:
-    """Pack `documents` and return this dp rank's loader of (local_batch_size, seq_len) int64 batches."""
+                     num_workers: int = 0, dataset: str = "text") -> PackedRowLoader:
+    """This dp rank's loader of (local_batch_size, seq_len) int64 batches: `documents` packed (dataset "text"), or
+    synthetic passkey rows (dataset "passkey", data/passkey.py; `documents` then only trained the tokenizer)."""
     if seq_len < 2:
         raise RecipeError(f"training.seq_len must be >= 2 (one input and one label token per row), got {seq_len}; "
                           f"set e.g. --training.seq_len 512.")
@@ -150,6 +154,9 @@ def build_dataloader(tokenizer, documents: list[str], *, seq_len: int, local_bat
         raise RecipeError(f"job.seed must be >= 0, got {seed}.")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
-    packed = pack_documents(tokenizer, documents, seq_len=seq_len, seed=seed, document_masking=document_masking)
+    if dataset == "passkey":
+        packed = PasskeyRows(tokenizer, seq_len=seq_len, seed=seed)
+    else:
+        packed = pack_documents(tokenizer, documents, seq_len=seq_len, seed=seed, document_masking=document_masking)
     sampler = DataParallelBatchSampler(local_batch_size, dp_rank, dp_size)
     return PackedRowLoader(GlobalRowStream(packed, seed), sampler, num_workers=num_workers)

@@ -1,32 +1,13 @@
-"""Recipes: TOML files read into one dataclass per section, with `--section.key value` overrides on top.
+"""The recipe schema: one dataclass per TOML section, a docstring per field, and the allowed values.
 
-Every error a user can make here (missing file, unknown section or key, wrong type, impossible value) raises
-RecipeError with one line that names the key and the file and says what to do, so train.py can refuse bad input
-before any process group starts.
+Loading a recipe, command-line overrides and their one-line errors live in training/recipe.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import os
-import sys
-import typing
 from dataclasses import dataclass, field
 
-from training.errors import RecipeError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
-DEFAULT_RECIPE = "recipes/debug.toml"
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def default_recipe() -> str:
-    """recipes/debug.toml, relative to the working folder when it is there, else in this checkout."""
-    return DEFAULT_RECIPE if os.path.exists(DEFAULT_RECIPE) else os.path.join(REPO_ROOT, DEFAULT_RECIPE)
+from training.ramp import RampStage
 
 
 @dataclass
@@ -78,6 +59,9 @@ class TrainingConfig:
     """Gradient clipping by the global norm over all shards; <= 0 switches clipping off."""
     compile: bool = False
     """torch.compile each attention and feed-forward submodule."""
+    tokens_per_step: int = 0
+    """Global tokens per optimizer step kept constant across [[ramp]] stages (the global batch becomes
+    tokens_per_step / seq_len rows); 0 = use local/global_batch_size as given."""
 
 
 @dataclass
@@ -118,6 +102,20 @@ class DataConfig:
     """Attention stays inside each packed document and positions restart per document."""
     num_workers: int = 0
     """Data-loader worker processes per rank."""
+    dataset: str = "text"
+    """text: packed documents of `corpus`; passkey: synthetic passkey retrieval rows with `corpus` as filler text."""
+
+
+@dataclass
+class EvalConfig:
+    passkey: bool = False
+    """After training, evaluate passkey retrieval and print accuracy by key depth x context length."""
+    passkey_lengths: list[int] = field(default_factory=list)
+    """Context lengths to evaluate (empty = the last stage's seq_len); each must split over the CP ranks."""
+    passkey_depths: int = 5
+    """Number of evenly spaced key depths from 0 (start of the context) to 1 (just before the question)."""
+    passkey_samples: int = 20
+    """Rows per (length, depth) cell."""
 
 
 @dataclass
@@ -216,16 +214,20 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    ramp: list[RampStage] = field(default_factory=list)
+    """Context-length ramp stages ([[ramp]] tables, training/ramp.py); empty = one stage, the recipe itself."""
     recipe_path: str = ""
     """The TOML file this config came from (for error messages)."""
 
 
-SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "recipe_path"]
+SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name not in ("ramp", "recipe_path")]
 CHOICES = {
     ("training", "dtype"): ("float32", "bfloat16"),
+    ("data", "dataset"): ("text", "passkey"),
     ("optimizer", "name"): ("AdamW",),
     ("lr_scheduler", "decay_type"): ("linear", "cosine", "constant"),
     ("parallelism", "cp_load_balancer"): ("zigzag", "striped", "contiguous"),
@@ -237,158 +239,3 @@ CHOICES = {
     ("checkpoint", "hf_export_dtype"): ("bfloat16", "float32", "float16"),
     ("hardware", "device"): ("auto", "cuda", "cpu"),
 }
-
-
-def _nearest(word: str, options) -> str:
-    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
-    return f" Did you mean '{match[0]}'?" if match else f" Valid: {', '.join(options)}."
-
-
-def _field_types(section: str) -> dict[str, type]:
-    cls = type(getattr(Config(), section))
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _convert(value, kind, where: str, from_text: bool):
-    """Turns a TOML value or a command-line string into the field's type, or says what was expected."""
-    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, "a list")
-    try:
-        if kind is bool:
-            if isinstance(value, bool):
-                return value
-            if from_text and str(value).lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-                return str(value).lower() in ("true", "1", "yes", "on")
-            raise ValueError
-        if kind is int:
-            if isinstance(value, bool) or (not from_text and not isinstance(value, int)):
-                raise ValueError
-            return int(value)
-        if kind is float:
-            if isinstance(value, bool) or (not from_text and not isinstance(value, (int, float))):
-                raise ValueError
-            return float(value)
-        if kind is str:
-            if not from_text and not isinstance(value, str):
-                raise ValueError
-            return str(value)
-        if typing.get_origin(kind) is list:
-            if from_text:
-                return [v for v in str(value).split(",") if v]
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ValueError
-            return list(value)
-    except (TypeError, ValueError):
-        pass
-    raise RecipeError(f"{where}: expected {expected}, got {value!r}. Fix the value.")
-
-
-def _set(cfg: Config, section: str, key: str, value, origin: str, from_text: bool) -> None:
-    if section not in SECTIONS:
-        raise RecipeError(f"{origin}: unknown section [{section}].{_nearest(section, SECTIONS)}")
-    types = _field_types(section)
-    if key not in types:
-        raise RecipeError(f"{origin}: unknown key '{section}.{key}'.{_nearest(key, types)}")
-    where = f"{origin}: {section}.{key}"
-    converted = _convert(value, types[key], where, from_text)
-    choices = CHOICES.get((section, key))
-    if choices and converted not in choices:
-        raise RecipeError(f"{where} = {converted!r} is not one of {', '.join(choices)}.{_nearest(converted, choices)}")
-    setattr(getattr(cfg, section), key, converted)
-
-
-def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
-    """`--section.key value` or `--section.key=value` pairs -> [(section, key, text)]."""
-    out, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=")[0]:
-            raise RecipeError(f"command line: cannot read '{arg}'. Overrides look like --section.key value "
-                              f"(e.g. --training.steps 5).")
-        name, eq, text = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(args):
-                raise RecipeError(f"command line: '{arg}' needs a value, e.g. {arg} 5.")
-            text, i = args[i + 1], i + 1
-        section, _, key = name.partition(".")
-        out.append((section, key, text))
-        i += 1
-    return out
-
-
-def load_config(recipe_path: str, overrides: list[str] | None = None) -> Config:
-    """Recipe file, then command-line overrides, then cross-field checks."""
-    try:
-        with open(recipe_path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise RecipeError(f"recipe file '{recipe_path}' does not exist. Pass a path like recipes/debug.toml "
-                          f"(ls recipes/ lists the shipped ones).") from None
-    except tomllib.TOMLDecodeError as e:
-        raise RecipeError(f"{recipe_path}: not valid TOML ({e}). Fix the syntax at that line.") from None
-    cfg = Config(recipe_path=recipe_path)
-    for section, table in raw.items():
-        if not isinstance(table, dict):
-            raise RecipeError(f"{recipe_path}: top-level key '{section}' must be a [section] table."
-                              f"{_nearest(section, SECTIONS)}")
-        for key, value in table.items():
-            _set(cfg, section, key, value, recipe_path, from_text=False)
-    for section, key, text in parse_overrides(overrides or []):
-        _set(cfg, section, key, text, f"command line (recipe {recipe_path})", from_text=True)
-    validate(cfg)
-    return cfg
-
-
-def validate(cfg: Config) -> None:
-    """Value checks that need no process group (world-size checks live with the mesh)."""
-    where = cfg.recipe_path
-    positive = [("training", "steps"), ("training", "local_batch_size"), ("metrics", "log_freq"),
-                ("checkpoint", "interval"), ("parallelism", "pp"), ("parallelism", "dp_replicate"),
-                ("parallelism", "cp"), ("parallelism", "tp"), ("activation_checkpoint", "every"),
-                ("hardware", "gpus_per_node"), ("hardware", "device_memory_gib")]
-    for section, key in positive:
-        if getattr(getattr(cfg, section), key) < 1:
-            raise RecipeError(f"{where}: {section}.{key} must be >= 1, got {getattr(getattr(cfg, section), key)}.")
-    if cfg.parallelism.dp_shard == 0 or cfg.parallelism.dp_shard < -1:
-        raise RecipeError(f"{where}: parallelism.dp_shard must be >= 1 or -1 (= the remaining ranks), "
-                          f"got {cfg.parallelism.dp_shard}.")
-    if cfg.training.seq_len < 2:
-        raise RecipeError(f"{where}: training.seq_len must be >= 2 (one input and one label token), "
-                          f"got {cfg.training.seq_len}. Set e.g. --training.seq_len 512.")
-    if cfg.optimizer.lr <= 0:
-        raise RecipeError(f"{where}: optimizer.lr must be > 0, got {cfg.optimizer.lr}.")
-    if cfg.lr_scheduler.warmup_steps < 0:
-        raise RecipeError(f"{where}: lr_scheduler.warmup_steps must be >= 0.")
-    ck = cfg.checkpoint
-    for key in ("keep_latest_k", "hf_export_interval"):
-        if getattr(ck, key) < 0:
-            raise RecipeError(f"{where}: checkpoint.{key} must be >= 0, got {getattr(ck, key)}.")
-    if ck.load_step < -1:
-        raise RecipeError(f"{where}: checkpoint.load_step must be -1 (newest), 0 (start fresh) or a step, "
-                          f"got {ck.load_step}.")
-    if ck.load_step > 0 and not ck.enable:
-        raise RecipeError(f"{where}: checkpoint.load_step = {ck.load_step} needs checkpoint.enable = true.")
-    if not cfg.data.corpus:
-        raise RecipeError(f"{where}: data.corpus is empty. Use [\"pydoc\"] or local .txt/.jsonl paths.")
-
-
-def to_dict(cfg: Config) -> dict:
-    return {s: dataclasses.asdict(getattr(cfg, s)) for s in SECTIONS}
-
-
-def to_toml(cfg: Config) -> str:
-    """The merged config as TOML (for --print-config and the run folder)."""
-    def fmt(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(fmt(x) for x in v) + "]"
-        return repr(v)
-    lines = []
-    for section, values in to_dict(cfg).items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {fmt(v)}" for k, v in values.items()]
-        lines.append("")
-    return "\n".join(lines)

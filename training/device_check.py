@@ -14,7 +14,7 @@ GPU_SIZED_PARAMETERS = 1e9
 
 def needs_gpus(cfg: Config) -> bool:
     from models.llama import model_config
-    from train import model_overrides
+    from training.preflight import model_overrides
     from training.roofline import parameter_count
 
     device = cfg.hardware.device

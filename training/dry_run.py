@@ -27,10 +27,12 @@ class Stage:
     cfg: Config
 
 
-def stage_configs(cfg: Config) -> list[Stage]:
-    """The recipe's training stages, each a complete Config (its own seq_len, cp, rope, ...). Today one stage: the
-    recipe itself; context-length ramps return one Config per [[ramp]] stage from here."""
-    return [Stage("recipe", cfg)]
+def stage_configs(cfg: Config, world: int) -> list[Stage]:
+    """The recipe's training stages, each a complete Config (its own seq_len, cp, rope, batch): one per [[ramp]]
+    table, or the recipe itself."""
+    from training.ramp import resolve_stages
+
+    return [Stage(s.name, s.cfg) for s in resolve_stages(cfg, world)]
 
 
 @dataclass
@@ -57,7 +59,7 @@ def ranks_that_matter(dims) -> list[int]:
 
 def measure_stage(stage: Stage, world: int, gpus_per_node: int) -> StageResult:
     from models.llama import model_config
-    from train import model_overrides, preflight
+    from training.preflight import model_overrides, preflight
 
     cfg = stage.cfg
     dims = preflight(cfg, world)
@@ -114,7 +116,7 @@ def propose_fix(result: StageResult, usable_gib: float) -> tuple[str, Config | N
 
 def _header(cfg: Config, world: int, first: StageResult, n_layers: int) -> list[str]:
     from models.llama import model_config
-    from train import model_overrides
+    from training.preflight import model_overrides
 
     hw, memory = cfg.hardware, first.memory
     mcfg = model_config(cfg.model.name, **model_overrides(cfg))
@@ -169,12 +171,12 @@ def format_table(rows: list[list[str]]) -> str:
 
 def run_dry_run(cfg: Config, world: int) -> int:
     from models.llama import model_config
-    from train import model_overrides
+    from training.preflight import model_overrides
 
     start = time.perf_counter()
     usable = cfg.hardware.device_memory_gib - RUNTIME_RESERVE_GIB
     results = []
-    for index, stage in enumerate(stage_configs(cfg)):
+    for index, stage in enumerate(stage_configs(cfg, world)):
         try:
             results.append(measure_stage(stage, world, cfg.hardware.gpus_per_node))
         except RecipeError:

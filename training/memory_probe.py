@@ -136,7 +136,7 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.parallelize import clip_grad_norm_, parallelize, uses_loss_parallel
     from parallelisms.tensor_parallel import loss_context, token_loss_sum
-    from train import model_overrides
+    from training.preflight import model_overrides
 
     p, t, o = cfg.parallelism, cfg.training, cfg.optimizer
     dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)

@@ -1,7 +1,7 @@
 """Recipes, overrides and their one-line errors."""
 import pytest
 
-from training.config import load_config, parse_overrides, to_toml
+from training.recipe import load_config, parse_overrides, to_toml
 from training.errors import RecipeError
 
 

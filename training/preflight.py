@@ -1,0 +1,97 @@
+"""Every check that needs no process group, for every ramp stage: run before torchrun starts (train.py --check)
+and again by each rank, so bad input is one line naming the key and the fix, never a hang or a traceback wall."""
+from __future__ import annotations
+
+import math
+import os
+
+from training.config import Config
+from training.errors import RecipeError
+from training.ramp import Stage, resolve_stages
+
+
+def preflight_stages(cfg: Config, world_size: int) -> list[Stage]:
+    """The recipe's stages (one without [[ramp]]), each checked; errors name the stage."""
+    stages = resolve_stages(cfg, world_size)
+    for stage in stages:
+        try:
+            preflight(stage.cfg, world_size)
+        except RecipeError as e:
+            if stage.index < 0:
+                raise
+            raise RecipeError(f"{stage.name} (start_step {stage.start_step}, seq_len "
+                              f"{stage.cfg.training.seq_len}, cp {stage.cfg.parallelism.cp}): {e}") from None
+    return stages
+
+
+def required_ranks(cfg: Config) -> int:
+    """The ranks a recipe asks for when NPROC is not given (dp_shard = -1 counts as 1)."""
+    p = cfg.parallelism
+    return p.pp * p.dp_replicate * max(1, p.dp_shard) * p.cp * p.tp
+
+
+def preflight(cfg: Config, world_size: int):
+    """Every check that needs no process group; returns the resolved parallel degrees."""
+    from data.corpus import load_documents
+    from models.llama import model_config
+    from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.pipeline_parallel import plan_pipeline
+    from parallelisms.tensor_parallel import check_tp_degree
+
+    p = cfg.parallelism
+    dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
+    mcfg = model_config(cfg.model.name, **model_overrides(cfg))
+    load_documents(cfg.data.corpus)  # raises on a missing path
+    if cfg.data.tokenizer_path and not os.path.exists(cfg.data.tokenizer_path):
+        raise RecipeError(f"{cfg.recipe_path}: data.tokenizer_path '{cfg.data.tokenizer_path}' does not exist. "
+                          f"Point it at a SentencePiece .model file or leave it empty to train one.")
+    rows_per_step = cfg.training.local_batch_size * dims.dp
+    gbs = cfg.training.global_batch_size
+    if gbs != -1 and (gbs <= 0 or gbs % rows_per_step):
+        raise RecipeError(f"{cfg.recipe_path}: training.global_batch_size {gbs} must be a multiple of "
+                          f"local_batch_size x dp = {rows_per_step}. Use {max(1, gbs // rows_per_step) * rows_per_step}.")
+    if p.tp > 1:
+        check_tp_degree(mcfg.n_heads, mcfg.num_kv_heads, p.tp, where=cfg.recipe_path)
+    check_sequence_split(cfg)
+    if p.pp > 1:
+        if cfg.data.document_masking:
+            raise RecipeError(f"{cfg.recipe_path}: data.document_masking is not supported with parallelism.pp > 1 "
+                              f"(document ids are per batch, the pipeline splits batches). Set pp = 1.")
+        plan_pipeline(mcfg.n_layers, p.pp, p.pp_schedule, p.pp_layers_per_stage, p.pp_microbatches,
+                      cfg.training.local_batch_size, where=cfg.recipe_path)
+    if cfg.eval.passkey:
+        if p.pp > 1:
+            raise RecipeError(f"{cfg.recipe_path}: eval.passkey runs the whole model on each rank and is not "
+                              f"supported with parallelism.pp > 1. Evaluate a checkpoint with pp = 1.")
+        for length in cfg.eval.passkey_lengths:
+            check_sequence_split(cfg, length, "eval.passkey_lengths")
+    return dims
+
+
+def check_sequence_split(cfg: Config, seq_len: int | None = None, key: str = "training.seq_len") -> None:
+    """seq_len must split into CP shards (2*cp chunks for zigzag; the ring also runs at cp=1 for document masking)
+    and each CP shard into tp pieces for sequence parallelism."""
+    p = cfg.parallelism
+    seq_len = cfg.training.seq_len if seq_len is None else seq_len
+    cp_active = p.cp > 1 or cfg.data.document_masking
+    cp_multiple = (2 * p.cp if p.cp_load_balancer == "zigzag" else p.cp) if cp_active else 1
+    multiple = math.lcm(cp_multiple, p.cp * p.tp)
+    if seq_len % multiple == 0:
+        return
+    nearest = max(multiple, round(seq_len / multiple) * multiple)
+    parts = []
+    if cp_multiple > 1:
+        parts.append(f"{cp_multiple} for {p.cp_load_balancer} CP over {p.cp} rank(s)")
+    if p.tp > 1:
+        parts.append(f"cp x tp = {p.cp * p.tp} for sequence parallelism over tp {p.tp}")
+    raise RecipeError(f"{cfg.recipe_path}: {key} {seq_len} is not divisible by {multiple} "
+                      f"({'; '.join(parts)}). Use {nearest}.")
+
+
+def model_overrides(cfg: Config) -> dict:
+    m = cfg.model
+    names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta")
+    out = {k: getattr(m, k) for k in names if getattr(m, k)}
+    if m.rope_scaling_factor:
+        out["rope_scaling_factor"] = None if m.rope_scaling_factor < 0 else m.rope_scaling_factor
+    return out
