@@ -161,17 +161,23 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+        def micro_step():
+            # As Trainer.train_step does it (same variables alive at the same time).
+            batch = _fake_batch(cfg)
+            with _cp_context(cfg, mesh, batch, stats), loss_context(uses_loss_parallel(cfg, mesh)):
+                logits = model(batch["input_ids"], batch["position_ids"])
+                scaled = token_loss_sum(logits, batch["labels"]) / global_tokens
+                scaled.backward()
+            return logits, scaled, batch
+
+        stats_before = 0
+        if grad_accum > 1:
+            # With accumulation every micro-step after the first runs on top of existing gradients: run one first,
+            # then measure the next (the memory tracker follows one forward/backward at a time).
+            micro_step()  # its outputs are dropped at once
+            stats_before = stats.kv_bytes_sent + stats.backward_bytes_sent
         with _tracker(model, optimizer) as tracker:
-            # As Trainer.train_step does it (same variables alive at the same time); a second micro-batch runs with
-            # accumulated gradients.
-            for micro in range(min(grad_accum, 2)):
-                batch = _fake_batch(cfg)
-                if micro == 1:
-                    stats_before = stats.kv_bytes_sent + stats.backward_bytes_sent
-                with _cp_context(cfg, mesh, batch, stats), loss_context(uses_loss_parallel(cfg, mesh)):
-                    logits = model(batch["input_ids"], batch["position_ids"])
-                    scaled = token_loss_sum(logits, batch["labels"]) / global_tokens
-                    scaled.backward()
+            logits, scaled, batch = micro_step()
             del logits, scaled, batch
             peak_forward_backward = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
         with _tracker(model, optimizer) as tracker:
@@ -180,9 +186,7 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
             state = _by_kind(tracker.get_tracker_snapshot("current"))
             optimizer.zero_grad(set_to_none=True)
             peak_optimizer_step = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
-    ring = stats.kv_bytes_sent + stats.backward_bytes_sent
-    if grad_accum > 1:
-        ring -= stats_before
+    ring = stats.kv_bytes_sent + stats.backward_bytes_sent - stats_before
     return RankMemory(state["params"], state["grads"], state["optimizer"], peak_forward_backward,
                       peak_optimizer_step, float(ring) if p.cp > 1 else None, (mcfg.n_layers,))
 
