@@ -16,6 +16,18 @@ def format_eta(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def _drop_records_after(path: str, step: int) -> None:
+    """Keeps the records of steps <= `step` (all of them when starting fresh at step 0 in a new folder)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        with open(path, "w") as f:
+            f.writelines(kept)
+
+
 class MetricsLogger:
     def __init__(self, dump_folder: str, total_steps: int, enable_tensorboard: bool, is_writer: bool,
                  start_step: int = 0):
@@ -28,11 +40,13 @@ class MetricsLogger:
         if not is_writer:
             return
         os.makedirs(dump_folder, exist_ok=True)
-        self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(dump_folder, "metrics.jsonl")
+        _drop_records_after(path, start_step)  # a resumed run replays the steps after its checkpoint
+        self.jsonl = open(path, "a", buffering=1)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(dump_folder, "tb"))
+            self.tb = SummaryWriter(os.path.join(dump_folder, "tb"), purge_step=start_step + 1 if start_step else None)
 
     def log(self, step: int, record: dict) -> None:
         """`record` holds the CONTRACT fields (loss, lr, grad_norm, tokens_per_sec, mfu, seq_len, cp,
