@@ -158,7 +158,7 @@ class Trainer:
         names = ["input_ids", "labels", "position_ids", "document_ids"]
         return context_parallel(
             self.mesh.cp_mesh, buffers=[batch[n] for n in names], buffer_seq_dims=[1] * len(names),
-            no_restore_buffers={batch[n] for n in names}, load_balancer=p.cp_load_balancer,
+            no_restore_buffers={batch[n] for n in names}, load_balancer=p.cp_load_balancer, cp_impl=p.cp_impl,
             document_ids=batch["document_ids"] if self.cfg.data.document_masking else None, stats=self.comm_stats)
 
     def _global_tokens(self) -> int:

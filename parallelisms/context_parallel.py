@@ -4,6 +4,7 @@
 the same way, so RoPE sees true positions) and routes every SDPA call made inside it to `ring_attention` through a
 TorchFunctionMode: no monkey-patching, and the model needs no CP-specific code. SDPA calls the ring cannot compute
 exactly (an attn_mask, dropout) raise `UnsupportedAttentionError` instead of computing something else.
+`cp_impl` picks another exact variant on the same layouts (all-gather, Ulysses, hybrid, or auto: see cp_choice.py).
 
 Labels must be shifted BEFORE sharding, and the loss divides the local sum by the global token count.
 """
@@ -17,23 +18,25 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from parallelisms.cp_choice import CP_IMPLS, CPAttention, check_cp_impl
 from parallelisms.ring_attention import CommStats, UnsupportedAttentionError, ring_attention
 from parallelisms.ring_plan import DocumentShards
 from parallelisms.sequence_sharding import (LOAD_BALANCERS, check_load_balancer, check_sequence_length,
                                             local_positions, resolve_group, shard_sequence, unshard_sequence)
 
 __all__ = ["shard_sequence", "unshard_sequence", "ring_attention", "context_parallel", "CommStats",
-           "UnsupportedAttentionError", "LOAD_BALANCERS", "check_sequence_length", "local_positions"]
+           "UnsupportedAttentionError", "LOAD_BALANCERS", "CP_IMPLS", "check_sequence_length", "local_positions"]
 
 
 class RingAttentionMode(TorchFunctionMode):
     """Sends `F.scaled_dot_product_attention` to the ring; every other torch call passes through untouched."""
 
     def __init__(self, group: dist.ProcessGroup, load_balancer: str, local_lengths: set[int],
-                 documents: DocumentShards | None, stats: CommStats | None):
+                 documents: DocumentShards | None, stats: CommStats | None, variant: CPAttention | None = None):
         super().__init__()
         self.group, self.load_balancer = group, load_balancer
         self.local_lengths, self.documents, self.stats = local_lengths, documents, stats
+        self.variant = variant  # None: the ring
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -60,6 +63,8 @@ class RingAttentionMode(TorchFunctionMode):
                 f"scaled_dot_product_attention under context_parallel got a sequence of {query.size(-2)} tokens, but "
                 f"the sharded buffers hold {sorted(self.local_lengths)} per rank: was the input sharded by "
                 "context_parallel's buffers?")
+        if self.variant is not None:
+            return self.variant(query, key, value, is_causal=is_causal, scale=scale)
         return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale,
                               load_balancer=self.load_balancer, stats=self.stats, _documents=self.documents)
 
@@ -77,17 +82,20 @@ def _check_buffers(buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[in
 @contextlib.contextmanager
 def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
                      no_restore_buffers: Sequence[torch.Tensor] | None = None, load_balancer: str = "zigzag",
-                     document_ids: torch.Tensor | None = None, stats: CommStats | None = None) -> Iterator[None]:
+                     document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
+                     cp_impl: str = "ring", ulysses_degree: int | None = None) -> Iterator[None]:
     """Shards `buffers` in place along `buffer_seq_dims` and routes SDPA to the ring until exit.
 
     cp_mesh: a 1-D DeviceMesh or ProcessGroup (size 1 is valid and runs the same path). Buffers are restored on exit
     (without a copy) unless listed in `no_restore_buffers`; run the backward inside the block too, since autograd
     refuses tensors that changed after it saved them (tokens for the embedding, labels for the loss). `document_ids` (B, S), one of `buffers`: every routed SDPA
     call then masks attention to each token's own document, combined with causality when the call is causal.
-    `stats`: a CommStats the ring adds its counters to.
+    `stats`: a CommStats the ring adds its counters to. `cp_impl`: one of CP_IMPLS ("ring" is the default and the
+    path above; see cp_choice.py); `ulysses_degree`: the Ulysses group size of cp_impl="hybrid" (None: in-node ranks).
     """
     group = resolve_group(cp_mesh)
     check_load_balancer(load_balancer)
+    check_cp_impl(cp_impl)
     _check_buffers(buffers, buffer_seq_dims, document_ids)
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     for buf, dim in zip(buffers, buffer_seq_dims):
@@ -95,6 +103,10 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     documents = None
     if document_ids is not None:  # every rank's ids, taken before sharding (no collective needed)
         documents = DocumentShards.from_full(document_ids.detach(), cp_size, load_balancer)
+    variant = None
+    if cp_impl != "ring":
+        full_ids = None if document_ids is None else document_ids.detach().clone()
+        variant = CPAttention(cp_impl, group, load_balancer, full_ids, documents, stats, ulysses_degree)
     keep = {id(b) for b in (no_restore_buffers or [])}
     originals = []
     with torch.no_grad():
@@ -105,7 +117,7 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
             buf.set_(local)
     local_lengths = {buf.size(dim) for buf, dim in zip(buffers, buffer_seq_dims)}
     try:
-        with RingAttentionMode(group, load_balancer, local_lengths, documents, stats):
+        with RingAttentionMode(group, load_balancer, local_lengths, documents, stats, variant):
             yield
     finally:
         with torch.no_grad():

@@ -15,6 +15,9 @@ from tests.trainer_runs import read_metrics, run_train
     (["--data.corpus", "no/such/corpus.txt"], None, "no/such/corpus.txt"),
     (["--training.seq_len", "1"], None, "training.seq_len must be >= 2"),
     (["--parallelism.cp", "2", "--parallelism.dp_shard", "1", "--training.seq_len", "510"], None, "Use 512"),
+    (["--parallelism.cp", "3", "--parallelism.dp_shard", "1", "--parallelism.cp_impl", "ulysses",
+      "--training.seq_len", "516"], None, 'cp_impl = "ulysses" with cp 3'),
+    (["--parallelism.cp_impl", "ulyses"], None, "parallelism.cp_impl"),
 ])
 def test_bad_input_is_one_line(args, nproc, expect):
     result = run_train(*args, nproc=nproc, timeout=60)

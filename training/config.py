@@ -132,6 +132,9 @@ class ParallelismConfig:
     """Tensor-parallel degree (with sequence parallelism)."""
     cp_load_balancer: str = "zigzag"
     """How sequence chunks are laid out on CP ranks: zigzag | striped | contiguous."""
+    cp_impl: str = "ring"
+    """CP attention: ring | allgather (one K/V all-gather) | ulysses (all-to-all over heads) | hybrid (Ulysses in-node,
+    ring across nodes) | auto (chosen from heads, degree and topology, and logged). All exact; docs/cp_variants.md."""
     fsdp_reshard_after_forward: str = "default"
     """Free gathered parameters after forward: default (yes, but no under PP) | always | never."""
     loss_parallel: bool = True
@@ -231,6 +234,7 @@ CHOICES = {
     ("optimizer", "name"): ("AdamW",),
     ("lr_scheduler", "decay_type"): ("linear", "cosine", "constant"),
     ("parallelism", "cp_load_balancer"): ("zigzag", "striped", "contiguous"),
+    ("parallelism", "cp_impl"): ("ring", "allgather", "ulysses", "hybrid", "auto"),
     ("parallelism", "fsdp_reshard_after_forward"): ("default", "always", "never"),
     ("parallelism", "pp_schedule"): ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
                                      "ZBVZeroBubble"),

@@ -53,6 +53,13 @@ def preflight(cfg: Config, world_size: int):
     if p.tp > 1:
         check_tp_degree(mcfg.n_heads, mcfg.num_kv_heads, p.tp, where=cfg.recipe_path)
     check_sequence_split(cfg)
+    if p.cp_impl == "ulysses" and p.cp > 1:  # hybrid and auto fall back to what the heads allow
+        from parallelisms.cp_ulysses import kv_replication
+        from parallelisms.ring_attention import UnsupportedAttentionError
+        try:
+            kv_replication(mcfg.n_heads // p.tp, mcfg.num_kv_heads // p.tp, p.cp)
+        except UnsupportedAttentionError as e:
+            raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_impl = \"ulysses\" with cp {p.cp}: {e}") from None
     if p.pp > 1:
         if cfg.data.document_masking:
             raise RecipeError(f"{cfg.recipe_path}: data.document_masking is not supported with parallelism.pp > 1 "

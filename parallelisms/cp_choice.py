@@ -1,0 +1,191 @@
+"""Which context-parallel attention to run (`parallelism.cp_impl`), and the router `context_parallel` sends SDPA to.
+
+Variants (all exact, same layouts and results; see each module):
+- ring       ring_attention.py   K/V hop around the ring, overlapped with compute; P-1 latency-bound steps.
+- allgather  cp_allgather.py     one all-gather of K/V, fused block kernels, dK/dV reduce-scattered (Llama 3).
+- ulysses    cp_ulysses.py       all-to-all sequence <-> heads, one full-length kernel; degree capped by the heads.
+- hybrid     cp_hybrid.py        Ulysses inside a node, ring across nodes (USP).
+- auto       `choose_cp_impl` below, resolved at the first attention call (when the heads are known) and
+             printed once by global rank 0.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallelisms.cp_allgather import allgather_attention
+from parallelisms.cp_hybrid import check_hybrid, hybrid_attention, hybrid_groups, hybrid_plan, ring_documents
+from parallelisms.cp_ulysses import document_mask, global_order_plan, ulysses_attention, ulysses_feasible
+from parallelisms.ring_attention import CommStats, ring_attention
+from parallelisms.ring_plan import DocumentShards
+from training.errors import RecipeError
+
+CP_IMPLS = ("ring", "allgather", "ulysses", "hybrid", "auto")
+# Ulysses must send less than this fraction of the ring's bytes to win: it also copies Q, K, V, O and their gradients
+# in and out of its all-to-all buffers, which the ring never does. Fitted on this box (docs/cp_variants.md): at 0.5
+# the two tie, at 0.3 Ulysses is 9-20% faster, at 0.9 it is level or slower.
+ULYSSES_MAX_BYTE_RATIO = 0.5
+
+
+def check_cp_impl(cp_impl: str) -> None:
+    if cp_impl not in CP_IMPLS:
+        raise RecipeError(f"parallelism.cp_impl: unknown context-parallel implementation {cp_impl!r}; "
+                          f"use one of {', '.join(CP_IMPLS)}")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the CP ranks live: how many nodes the group spans and how many of its ranks share each node."""
+    cp_size: int
+    nodes: int
+    ranks_per_node: int
+    device_type: str
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup, device_type: str) -> "Topology":
+        """Node of a rank = global rank // LOCAL_WORLD_SIZE (torchrun numbers ranks node by node)."""
+        size = dist.get_world_size(group)
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        nodes = {dist.get_global_rank(group, i) // max(per_node, 1) for i in range(size)}
+        return cls(size, len(nodes), size // len(nodes), device_type)
+
+
+@dataclass(frozen=True)
+class CPChoice:
+    impl: str
+    ulysses_degree: int | None
+    reason: str
+
+
+def hybrid_degree(topology: Topology, q_heads: int, kv_heads: int) -> int:
+    """Largest Ulysses degree that divides the CP degree, fits in one node and splits the heads (1 = pure ring)."""
+    fits = [d for d in range(topology.cp_size, 0, -1) if topology.cp_size % d == 0
+            and topology.ranks_per_node % d == 0 and ulysses_feasible(q_heads, kv_heads, d)]
+    proper = [d for d in fits if d < topology.cp_size]
+    return (proper or fits or [1])[0]
+
+
+def bytes_sent_per_call(impl: str, cp_size: int, q_heads: int, kv_heads: int, element_size: int) -> float:
+    """Bytes one rank sends in one attention fwd+bwd, per local token and per head-dim element (CommStats counts
+    exactly this; tests check it). ring: P-1 K/V hops forward, P-1 K/V hops and P float32 dK/dV hops backward.
+    ulysses: (P-1)/P of Q, K, V (K/V heads replicated to lcm(kv_heads, P)) and of the output, forward and backward."""
+    if impl == "ring":
+        return 2 * (cp_size - 1) * 2 * kv_heads * element_size + cp_size * 2 * kv_heads * 4
+    if impl == "ulysses":
+        return 2 * (cp_size - 1) / cp_size * (2 * q_heads + 2 * math.lcm(kv_heads, cp_size)) * element_size
+    raise ValueError(f"no byte model for {impl!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def choose_cp_impl(topology: Topology, q_heads: int, kv_heads: int, load_balancer: str, has_documents: bool,
+                   element_size: int = 4) -> CPChoice:
+    """The `auto` rule; the measurements behind it are in docs/cp_variants.md.
+
+    1. cp = 1: ring (no communication at all).
+    2. CP spanning nodes: hybrid, Ulysses over the in-node ranks (USP), ring across nodes.
+    3. One node: Ulysses when the heads split over the ranks, no document mask is needed (Ulysses would build a
+       dense S x S one) and it sends less than ULYSSES_MAX_BYTE_RATIO of the ring's bytes (it then also runs one
+       full-length kernel per rank, without log-sum-exp merges). Otherwise the ring, which overlaps its transfers
+       with compute and needs no extra copies. All-gather is never picked: it was never the fastest here.
+    """
+    p = topology.cp_size
+    if p == 1:
+        choice = CPChoice("ring", None, "cp = 1: no communication, the ring path is plain attention")
+    elif topology.nodes > 1 and topology.ranks_per_node > 1 and load_balancer != "striped" \
+            and hybrid_degree(topology, q_heads, kv_heads) > 1:
+        u = hybrid_degree(topology, q_heads, kv_heads)
+        choice = CPChoice("hybrid", u, f"CP spans {topology.nodes} nodes: Ulysses over {u} in-node ranks "
+                                       f"(heads {q_heads}/{kv_heads} split), ring over {p // u} node groups")
+    else:
+        ring = bytes_sent_per_call("ring", p, q_heads, kv_heads, element_size)
+        ulysses = bytes_sent_per_call("ulysses", p, q_heads, kv_heads, element_size)
+        sizes = f"{q_heads} query / {kv_heads} key-value heads over {p} ranks"
+        if not ulysses_feasible(q_heads, kv_heads, p):
+            choice = CPChoice("ring", None, f"{sizes}: the heads do not split for Ulysses")
+        elif has_documents:
+            choice = CPChoice("ring", None, f"{sizes}, document masking: the ring skips blocks of documents that "
+                                            "cannot meet, Ulysses would need a dense mask")
+        elif ulysses < ULYSSES_MAX_BYTE_RATIO * ring:
+            choice = CPChoice("ulysses", None, f"{sizes}: Ulysses sends {ulysses / ring:.2f}x the ring's bytes and "
+                                               "runs one full-length kernel per rank")
+        else:
+            choice = CPChoice("ring", None, f"{sizes}: Ulysses would send {ulysses / ring:.2f}x the ring's bytes "
+                                            f"(it wins below {ULYSSES_MAX_BYTE_RATIO}); the ring overlaps its K/V "
+                                            "transfers with compute")
+    return choice
+
+
+@functools.lru_cache(maxsize=None)  # once per process and distinct decision, not once per step
+def announce(choice: CPChoice, asked: str) -> None:
+    degree = f" (ulysses_degree {choice.ulysses_degree})" if choice.ulysses_degree else ""
+    print(f"context parallel, cp_impl = {asked}: runs {choice.impl}{degree}: {choice.reason}", flush=True)
+
+
+class CPAttention:
+    """Sends one `context_parallel` block's SDPA calls to the chosen variant. Plans, masks and document shards are
+    built at the first call and reused by every layer; `auto` is resolved then too (all ranks see the same heads)."""
+
+    def __init__(self, cp_impl: str, group: dist.ProcessGroup, load_balancer: str,
+                 full_document_ids: torch.Tensor | None, documents: DocumentShards | None,
+                 stats: CommStats | None, ulysses_degree: int | None = None):
+        check_cp_impl(cp_impl)
+        self.cp_impl, self.group, self.load_balancer = cp_impl, group, load_balancer
+        self.full_document_ids, self.documents, self.stats = full_document_ids, documents, stats
+        self.ulysses_degree = ulysses_degree
+        self.choice: CPChoice | None = None
+        self._cache: dict = {}
+
+    def _resolve(self, q: torch.Tensor, k: torch.Tensor) -> CPChoice:
+        if self.choice is None:
+            topology = Topology.of(self.group, q.device.type)
+            if self.cp_impl == "auto":
+                self.choice = choose_cp_impl(topology, q.size(1), k.size(1), self.load_balancer,
+                                             self.full_document_ids is not None, q.element_size())
+                if dist.get_rank() == 0:
+                    announce(self.choice, "auto")
+            elif self.cp_impl == "hybrid":
+                degree = self.ulysses_degree or hybrid_degree(topology, q.size(1), k.size(1))
+                check_hybrid(topology.cp_size, degree, self.load_balancer)
+                self.choice = CPChoice("hybrid", degree, "the degree " + (
+                    "asked for" if self.ulysses_degree else f"is the largest that fits {topology.ranks_per_node} "
+                    f"in-node ranks and splits {q.size(1)}/{k.size(1)} heads"))
+                if dist.get_rank() == 0:
+                    announce(self.choice, "hybrid")
+            else:
+                self.choice = CPChoice(self.cp_impl, None, "asked for")
+        return self.choice
+
+    def _cached(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def __call__(self, q, k, v, *, is_causal: bool, scale: float | None) -> torch.Tensor:
+        choice = self._resolve(q, k)
+        seq_len = q.size(2) * dist.get_world_size(self.group)
+        common = dict(is_causal=is_causal, scale=scale, load_balancer=self.load_balancer, stats=self.stats)
+        if choice.impl == "ring":
+            return ring_attention(q, k, v, self.group, _documents=self.documents, **common)
+        if choice.impl == "allgather":
+            return allgather_attention(q, k, v, self.group, _documents=self.documents, **common)
+        if choice.impl == "ulysses":
+            plan = self._cached(("plan", seq_len), lambda: global_order_plan(self.group, seq_len, self.load_balancer))
+            mask = None
+            if self.full_document_ids is not None:
+                mask = self._cached(("mask", is_causal, q.dtype),
+                                    lambda: document_mask(self.full_document_ids, is_causal, q.dtype))
+            return ulysses_attention(q, k, v, self.group, _plan=plan, _mask=mask, **common)
+        degree = choice.ulysses_degree
+        ulysses_group = hybrid_groups(self.group, degree)[0]
+        plan = self._cached(("plan", seq_len), lambda: hybrid_plan(ulysses_group, seq_len, dist.get_rank(self.group),
+                                                        dist.get_world_size(self.group), degree, self.load_balancer))
+        docs = None
+        if self.full_document_ids is not None:
+            docs = self._cached("docs", lambda: ring_documents(self.full_document_ids, dist.get_world_size(self.group),
+                                                               degree, self.load_balancer))
+        return hybrid_attention(q, k, v, self.group, ulysses_degree=degree, _plan=plan, _documents=docs, **common)

@@ -1,0 +1,91 @@
+"""Hybrid context parallelism (USP): Ulysses inside groups of `ulysses_degree` consecutive CP ranks, ring across them.
+
+A CP group of P = U x R ranks is seen as R ring ranks of U Ulysses ranks each (consecutive ranks share a node, so
+the all-to-all stays on the fast in-node links and only K/V cross nodes). No new layout is needed: with zigzag over
+P, the U consecutive ranks rho*U .. rho*U+U-1 hold exactly the chunks that zigzag over R gives ring rank rho (their
+head chunks form its head, their tail chunks its tail); the same holds for contiguous. So the buffers are sharded as
+for every other variant, the all-to-all places the group's tokens in ring rank rho's local order, and the ring runs
+unchanged over R ranks with U-times fewer heads. Striped does not decompose this way and is refused.
+
+The sub-groups are derived from the 1-D CP group with `new_group(..., use_local_synchronization=True)` (only the CP
+ranks take part; the 5-D mesh is untouched) and kept in a per-process cache, since creating communicators is slow.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from parallelisms.cp_ulysses import ExchangePlan, exchange_heads_to_seq, exchange_seq_to_heads, replicate_kv
+from parallelisms.ring_attention import CommStats, UnsupportedAttentionError, ring_attention
+from parallelisms.ring_plan import DocumentShards
+from parallelisms.sequence_sharding import (check_load_balancer, check_sequence_length, local_positions,
+                                            resolve_group, unshard_sequence)
+
+# Communicators derived from a CP group, per Ulysses degree: created once per process (creation is a rendezvous).
+_SUBGROUP_CACHE: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.WeakKeyDictionary()
+
+
+def check_hybrid(cp_size: int, ulysses_degree: int, load_balancer: str) -> None:
+    if ulysses_degree < 1 or cp_size % ulysses_degree:
+        divisors = [d for d in range(1, cp_size + 1) if cp_size % d == 0]
+        raise UnsupportedAttentionError(f"hybrid CP: ulysses_degree {ulysses_degree} must divide the CP degree "
+                                        f"{cp_size}; use one of {divisors}")
+    if load_balancer == "striped" and 1 < ulysses_degree < cp_size:
+        raise UnsupportedAttentionError("hybrid CP with the striped layout does not split into Ulysses x ring "
+                                        "groups; use parallelism.cp_load_balancer = \"zigzag\" (or contiguous)")
+
+
+def hybrid_groups(group: dist.ProcessGroup, ulysses_degree: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this rank's Ulysses group of U consecutive CP ranks, its ring group of the R ranks with the same offset)."""
+    per_degree = _SUBGROUP_CACHE.setdefault(group, {})
+    if ulysses_degree not in per_degree:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        members = [dist.get_global_rank(group, i) for i in range(size)]
+        ring_index, offset = divmod(rank, ulysses_degree)
+        ulysses = members[ring_index * ulysses_degree:(ring_index + 1) * ulysses_degree]
+        ring = members[offset::ulysses_degree]
+        per_degree[ulysses_degree] = (dist.new_group(ulysses, use_local_synchronization=True),
+                                      dist.new_group(ring, use_local_synchronization=True))
+    return per_degree[ulysses_degree]
+
+
+def hybrid_plan(ulysses_group: dist.ProcessGroup, seq_len: int, cp_rank: int, cp_size: int, ulysses_degree: int,
+                load_balancer: str) -> ExchangePlan:
+    """The Ulysses exchange that lays the group's tokens out as ring rank rho's local sequence."""
+    ring_rank = cp_rank // ulysses_degree
+    members = [local_positions(seq_len, ring_rank * ulysses_degree + u, cp_size, load_balancer)
+               for u in range(ulysses_degree)]
+    target = local_positions(seq_len, ring_rank, cp_size // ulysses_degree, load_balancer)
+    return ExchangePlan.build(ulysses_group, members, target)
+
+
+def ring_documents(full_ids: torch.Tensor, cp_size: int, ulysses_degree: int, load_balancer: str) -> DocumentShards:
+    """Document ids of every ring rank in its local order (what the inner ring masks against)."""
+    return DocumentShards.from_full(full_ids, cp_size // ulysses_degree, load_balancer)
+
+
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, ulysses_degree: int,
+                     is_causal: bool = True, scale: float | None = None, load_balancer: str = "zigzag",
+                     document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
+                     _plan: ExchangePlan | None = None, _documents: DocumentShards | None = None) -> torch.Tensor:
+    """Exact attention of this rank's queries (same inputs and layouts as `ring_attention`), Ulysses over
+    `ulysses_degree` consecutive CP ranks and the ring over the rest. Hq must split over `ulysses_degree`."""
+    pg = resolve_group(group)
+    check_load_balancer(load_balancer)
+    size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    seq_len = q.size(2) * size
+    check_sequence_length(seq_len, size, load_balancer)
+    check_hybrid(size, ulysses_degree, load_balancer)
+    ulysses_pg, ring_pg = hybrid_groups(pg, ulysses_degree)
+    plan = _plan or hybrid_plan(ulysses_pg, seq_len, rank, size, ulysses_degree, load_balancer)
+    docs = _documents
+    if docs is None and document_ids is not None:
+        docs = ring_documents(unshard_sequence(document_ids, 1, pg, load_balancer), size, ulysses_degree,
+                              load_balancer)
+    k, v = replicate_kv(k, v, q.size(1), ulysses_degree)
+    qh, kh, vh = exchange_seq_to_heads(plan, q, k, v, stats=stats)
+    out = ring_attention(qh, kh, vh, ring_pg, is_causal=is_causal, scale=scale, load_balancer=load_balancer,
+                         stats=stats, _documents=docs)
+    return exchange_heads_to_seq(plan, out, stats=stats)[0]

@@ -1,0 +1,252 @@
+"""Ulysses context parallelism (DeepSpeed-Ulysses): an all-to-all turns sequence shards into head shards.
+
+Each rank starts with all heads of its S/P tokens and, after one all-to-all of Q, K and V together, holds H/P heads of
+the whole sequence in global order; plain SDPA runs on them and a second all-to-all brings the output back. Its
+bytes per rank do not shrink with P (ring's K/V do), and its degree is capped by the heads, but the attention itself
+is one full-length kernel call with no log-sum-exp merges.
+
+GQA: K/V heads are split too. When the degree does not divide the K/V heads, each K/V head is replicated just enough
+(to lcm(kv_heads, P) heads) that every rank gets whole groups; its gradients fold back through autograd. The query
+heads must be a multiple of that count.
+
+`ExchangePlan` is also the inner step of hybrid CP (cp_hybrid.py), where the target order is a ring rank's layout.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from parallelisms.ring_attention import CommStats, UnsupportedAttentionError
+from parallelisms.sequence_sharding import (check_load_balancer, check_sequence_length, local_positions,
+                                            resolve_group, unshard_sequence)
+
+MAX_SLICE_RUNS = 64  # beyond this many runs a member's placement is an index tensor instead of slices
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """Where each group member's local tokens go in the gathered sequence (`target_len` tokens, target order).
+
+    placements[j]: (local index, target index) pairs for member j, each a slice or an index tensor.
+    """
+    group: dist.ProcessGroup
+    size: int
+    local_len: int
+    target_len: int
+    placements: tuple
+
+    @classmethod
+    def build(cls, group: dist.ProcessGroup, member_positions: list[torch.Tensor],
+              target_positions: torch.Tensor) -> "ExchangePlan":
+        inverse = torch.full((int(target_positions.max()) + 1,), -1, dtype=torch.long)
+        inverse[target_positions.cpu()] = torch.arange(target_positions.numel())
+        placements = []
+        for positions in member_positions:
+            positions = positions.cpu()
+            if int(positions.max()) >= inverse.numel() or bool((inverse[positions] < 0).any()):
+                raise UnsupportedAttentionError("sequence layout: a member's tokens are not part of the target "
+                                                "sequence (hybrid CP needs the zigzag or contiguous layout)")
+            placements.append(_as_runs(inverse[positions]))
+        return cls(group, len(member_positions), member_positions[0].numel(), target_positions.numel(),
+                   tuple(placements))
+
+
+def _as_runs(target_index: torch.Tensor) -> tuple:
+    """Compresses a local -> target index map into slices (one strided slice, or runs of step 1)."""
+    n = target_index.numel()
+    if n == 1:
+        start = int(target_index[0])
+        return ((slice(0, 1), slice(start, start + 1)),)
+    steps = target_index.diff()
+    step = int(steps[0])
+    if step > 0 and bool((steps == step).all()):
+        start = int(target_index[0])
+        return ((slice(0, n), slice(start, start + step * (n - 1) + 1, step)),)
+    breaks = (steps != 1).nonzero().flatten().add(1).tolist()
+    if len(breaks) >= MAX_SLICE_RUNS:
+        return ((torch.arange(n), target_index),)
+    bounds = [0, *breaks, n]
+    return tuple((slice(a, b), slice(int(target_index[a]), int(target_index[a]) + b - a))
+                 for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def _count(stats: CommStats | None, sent_bytes: int, backward: bool) -> None:
+    if stats is None:
+        return
+    if backward:
+        stats.backward_bytes_sent += sent_bytes
+    else:
+        stats.kv_bytes_sent += sent_bytes
+
+
+def _all_to_all(plan: ExchangePlan, send: torch.Tensor, stats, backward: bool) -> torch.Tensor:
+    if plan.size == 1:
+        return send
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=plan.group)
+    _count(stats, send.numel() * send.element_size() * (plan.size - 1) // plan.size, backward)
+    return recv
+
+
+def _packed_layout(shapes, n: int) -> tuple[list[int], int]:
+    sizes = [math.prod(shape) // n for shape in shapes]
+    return sizes, sum(sizes)
+
+
+def seq_to_heads(plan: ExchangePlan, tensors, stats=None, backward=False) -> list[torch.Tensor]:
+    """(B, H, local, D) sequence shards -> (B, H / size, target_len, D) head shards in target order, one all-to-all."""
+    n = plan.size
+    sizes, total = _packed_layout([x.shape for x in tensors], n)
+    send = tensors[0].new_empty(n, total)
+    offset = 0
+    for x, size in zip(tensors, sizes):
+        b, h, s, d = x.shape
+        send[:, offset:offset + size].view(n, b, h // n, s, d).copy_(x.unflatten(1, (n, h // n)).transpose(0, 1))
+        offset += size
+    recv = _all_to_all(plan, send, stats, backward)
+    outs, offset = [], 0
+    for x, size in zip(tensors, sizes):
+        b, h, s, d = x.shape
+        piece = recv[:, offset:offset + size].view(n, b, h // n, s, d)
+        offset += size
+        out = x.new_empty(b, h // n, plan.target_len, d)
+        for member, runs in enumerate(plan.placements):
+            for local, target in runs:
+                out[:, :, target] = piece[member][:, :, local]
+        outs.append(out)
+    return outs
+
+
+def heads_to_seq(plan: ExchangePlan, tensors, stats=None, backward=False) -> list[torch.Tensor]:
+    """The inverse of `seq_to_heads`: (B, h, target_len, D) -> (B, h * size, local, D)."""
+    n = plan.size
+    shapes = [(n, x.size(0), x.size(1), plan.local_len, x.size(3)) for x in tensors]
+    sizes, total = _packed_layout(shapes, n)
+    send = tensors[0].new_empty(n, total)
+    offset = 0
+    for x, size, shape in zip(tensors, sizes, shapes):
+        dest = send[:, offset:offset + size].view(shape)
+        offset += size
+        for member, runs in enumerate(plan.placements):
+            for local, target in runs:
+                dest[member][:, :, local] = x[:, :, target]
+    recv = _all_to_all(plan, send, stats, backward)
+    outs, offset = [], 0
+    for size, shape in zip(sizes, shapes):
+        piece = recv[:, offset:offset + size].view(shape)
+        offset += size
+        _, b, h, s, d = shape
+        outs.append(piece.transpose(0, 1).reshape(b, n * h, s, d))
+    return outs
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan, stats, *tensors):
+        ctx.plan, ctx.stats = plan, stats
+        return tuple(seq_to_heads(plan, tensors, stats))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *heads_to_seq(ctx.plan, [g.contiguous() for g in grads], ctx.stats, backward=True))
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan, stats, *tensors):
+        ctx.plan, ctx.stats = plan, stats
+        return tuple(heads_to_seq(plan, tensors, stats))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *seq_to_heads(ctx.plan, [g.contiguous() for g in grads], ctx.stats, backward=True))
+
+
+def exchange_seq_to_heads(plan: ExchangePlan, *tensors, stats: CommStats | None = None):
+    """Differentiable `seq_to_heads` (its backward is `heads_to_seq` of the gradients)."""
+    return _SeqToHeads.apply(plan, stats, *tensors)
+
+
+def exchange_heads_to_seq(plan: ExchangePlan, *tensors, stats: CommStats | None = None):
+    return _HeadsToSeq.apply(plan, stats, *tensors)
+
+
+def kv_replication(q_heads: int, kv_heads: int, degree: int) -> int:
+    """How many times each K/V head is repeated so `degree` ranks each get whole query groups: lcm(kv_heads, degree)
+    heads split evenly, and since kv_heads and degree both divide q_heads, so does their lcm. Raises if the query heads
+    do not split over the degree."""
+    if q_heads % degree or q_heads % kv_heads:
+        raise UnsupportedAttentionError(
+            f"Ulysses CP over {degree} ranks needs the query heads per rank ({q_heads}) to be a multiple of "
+            f"{degree} (and of the {kv_heads} key/value heads); lower the Ulysses degree (cp, or tp to keep more "
+            "heads per rank) or use cp_impl = \"ring\" or \"allgather\"")
+    return math.lcm(kv_heads, degree) // kv_heads
+
+
+def ulysses_feasible(q_heads: int, kv_heads: int, degree: int) -> bool:
+    try:
+        kv_replication(q_heads, kv_heads, degree)
+    except UnsupportedAttentionError:
+        return False
+    return True
+
+
+def replicate_kv(k: torch.Tensor, v: torch.Tensor, q_heads: int, degree: int):
+    repeats = kv_replication(q_heads, k.size(1), degree)
+    if repeats == 1:
+        return k, v
+    return k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+
+
+def document_mask(full_ids: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> torch.Tensor | None:
+    """Float additive (B, 1, S, S) mask keeping each token inside its document; None when every row is one document.
+    Every row sees at least itself, so no row is fully masked."""
+    if bool((full_ids == full_ids[:, :1]).all()):
+        return None
+    allowed = full_ids[:, :, None] == full_ids[:, None, :]
+    if is_causal:
+        allowed &= torch.ones(allowed.shape[-2:], dtype=torch.bool, device=allowed.device).tril()
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, float("-inf"))[:, None]
+
+
+def global_order_plan(group: dist.ProcessGroup, seq_len: int, load_balancer: str) -> ExchangePlan:
+    """Ulysses' plan: every rank's tokens placed at their global positions."""
+    size = dist.get_world_size(group)
+    members = [local_positions(seq_len, r, size, load_balancer) for r in range(size)]
+    return ExchangePlan.build(group, members, torch.arange(seq_len))
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,
+                      scale: float | None = None, load_balancer: str = "zigzag",
+                      document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
+                      _plan: ExchangePlan | None = None, _mask=None) -> torch.Tensor:
+    """Exact attention of this rank's queries (same inputs and layouts as `ring_attention`).
+
+    q: (B, Hq, S_local, D); k, v: (B, Hkv, S_local, D), sharded by `load_balancer`. Hq must split over the group
+    (see `kv_replication`). `document_ids` (B, S_local), sharded like the tokens, keeps attention inside documents.
+    `_plan` / `_mask` let `context_parallel` build the exchange plan and the document mask once for all layers.
+    """
+    pg = resolve_group(group)
+    check_load_balancer(load_balancer)
+    size = dist.get_world_size(pg)
+    seq_len = q.size(2) * size
+    check_sequence_length(seq_len, size, load_balancer)
+    if k.shape[:3] != v.shape[:3] or q.size(2) != k.size(2) or q.size(1) % k.size(1):
+        raise UnsupportedAttentionError(f"Ulysses attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} / "
+                                        f"{tuple(v.shape)} must share batch and length, with Hq a multiple of Hkv")
+    plan = _plan or global_order_plan(pg, seq_len, load_balancer)
+    mask = _mask
+    if mask is None and document_ids is not None:
+        mask = document_mask(unshard_sequence(document_ids, 1, pg, load_balancer), is_causal, q.dtype)
+    k, v = replicate_kv(k, v, q.size(1), size)
+    qh, kh, vh = exchange_seq_to_heads(plan, q, k, v, stats=stats)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal and mask is None,
+                                         scale=scale, enable_gqa=kh.size(1) != qh.size(1))
+    if stats is not None:
+        stats.calls += 1
+    return exchange_heads_to_seq(plan, out, stats=stats)[0]

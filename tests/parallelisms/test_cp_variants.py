@@ -1,0 +1,246 @@
+"""All-gather, Ulysses and hybrid context parallelism on real gloo ranks, against full-sequence float64 SDPA, plus
+the `cp_impl` routing of `context_parallel`, the `auto` rule and the errors.
+
+One launch per CP degree runs every check for that degree (launching ranks costs seconds; the checks are small).
+"""
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.distributed import run_ranks
+from tests.parallelisms.attention_reference import reference_attention, relative_error
+from tests.parallelisms.test_context_parallel import DTYPES, _batches, _documents, _reference_loss
+
+VARIANTS = {1: ("allgather", "ulysses"), 2: ("allgather", "ulysses"), 4: ("allgather", "ulysses", "hybrid")}
+
+
+def _attention_fn(variant):
+    from parallelisms.cp_allgather import allgather_attention
+    from parallelisms.cp_hybrid import hybrid_attention
+    from parallelisms.cp_ulysses import ulysses_attention
+    if variant == "hybrid":  # 2 x 2 at CP=4
+        return lambda *args, **kwargs: hybrid_attention(*args, ulysses_degree=2, **kwargs)
+    return {"allgather": allgather_attention, "ulysses": ulysses_attention}[variant]
+
+
+def _parity_case(rank, size, variant, balancer, is_causal, kv_heads, dtype_name, doc_mode):
+    from parallelisms.context_parallel import shard_sequence, unshard_sequence
+    dtype = DTYPES[dtype_name][0]
+    gen = torch.Generator().manual_seed(4321)
+    batch, heads, head_dim, seq = 2, 4, 8, 48
+    q = torch.randn(batch, heads, seq, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, seq, head_dim, generator=gen).to(dtype) for _ in range(2))
+    grad_out = torch.randn(batch, heads, seq, head_dim, generator=gen).to(dtype)
+    docs = _documents(doc_mode, batch, seq, size, gen)
+
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = reference_attention(*full, is_causal, docs)
+    expected.backward(grad_out.double())
+
+    def shard(x, dim=2):
+        return shard_sequence(x, dim, rank, size, balancer)
+
+    local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    out = _attention_fn(variant)(*local, dist.group.WORLD, is_causal=is_causal, load_balancer=balancer,
+                                 document_ids=None if docs is None else shard(docs, 1))
+    out.backward(shard(grad_out))
+    got = [unshard_sequence(t, 2, dist.group.WORLD, balancer) for t in (out, *(t.grad for t in local))]
+    assert got[0].dtype == dtype and got[2].shape == k.shape
+    return [relative_error(a, b) for a, b in zip(got, [expected, *(t.grad for t in full)])]
+
+
+def _cases(size, balancers=("zigzag",), doc_modes=(None, "random")):
+    """GQA with 2 K/V heads, MHA with 4, and (Ulysses/hybrid) 1 K/V head, which needs replication."""
+    cases = []
+    for variant in VARIANTS[size]:
+        kv_options = (4, 2, 1) if variant != "allgather" else (4, 2)
+        for balancer, causal, kv, dtype, docs in itertools.product(balancers, (True, False), kv_options, DTYPES,
+                                                                   doc_modes):
+            if variant == "hybrid" and balancer == "striped":
+                continue
+            if docs == "chunks" and dtype != "float32":
+                continue
+            cases.append((variant, balancer, causal, kv, dtype, docs))
+    return cases
+
+
+def _bytes_sent(rank, size):
+    """(calls, forward K/V bytes, (P-1) x local K+V bytes) of the all-gather, and the total bytes the ring and
+    Ulysses send per fwd+bwd next to the byte model the `auto` rule uses."""
+    from parallelisms.context_parallel import CommStats, ring_attention
+    from parallelisms.cp_allgather import allgather_attention
+    from parallelisms.cp_choice import bytes_sent_per_call
+    from parallelisms.cp_ulysses import ulysses_attention
+    local_len, head_dim, counts = 24 // size, 8, {}
+    for name, fn in (("allgather", allgather_attention), ("ring", ring_attention), ("ulysses", ulysses_attention)):
+        stats = CommStats()
+        q = torch.randn(1, 4, local_len, head_dim, requires_grad=True)
+        k, v = (torch.randn(1, 2, local_len, head_dim, requires_grad=True) for _ in range(2))
+        fn(q, k, v, dist.group.WORLD, stats=stats).sum().backward()
+        counts[name] = (stats.calls, stats.kv_bytes_sent, stats.kv_bytes_sent + stats.backward_bytes_sent)
+    model = {name: bytes_sent_per_call(name, size, 4, 2, 4) * local_len * head_dim for name in ("ring", "ulysses")}
+    return counts, (size - 1) * 2 * 2 * local_len * head_dim * 4, model
+
+
+def _train_plain_model(rank, size, cp_impl, balancer, with_docs):
+    """The plain model of test_context_parallel trained 3 steps under context_parallel(cp_impl=...)."""
+    from parallelisms.context_parallel import context_parallel
+    from tests.parallelisms.tiny_causal_lm import TinyCausalLM
+    torch.manual_seed(0)
+    ref_model = TinyCausalLM()
+    cp_model = copy.deepcopy(ref_model)
+    ref_opt, cp_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref_model, cp_model))
+    ref_losses, cp_losses = [], []
+    for tokens, labels, positions, docs in _batches(3, 2, 24, 50, with_docs, torch.Generator().manual_seed(7)):
+        count = labels.numel()
+        loss = _reference_loss(ref_model, tokens, labels, positions, docs, with_docs) / count
+        loss.backward()
+        ref_losses.append(loss.item())
+        buffers = [tokens.clone(), labels.clone(), positions.clone(), docs.clone()]
+        with context_parallel(dist.group.WORLD, buffers, [1, 1, 1, 1], load_balancer=balancer,
+                              document_ids=buffers[3] if with_docs else None, cp_impl=cp_impl):
+            logits = cp_model(buffers[0], buffers[2])
+            local = F.cross_entropy(logits.flatten(0, 1), buffers[1].flatten(), reduction="sum") / count
+            local.backward()
+        for p in cp_model.parameters():
+            dist.all_reduce(p.grad)
+        for opt in (ref_opt, cp_opt):
+            opt.step()
+            opt.zero_grad()
+        dist.all_reduce(local)
+        cp_losses.append(local.item())
+    return ref_losses, cp_losses
+
+
+MODEL_RUNS = {2: [("allgather", "zigzag", True), ("ulysses", "striped", True), ("auto", "zigzag", False)],
+              4: [("hybrid", "zigzag", True), ("ulysses", "zigzag", False), ("auto", "zigzag", True)]}
+
+
+def _all_checks(rank, size):
+    return {"parity": [(case, _parity_case(rank, size, *case)) for case in _cases(size)],
+            "bytes": _bytes_sent(rank, size),
+            "models": {run: _train_plain_model(rank, size, *run) for run in MODEL_RUNS[size]}}
+
+
+_RUNS = {}
+
+
+def _run(size):
+    if size not in _RUNS:
+        _RUNS[size] = run_ranks(_all_checks, size, timeout=240)
+    return _RUNS[size]
+
+
+def _failures(rank_results):
+    return [(case, errors) for rank_result in rank_results for case, errors in rank_result
+            if max(errors) > DTYPES[case[4]][1]]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_variants_match_full_sequence_sdpa_outputs_and_grads(size):
+    results = [r["parity"] for r in _run(size)]
+    assert not _failures(results)
+    assert len(results[0]) == len(_cases(size))
+    assert {case[0] for case, _ in results[0]} == set(VARIANTS[size])
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_bytes_sent_match_the_model_auto_uses(size):
+    for counts, local_kv, model in (r["bytes"] for r in _run(size)):
+        calls, forward, _ = counts["allgather"]
+        assert calls == 1 and forward == local_kv  # (P-1) x local K+V, like the ring
+        assert counts["ring"][2] == model["ring"] and counts["ulysses"][2] == model["ulysses"]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_plain_model_trains_under_every_cp_impl_with_the_losses_of_plain_training(size):
+    for rank_result in _run(size):
+        for run, (ref_losses, cp_losses) in rank_result["models"].items():
+            for ref, got in zip(ref_losses, cp_losses):
+                assert abs(got - ref) <= 1e-5 * abs(ref), (run, ref_losses, cp_losses)
+            assert ref_losses[-1] < ref_losses[0]
+
+
+def _other_layouts(rank, size):
+    cases = _cases(size, balancers=("striped", "contiguous"), doc_modes=(None, "random", "chunks"))
+    return [(case, _parity_case(rank, size, *case)) for case in cases]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_variants_match_sdpa_with_the_other_layouts_and_at_cp1(size):
+    assert not _failures(run_ranks(_other_layouts, size, timeout=600))
+
+
+def test_auto_rule_picks_by_topology_heads_and_bytes():
+    from parallelisms.cp_choice import Topology, choose_cp_impl, hybrid_degree
+    cpu = {p: Topology(cp_size=p, nodes=1, ranks_per_node=p, device_type="cpu") for p in (2, 4)}
+    two_gpu_nodes = Topology(cp_size=16, nodes=2, ranks_per_node=8, device_type="cuda")
+    one_gpu_node = Topology(cp_size=8, nodes=1, ranks_per_node=8, device_type="cuda")
+    assert choose_cp_impl(Topology(1, 1, 1, "cpu"), 8, 2, "zigzag", False).impl == "ring"
+    # the benchmark shapes (bench/bench_cp_variants.py): Ulysses only where it sends < half the ring's bytes
+    assert choose_cp_impl(cpu[2], 8, 2, "zigzag", False).impl == "ring"  # 1.25x the ring's bytes
+    assert choose_cp_impl(cpu[2], 8, 8, "zigzag", False).impl == "ring"  # 0.5x
+    assert choose_cp_impl(cpu[2], 16, 16, "zigzag", False).impl == "ring"
+    assert choose_cp_impl(cpu[4], 8, 2, "zigzag", False).impl == "ring"  # 0.9x
+    assert choose_cp_impl(cpu[4], 8, 8, "zigzag", False).impl == "ulysses"  # 0.3x
+    assert choose_cp_impl(cpu[4], 16, 16, "zigzag", False).impl == "ulysses"
+    assert choose_cp_impl(cpu[4], 8, 8, "zigzag", True).impl == "ring"  # documents: no dense S x S mask
+    assert choose_cp_impl(cpu[4], 6, 2, "zigzag", False).impl == "ring"  # 6 heads do not split over 4
+    hybrid = choose_cp_impl(two_gpu_nodes, 32, 8, "zigzag", False)
+    assert (hybrid.impl, hybrid.ulysses_degree) == ("hybrid", 8) and "2 nodes" in hybrid.reason
+    assert hybrid_degree(two_gpu_nodes, 12, 4) == 4  # 8 does not split 12 query heads
+    assert choose_cp_impl(two_gpu_nodes, 32, 8, "striped", False).impl != "hybrid"
+    assert choose_cp_impl(one_gpu_node, 32, 8, "zigzag", False).impl == "ulysses"
+    assert choose_cp_impl(one_gpu_node, 12, 4, "zigzag", False).impl == "ring"  # 12 heads over 8 ranks
+
+
+def test_ulysses_head_limits_and_hybrid_layouts_raise_clear_errors():
+    from parallelisms.context_parallel import UnsupportedAttentionError
+    from parallelisms.cp_hybrid import check_hybrid
+    from parallelisms.cp_ulysses import kv_replication
+    assert kv_replication(8, 2, 4) == 2 and kv_replication(8, 8, 4) == 1 and kv_replication(8, 1, 2) == 2
+    assert kv_replication(6, 3, 2) == 2 and kv_replication(12, 4, 6) == 3
+    with pytest.raises(UnsupportedAttentionError, match="multiple of 4.*cp_impl"):
+        kv_replication(6, 2, 4)
+    with pytest.raises(UnsupportedAttentionError, match="must divide"):
+        check_hybrid(4, 3, "zigzag")
+    with pytest.raises(UnsupportedAttentionError, match="zigzag"):
+        check_hybrid(4, 2, "striped")
+
+
+def test_unknown_cp_impl_is_a_recipe_error():
+    from parallelisms.cp_choice import check_cp_impl
+    from training.errors import RecipeError
+    with pytest.raises(RecipeError, match="parallelism.cp_impl.*ring, allgather, ulysses, hybrid, auto"):
+        check_cp_impl("ulyses")
+
+
+def test_exchange_placements_compress_to_slices():
+    from parallelisms.cp_ulysses import _as_runs
+    from parallelisms.sequence_sharding import local_positions
+    zigzag = _as_runs(local_positions(32, 1, 4, "zigzag"))
+    assert zigzag == ((slice(0, 4), slice(4, 8)), (slice(4, 8), slice(24, 28)))
+    assert _as_runs(local_positions(32, 3, 4, "striped")) == ((slice(0, 8), slice(3, 32, 4)),)
+    shuffled = torch.randperm(200, generator=torch.Generator().manual_seed(0))
+    (local, target), = _as_runs(shuffled)
+    assert torch.equal(target, shuffled) and torch.equal(local, torch.arange(200))
+
+
+TRAIN_ARGS = ("--training.steps", "5", "--training.seq_len", "256", "--training.local_batch_size", "2",
+              "--parallelism.dp_shard", "1", "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps",
+              "1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp, cp_impl", [(2, "allgather"), (2, "ulysses"), (2, "auto"), (4, "hybrid")])
+def test_trainer_with_each_cp_impl_matches_cp1(tmp_path, cp, cp_impl):
+    from tests.trainer_runs import max_rel_diff, train_losses
+    reference = train_losses(str(tmp_path / "cp1"), *TRAIN_ARGS, "--parallelism.cp", "1", nproc=1)
+    losses = train_losses(str(tmp_path / "cp"), *TRAIN_ARGS, "--parallelism.cp", str(cp), "--parallelism.cp_impl",
+                          cp_impl, nproc=cp)
+    assert max_rel_diff(losses, reference) <= 1e-5, (losses, reference)
