@@ -4,11 +4,13 @@ It proves attention reaches across the whole context, and under context parallel
 ranks: the question sits at the end of the row (the last zigzag chunk, on rank 0 with the first one) while the key can
 be anywhere. A row, `seq_len + 1` tokens:
 
-    filler ... "The pass key is " 4 8 2 1 3 ". Remember it. " ... filler ... " What is the pass key? The pass key is " 4 8 2 1 3
+    filler ... " The pass key is" 4 8 2 1 3 ". Remember it. " ... filler ... " What was the pass key? The pass key is" 4 8 2 1 3
 
-Training rows are labelled everywhere (language modelling of the whole row: predicting the repeated filler is what
-teaches a small model to copy, the mechanism retrieval needs); evaluation scores only the answer digits
-(`answer_only=True` rows label just those, the rest is IGNORE_INDEX). Each digit is encoded as its own token. Rows are virtual: row i is generated
+Only the answer digits carry labels (the rest is IGNORE_INDEX), in training and in evaluation: the filler is
+trivially predictable and would drown the one signal that matters. The key has distinct digits, so every key digit
+but the last has a unique successor inside the key and copying it needs no counting; each digit is its own token.
+A small model learns the copy far faster on short rows (the search for the key's position is the slow part), so
+recipes/passkey_cp2.toml ramps 64 -> 128 -> 256 tokens. Rows are virtual: row i is generated
 from (seed, i), so the stream is endless, identical on every rank and cheap to index; `PasskeyRows` has the interface
 of `PackedRows` and plugs into the same global-row loader (so it checkpoints and reshards like real data).
 """
@@ -23,24 +25,27 @@ IGNORE_INDEX = -100
 # distance, not reading comprehension. (Our own sentences; only the idea is the benchmark's.)
 FILLER = ("The river runs past the old mill. Birds rest on the stone wall. The day stays long and quiet. "
           "We walk to the hill and come back again. ")  # no " is" and no digits: the key's prompt stays unique
-KEY_INTRO = " The pass key is "
+# No space after "is": SentencePiece would make it a token of its own that the filler uses too, so the token before
+# the key and before the answer would no longer be unique to them.
+KEY_INTRO = " The pass key is"
 KEY_OUTRO = ". Remember it. "
-QUESTION = " What was the pass key? The pass key is "
+QUESTION = " What was the pass key? The pass key is"
 _PASSKEY_STREAM = 7  # keeps passkey randomness apart from other users of `seed`
 
 
 class PasskeyRows:
     def __init__(self, tokenizer, filler_documents: list[str] | None = None, *, seq_len: int, seed: int,
-                 key_digits: int = 5, num_rows: int = 1 << 30, depth: float | None = None, answer_only: bool = False):
+                 key_digits: int = 5, num_rows: int = 1 << 30, depth: float | None = None):
         """`filler_documents` default to the repeated FILLER sentences. `depth` fixes where the key goes (0 = start
         of the filler, 1 = just before the question); None draws it uniformly per row, which is what training wants."""
         self.seq_len = seq_len
         self.seed = seed
+        if not 1 <= key_digits <= 10:
+            raise RecipeError(f"passkey key_digits must be 1..10 (the key's digits are distinct), got {key_digits}")
         self.key_digits = key_digits
         self.num_rows = num_rows
         self.depth = depth
         self.document_masking = False
-        self.answer_only = answer_only
         self.needs_shuffle = False  # row i is already a random draw; a permutation of 2**30 rows would cost 8 GiB
         self.digit_ids = []
         for d in "0123456789":
@@ -75,7 +80,7 @@ class PasskeyRows:
     def sample(self, index: int) -> tuple[np.ndarray, str, float]:
         """(row tokens of length seq_len + 1, the key as a string, the depth used)."""
         rng = np.random.default_rng([_PASSKEY_STREAM, self.seed, index])
-        key = "".join(str(d) for d in rng.integers(0, 10, self.key_digits))
+        key = "".join(str(d) for d in rng.permutation(10)[:self.key_digits])
         depth = float(rng.random()) if self.depth is None else self.depth
         key_tokens = np.asarray([self.digit_ids[int(c)] for c in key], dtype=np.int64)
         start = int(rng.integers(0, max(1, len(self.filler) - self.filler_length)))
@@ -88,11 +93,8 @@ class PasskeyRows:
 
     def row_fields(self, index: int) -> dict[str, np.ndarray]:
         row, _, _ = self.sample(index)
-        if self.answer_only:
-            labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
-            labels[-self.key_digits:] = row[-self.key_digits:]
-        else:
-            labels = row[1:].copy()
+        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        labels[-self.key_digits:] = row[-self.key_digits:]
         return {"input_ids": row[:-1].copy(), "labels": labels,
                 "position_ids": np.arange(self.seq_len, dtype=np.int64),
                 "document_ids": np.zeros(self.seq_len, dtype=np.int64)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from data.passkey import IGNORE_INDEX, PasskeyRows
@@ -35,7 +36,7 @@ def passkey_accuracy(model, rows: PasskeyRows, indices: list[int], device: torch
     correct = 0
     for start in range(0, len(indices), batch_size):
         fields = [rows.row_fields(i) for i in indices[start:start + batch_size]]
-        batch = {k: torch.as_tensor([f[k] for f in fields]).to(device) for k in fields[0]}
+        batch = {k: torch.from_numpy(np.stack([f[k] for f in fields])).to(device) for k in fields[0]}
         labels = batch["labels"].clone()
         with cp_context(batch) if cp_context else contextlib.nullcontext():
             logits = model(batch["input_ids"], batch["position_ids"])
@@ -54,8 +55,7 @@ def evaluate_passkey(model, tokenizer, filler_documents: list[str] | None, *, co
     results = {}
     for length in context_lengths:
         for depth in depths:
-            rows = PasskeyRows(tokenizer, filler_documents, seq_len=length, seed=seed + EVAL_SEED_OFFSET, depth=depth,
-                               answer_only=True)
+            rows = PasskeyRows(tokenizer, filler_documents, seq_len=length, seed=seed + EVAL_SEED_OFFSET, depth=depth)
             results[(length, depth)] = passkey_accuracy(model, rows, list(range(samples)), device, cp_context,
                                                         cp_mesh, cp_size, load_balancer)
     return results
