@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.attention_blocks import choose_block_kernel
-from parallelisms.ring_attention import (CommStats, _accumulate, _block_forward, _check_inputs, _covers_all, _merge,
-                                         _pack, _RingSpec, _unpack, gather_document_shards)
+from parallelisms.ring_attention import (CommStats, LseAttentionFunction, _accumulate, _block_forward, _check_inputs,
+                                         _covers_all, _merge, _pack, _RingSpec, _unpack, gather_document_shards)
 from parallelisms.ring_plan import FULL, BlockTask, DocumentShards, MaskedTask
 from parallelisms.sequence_sharding import check_load_balancer, check_sequence_length, resolve_group
 
@@ -170,21 +170,6 @@ def allgather_backward(dout, q, k, v, out, lse, auxes, spec: _RingSpec):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class _AllGatherAttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, spec: _RingSpec):
-        out, lse, auxes = allgather_forward(q, k, v, spec)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.auxes = spec, auxes
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, ctx.auxes, ctx.spec)
-        return dq, dk, dv, None
-
-
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,
                         scale: float | None = None, load_balancer: str = "zigzag",
                         document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
@@ -199,4 +184,4 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     if docs is None and document_ids is not None:
         docs = gather_document_shards(document_ids, pg)
     spec = _RingSpec(pg, is_causal, scale, load_balancer, docs, stats)
-    return _AllGatherAttentionFunction.apply(q, k, v, spec)
+    return LseAttentionFunction.apply(q, k, v, spec, allgather_forward, allgather_backward)

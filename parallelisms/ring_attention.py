@@ -220,19 +220,22 @@ def _count_backward(spec: _RingSpec, buf: torch.Tensor) -> None:
         spec.stats.backward_bytes_sent += buf.numel() * buf.element_size()
 
 
-class _RingAttentionFunction(torch.autograd.Function):
+class LseAttentionFunction(torch.autograd.Function):
+    """Autograd for an exact CP attention given as (forward -> out, lse, auxes; backward from out and lse): the ring
+    here, the all-gather in cp_allgather.py. Saves q, k, v, the output and its log-sum-exp; recomputes nothing."""
+
     @staticmethod
-    def forward(ctx, q, k, v, spec: _RingSpec):
-        out, lse, auxes = ring_forward(q, k, v, spec)
+    def forward(ctx, q, k, v, spec: _RingSpec, forward_fn, backward_fn):
+        out, lse, auxes = forward_fn(q, k, v, spec)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.auxes = spec, auxes
+        ctx.spec, ctx.auxes, ctx.backward_fn = spec, auxes, backward_fn
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.auxes, ctx.spec)
-        return dq, dk, dv, None
+        dq, dk, dv = ctx.backward_fn(dout, q, k, v, out, lse, ctx.auxes, ctx.spec)
+        return dq, dk, dv, None, None, None
 
 
 def _check_inputs(q, k, v, document_ids):
@@ -278,4 +281,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     if docs is None and document_ids is not None:
         docs = gather_document_shards(document_ids, pg)
     spec = _RingSpec(pg, is_causal, scale, load_balancer, docs, stats)
-    return _RingAttentionFunction.apply(q, k, v, spec)
+    return LseAttentionFunction.apply(q, k, v, spec, ring_forward, ring_backward)

@@ -25,10 +25,12 @@ def _documents(mode, batch, seq, size, gen):
     return None
 
 
-def _parity_case(rank, size, balancer, is_causal, kv_heads, dtype_name, doc_mode):
+def _parity_case(rank, size, balancer, is_causal, kv_heads, dtype_name, doc_mode, attention=None, seed=1234):
+    """Max relative errors of (out, dq, dk, dv) of `attention` (default: the ring) vs float64 full-sequence SDPA."""
     from parallelisms.context_parallel import ring_attention, shard_sequence, unshard_sequence
+    attention = attention or ring_attention
     dtype = DTYPES[dtype_name][0]
-    gen = torch.Generator().manual_seed(1234)
+    gen = torch.Generator().manual_seed(seed)
     batch, heads, head_dim = 2, 4, 8
     seq = 48 if 48 % (2 * size) == 0 else 60
     q = torch.randn(batch, heads, seq, head_dim, generator=gen).to(dtype)
@@ -44,8 +46,8 @@ def _parity_case(rank, size, balancer, is_causal, kv_heads, dtype_name, doc_mode
         return shard_sequence(x, dim, rank, size, balancer)
 
     local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, dist.group.WORLD, is_causal=is_causal, load_balancer=balancer,
-                         document_ids=None if docs is None else shard(docs, 1))
+    out = attention(*local, dist.group.WORLD, is_causal=is_causal, load_balancer=balancer,
+                    document_ids=None if docs is None else shard(docs, 1))
     out.backward(shard(grad_out))
     got = [unshard_sequence(t, 2, dist.group.WORLD, balancer) for t in (out, *(t.grad for t in local))]
     assert got[0].dtype == dtype and got[2].shape == k.shape

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.distributed import run_ranks
-from tests.parallelisms.attention_reference import reference_attention, relative_error
-from tests.parallelisms.test_context_parallel import DTYPES, _batches, _documents, _reference_loss
+from tests.parallelisms.test_context_parallel import DTYPES, _batches, _reference_loss
+from tests.parallelisms.test_context_parallel import _parity_case as _ring_parity_case
 
 VARIANTS = {1: ("allgather", "ulysses"), 2: ("allgather", "ulysses"), 4: ("allgather", "ulysses", "hybrid")}
 
@@ -28,29 +28,8 @@ def _attention_fn(variant):
 
 
 def _parity_case(rank, size, variant, balancer, is_causal, kv_heads, dtype_name, doc_mode):
-    from parallelisms.context_parallel import shard_sequence, unshard_sequence
-    dtype = DTYPES[dtype_name][0]
-    gen = torch.Generator().manual_seed(4321)
-    batch, heads, head_dim, seq = 2, 4, 8, 48
-    q = torch.randn(batch, heads, seq, head_dim, generator=gen).to(dtype)
-    k, v = (torch.randn(batch, kv_heads, seq, head_dim, generator=gen).to(dtype) for _ in range(2))
-    grad_out = torch.randn(batch, heads, seq, head_dim, generator=gen).to(dtype)
-    docs = _documents(doc_mode, batch, seq, size, gen)
-
-    full = [t.double().requires_grad_() for t in (q, k, v)]
-    expected = reference_attention(*full, is_causal, docs)
-    expected.backward(grad_out.double())
-
-    def shard(x, dim=2):
-        return shard_sequence(x, dim, rank, size, balancer)
-
-    local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
-    out = _attention_fn(variant)(*local, dist.group.WORLD, is_causal=is_causal, load_balancer=balancer,
-                                 document_ids=None if docs is None else shard(docs, 1))
-    out.backward(shard(grad_out))
-    got = [unshard_sequence(t, 2, dist.group.WORLD, balancer) for t in (out, *(t.grad for t in local))]
-    assert got[0].dtype == dtype and got[2].shape == k.shape
-    return [relative_error(a, b) for a, b in zip(got, [expected, *(t.grad for t in full)])]
+    return _ring_parity_case(rank, size, balancer, is_causal, kv_heads, dtype_name, doc_mode,
+                             attention=_attention_fn(variant), seed=4321)
 
 
 def _cases(size, balancers=("zigzag",), doc_modes=(None, "random")):
