@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.attention_blocks import choose_block_kernel
+from parallelisms.comm import RingLinks, wait_all
 from parallelisms.ring_plan import DocumentShards, MaskedTask, block_tasks, resolve_tasks
 from parallelisms.sequence_sharding import check_load_balancer, check_sequence_length, resolve_group
 
-KV_TAG, DKV_TAG = 0, 1
+KV_TAG = 0
 
 
 class UnsupportedAttentionError(NotImplementedError):
@@ -30,30 +31,6 @@ class CommStats:
     calls: int = 0
     kv_bytes_sent: int = 0  # forward: K/V blocks
     backward_bytes_sent: int = 0  # backward: K/V blocks and float32 dK/dV accumulators
-
-
-class _RingLinks:
-    """Point-to-point to the next and previous rank of the group, addressed by global rank (gloo and NCCL)."""
-
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-
-    def post(self, send: torch.Tensor | None, recv: torch.Tensor | None, tag: int) -> list:
-        ops = []
-        if send is not None:
-            ops.append(dist.P2POp(dist.isend, send, self.next, self.group, tag))
-        if recv is not None:
-            ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group, tag))
-        return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -105,7 +82,7 @@ def _covers_all(job: MaskedTask) -> bool:
 
 
 def ring_forward(q, k, v, spec: _RingSpec):
-    links = _RingLinks(spec.group)
+    links = RingLinks(spec.group)
     size, rank, local_len = links.size, links.rank, q.size(2)
     acc_out = acc_lse = None
     auxes = []
@@ -115,7 +92,7 @@ def ring_forward(q, k, v, spec: _RingSpec):
         src = (rank - step) % size
         pending = []
         if step < size - 1:
-            pending = links.post(cur, spare, KV_TAG)
+            pending = links.exchange([cur], [spare], KV_TAG)
             if spec.stats is not None:
                 spec.stats.kv_bytes_sent += cur.numel() * cur.element_size()
         k_blk, v_blk = (k, v) if step == 0 else _unpack(cur, k, v)
@@ -131,7 +108,7 @@ def ring_forward(q, k, v, spec: _RingSpec):
                 acc_out = q.new_zeros(q.shape[:-1] + (v.size(-1),), dtype=torch.float32)
                 acc_lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
             _merge(acc_out, acc_lse, out.float(), lse.float(), job.task.q_rows)
-        _wait(pending)
+        wait_all(pending)
         cur, spare = spare, cur
     if acc_out is None:  # nothing visible anywhere (only possible with document masks on empty rows)
         acc_out = q.new_zeros(q.shape[:-1] + (v.size(-1),), dtype=torch.float32)
@@ -151,32 +128,38 @@ def _accumulate(acc: torch.Tensor | None, grad: torch.Tensor, rows: slice, like:
 
 
 def ring_backward(dout, q, k, v, out, lse, auxes, spec: _RingSpec):
-    links = _RingLinks(spec.group)
+    """At step s a rank holds K/V of rank (r - s) mod P and that block's float32 dK/dV accumulator, received from the
+    rank that held it at step s - 1. Each step posts ONE group: the accumulator finished last step goes to the next
+    rank while this block's arrives from the previous one, together with the K/V hop (NCCL's grouping rule,
+    parallelisms/comm.py). A last hop returns every accumulator to the rank that owns its block."""
+    links = RingLinks(spec.group)
     size, rank, local_len = links.size, links.rank, q.size(2)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows that saw nothing: exp(s - inf) = 0, not NaN
     dq = None
     cur = _pack(k, v) if size > 1 else None
     spare = torch.empty_like(cur) if size > 1 else None
-    dkv_bufs = [None, None]  # float32 accumulators travelling with the blocks, alternating
-    dkv_sends: list[list] = [[], []]
+    # (K+V,) float32 accumulators: the one this step adds into, and the one finished last step (being sent on).
+    dkv = [torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device),
+           torch.empty(k.numel() + v.numel(), dtype=torch.float32, device=k.device)] if size > 1 else None
     aux_iter = iter(auxes)
     for step in range(size):
         src = (rank - step) % size
-        slot = step % 2
-        pending_kv, pending_dkv = [], []
-        if step > 0:  # the accumulator of this block, from the rank that held it one step ago
-            _wait(dkv_sends[slot])
-            if dkv_bufs[slot] is None:
-                dkv_bufs[slot] = torch.empty(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
-            pending_dkv = links.post(None, dkv_bufs[slot], DKV_TAG)
-        if step < size - 1:  # posted after the dK/dV receive: the sender sent them in this order (NCCL has no tags)
-            pending_kv = links.post(cur, spare, KV_TAG)
-            _count_backward(spec, cur)
+        sends, receives = [], []
+        if step > 0:
+            sends.append(dkv[(step - 1) % 2])
+            receives.append(dkv[step % 2])
+        if step < size - 1:
+            sends.append(cur)
+            receives.append(spare)
+        pending = links.exchange(sends, receives, KV_TAG)
+        for buf in sends:
+            _count_backward(spec, buf)
         k_blk, v_blk = (k, v) if step == 0 else _unpack(cur, k, v)
         kv_grads = []
         for job in spec.tasks(rank, src, size, local_len, q.dtype):
             kernel = choose_block_kernel(q, job.mask is not None)
             rows, kv_rows = job.task.q_rows, job.task.kv_rows
+            # dout, q, out (B, Hq, rows, D) and lse (B, Hq, rows) against K/V (B, Hkv, kv_rows, D) of block `src`.
             gq, gk, gv = kernel.backward(dout[:, :, rows], q[:, :, rows], k_blk[:, :, kv_rows], v_blk[:, :, kv_rows],
                                          out[:, :, rows], lse[:, :, rows], next(aux_iter), is_causal=job.is_causal,
                                          scale=spec.scale, mask=job.mask)
@@ -189,27 +172,18 @@ def ring_backward(dout, q, k, v, out, lse, auxes, spec: _RingSpec):
             dk = dk if dk is not None else torch.zeros_like(k, dtype=torch.float32)
             dv = dv if dv is not None else torch.zeros_like(v, dtype=torch.float32)
             break
-        _wait(pending_dkv)
-        if step == 0:
-            dkv_bufs[slot] = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
-        acc_k, acc_v = _unpack(dkv_bufs[slot], k, v)
+        wait_all(pending)  # this block's accumulator has arrived, and the next K/V
+        acc_k, acc_v = _unpack(dkv[step % 2], k, v)
         for kv_rows, gk, gv in kv_grads:
             acc_k[:, :, kv_rows] += gk
             acc_v[:, :, kv_rows] += gv
         del kv_grads
-        dkv_sends[slot] = links.post(dkv_bufs[slot], None, DKV_TAG)
-        _count_backward(spec, dkv_bufs[slot])
-        _wait(pending_kv)
         cur, spare = spare, cur
-    if size > 1:  # last hop: the previous rank returns this rank's finished accumulator
-        slot = size % 2
-        _wait(dkv_sends[slot])
-        final = dkv_bufs[slot]
-        if final is None:
-            final = torch.empty(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
-        _wait(links.post(None, final, DKV_TAG))
-        _wait(dkv_sends[1 - slot])
-        dk, dv = _unpack(final, k, v)
+    if size > 1:  # last hop: pass the finished accumulator on, receive this rank's own from the previous rank
+        finished, own = dkv[(size - 1) % 2], dkv[size % 2]
+        wait_all(links.exchange([finished], [own], KV_TAG))
+        _count_backward(spec, finished)
+        dk, dv = _unpack(own, k, v)
     if dq is None:
         dq = torch.zeros_like(q, dtype=torch.float32)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,70 @@
+"""CP communication under NCCL's point-to-point rules (tests/nccl_rules.py), on CPU, against float64 references.
+
+gloo buffers sends, so these rules never bite in the multi-process tests; here every rank is a thread and the double
+refuses what NCCL would hang on, at any message size."""
+import pytest
+import torch
+
+from tests.nccl_rules import NcclDeadlock, run_ring_ranks
+from tests.parallelisms.attention_reference import reference_attention, relative_error
+
+
+def _send_then_receive_ring(group):
+    """The pattern NCCL hangs on: every rank posts a send-only group, then a receive-only group."""
+    import torch.distributed as dist
+
+    nxt, prv = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    out, into = torch.full((4,), float(group.rank)), torch.empty(4)
+    sends = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, nxt, group)])
+    receives = dist.batch_isend_irecv([dist.P2POp(dist.irecv, into, prv, group)])
+    for work in sends + receives:
+        work.wait()
+    return into
+
+
+def _fused_ring(group):
+    from parallelisms.comm import RingLinks, wait_all
+
+    out, into = torch.full((4,), float(group.rank)), torch.empty(4)
+    wait_all(RingLinks(group).exchange([out], [into]))
+    return into
+
+
+def test_the_double_refuses_separate_send_and_receive_groups_and_accepts_fused_ones(monkeypatch):
+    with pytest.raises(NcclDeadlock, match="rank 0 waits in its group #0: send to rank 1"):
+        run_ring_ranks(_send_then_receive_ring, 3, monkeypatch)
+    received = run_ring_ranks(_fused_ring, 3, monkeypatch)
+    assert [int(t[0]) for t in received] == [2, 0, 1]
+
+
+def _ring_fwd_bwd(group, q, k, v, grad_out, balancer, documents):
+    from parallelisms.context_parallel import ring_attention, shard_sequence
+
+    def shard(x, dim=2):
+        return shard_sequence(x, dim, group.rank, group.size, balancer)
+
+    local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, group, is_causal=True, load_balancer=balancer,
+                         document_ids=None if documents is None else shard(documents, 1))
+    out.backward(shard(grad_out))
+    return [out.detach(), *(t.grad for t in local)]
+
+
+@pytest.mark.parametrize("size, balancer, with_documents", [(2, "zigzag", False), (4, "zigzag", False),
+                                                            (3, "striped", True)])
+def test_ring_forward_and_backward_keep_nccls_grouping_rule(monkeypatch, size, balancer, with_documents):
+    from parallelisms.context_parallel import shard_sequence
+
+    gen = torch.Generator().manual_seed(size)
+    seq = 48
+    q = torch.randn(2, 4, seq, 8, generator=gen)
+    k, v = (torch.randn(2, 2, seq, 8, generator=gen) for _ in range(2))
+    grad_out = torch.randn(2, 4, seq, 8, generator=gen)
+    documents = (torch.arange(seq) // 10).expand(2, seq).clone() if with_documents else None
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = reference_attention(*full, True, documents)
+    expected.backward(grad_out.double())
+    per_rank = run_ring_ranks(lambda g: _ring_fwd_bwd(g, q, k, v, grad_out, balancer, documents), size, monkeypatch)
+    for got, want in zip(zip(*per_rank), [expected, *(t.grad for t in full)]):
+        want_local = [shard_sequence(want, 2, r, size, balancer) for r in range(size)]
+        assert max(relative_error(a, b) for a, b in zip(got, want_local)) < 1e-5
