@@ -4,10 +4,11 @@ The ring merges blocks through their log-sum-exp and runs the backward of every 
 log-sum-exp, so it needs the aten primitives themselves (not `F.scaled_dot_product_attention`, which would also be
 routed back into the ring by the context-parallel mode):
 - CPU:  `aten._scaled_dot_product_flash_attention_for_cpu` (+ `_backward`); handles GQA and a float additive mask.
-- CUDA: `aten._scaled_dot_product_flash_attention` (+ `_backward`) for fp16/bf16 without a mask, otherwise
-  `aten._scaled_dot_product_efficient_attention` (+ `_backward`), whose mask needs a 16-aligned last dim and whose
-  log-sum-exp is padded to a multiple of 32 rows. K/V heads are expanded for GQA on CUDA (written from the op schemas;
-  NOT tested: this box has no GPU).
+- CUDA: `aten._scaled_dot_product_flash_attention` (+ `_backward`) for fp16/bf16 without a mask and head dim <= 256,
+  otherwise `aten._scaled_dot_product_efficient_attention` (+ `_backward`), whose mask needs a 16-aligned last dim,
+  whose log-sum-exp is padded to a multiple of 32 rows, and whose backward reads `out` in the (B, L, H, D) memory of
+  its own forward output (`sdpa_output_layout`). K/V heads are expanded for GQA on CUDA. Schemas, layouts and strides
+  are checked on meta/CPU tensors in the CPU tiers; the numbers on a GPU by `./run_tests.sh --gpu`.
 Blocks with `is_causal=True` always have Lq == Lk, so top-left (CPU) and bottom-right (CUDA flash) alignment agree.
 Every kernel returns lse as float32 (B, H, Lq).
 """
@@ -33,6 +34,13 @@ class CpuFlashBlock:
                  mask: torch.Tensor | None):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+
+
+def sdpa_output_layout(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) over (B, L, H, D) memory: how the fused CUDA kernels write their output, and how the efficient
+    backward READS it (its kernel derives out's row stride as num_heads * head_dim, whatever strides the tensor
+    claims). The ring hands backward a merged output in (B, H, L, D) memory, sliced by rows: re-lay it out."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -62,7 +70,7 @@ class CudaFlashBlock:
         cum_q, cum_k, max_q, max_k, rng_state, unused = aux
         n_heads, n_kv = q.size(1), k.size(1)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward.default(
-            dout.contiguous(), q, _expand_heads(k, n_heads), _expand_heads(v, n_heads), out.contiguous(),
+            dout.contiguous(), q, _expand_heads(k, n_heads), _expand_heads(v, n_heads), sdpa_output_layout(out),
             lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, is_causal, rng_state, unused, scale=scale)
         return dq, _fold_heads(dk, n_kv), _fold_heads(dv, n_kv)
 
@@ -95,16 +103,21 @@ class CudaEfficientBlock:
         lse = F.pad(lse, (0, padded_rows - lq)).contiguous()
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
             dout.contiguous(), q, _expand_heads(k, n_heads), _expand_heads(v, n_heads), self._bias(mask, n_heads),
-            out.contiguous(), lse, seed, offset, 0.0, [True, True, True, False], is_causal, scale=scale)
+            sdpa_output_layout(out), lse, seed, offset, 0.0, [True, True, True, False], is_causal, scale=scale)
         return dq, _fold_heads(dk, n_kv), _fold_heads(dv, n_kv)
 
 
+FLASH_MAX_HEAD_DIM = 256  # CUDA flash attention has kernels up to this head dim
+
+
 def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, needs_mask: bool):
-    """CPU flash on CPU; on CUDA flash for half precision without a mask (head dim % 8), else memory-efficient."""
+    """CPU flash on CPU; on CUDA flash for half precision without a mask (head dim a multiple of 8, at most 256),
+    else memory-efficient."""
     if device_type == "cpu":
         return CpuFlashBlock()
     if device_type == "cuda":
-        if dtype in (torch.float16, torch.bfloat16) and not needs_mask and head_dim % 8 == 0:
+        if (dtype in (torch.float16, torch.bfloat16) and not needs_mask and head_dim % 8 == 0
+                and head_dim <= FLASH_MAX_HEAD_DIM):
             return CudaFlashBlock()
         return CudaEfficientBlock()
     raise NotImplementedError(f"ring attention has no block kernel for device {device_type!r} (CPU and CUDA only)")

@@ -42,8 +42,9 @@ class ExchangePlan:
     @classmethod
     def build(cls, group: dist.ProcessGroup, member_positions: list[torch.Tensor],
               target_positions: torch.Tensor) -> "ExchangePlan":
-        inverse = torch.full((int(target_positions.max()) + 1,), -1, dtype=torch.long)
-        inverse[target_positions.cpu()] = torch.arange(target_positions.numel())
+        # A CPU index plan, built once per sequence length and reused by every layer.
+        inverse = torch.full((int(target_positions.max()) + 1,), -1, dtype=torch.long, device="cpu")
+        inverse[target_positions.cpu()] = torch.arange(target_positions.numel(), device="cpu")
         placements = []
         for positions in member_positions:
             positions = positions.cpu()
@@ -68,7 +69,7 @@ def _as_runs(target_index: torch.Tensor) -> tuple:
         return ((slice(0, n), slice(start, start + step * (n - 1) + 1, step)),)
     breaks = (steps != 1).nonzero().flatten().add(1).tolist()
     if len(breaks) >= MAX_SLICE_RUNS:
-        return ((torch.arange(n), target_index),)
+        return ((torch.arange(n, device=target_index.device), target_index),)
     bounds = [0, *breaks, n]
     return tuple((slice(a, b), slice(int(target_index[a]), int(target_index[a]) + b - a))
                  for a, b in zip(bounds[:-1], bounds[1:]))
@@ -218,7 +219,7 @@ def global_order_plan(group: dist.ProcessGroup, seq_len: int, load_balancer: str
     """Ulysses' plan: every rank's tokens placed at their global positions."""
     size = dist.get_world_size(group)
     members = [local_positions(seq_len, r, size, load_balancer) for r in range(size)]
-    return ExchangePlan.build(group, members, torch.arange(seq_len))
+    return ExchangePlan.build(group, members, torch.arange(seq_len, device="cpu"))
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,
@@ -245,6 +246,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
         mask = document_mask(unshard_sequence(document_ids, 1, pg, load_balancer), is_causal, q.dtype)
     k, v = replicate_kv(k, v, q.size(1), size)
     qh, kh, vh = exchange_seq_to_heads(plan, q, k, v, stats=stats)
+    if mask is not None and kh.size(1) != qh.size(1):
+        # CUDA's memory-efficient kernel is the fused one that takes a mask, and it has no GQA (flash takes no mask):
+        # give it whole heads, or SDPA falls back to the math backend and its S x S scores.
+        groups = qh.size(1) // kh.size(1)
+        kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal and mask is None,
                                          scale=scale, enable_gqa=kh.size(1) != qh.size(1))
     if stats is not None:

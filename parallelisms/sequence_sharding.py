@@ -45,8 +45,8 @@ def check_sequence_length(seq_len: int, cp_size: int, load_balancer: str) -> Non
 
 
 def local_positions(seq_len: int, cp_rank: int, cp_size: int, load_balancer: str = "zigzag",
-                    device: torch.device | str | None = None) -> torch.Tensor:
-    """Global token positions held by `cp_rank`, in local order (int64)."""
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """Global token positions held by `cp_rank`, in local order (int64), on `device` (CPU for index plans)."""
     check_sequence_length(seq_len, cp_size, load_balancer)
     if load_balancer == "striped":
         return torch.arange(cp_rank, seq_len, cp_size, device=device)

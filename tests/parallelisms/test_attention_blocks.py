@@ -48,3 +48,78 @@ def test_cpu_block_with_document_mask_zeroes_rows_that_see_nothing():
     expected = torch.softmax(scores[:, :, 2:], dim=-1) @ v.double()
     assert relative_error(out[:, :, 2:], expected) < 1e-6
     assert relative_error(lse[:, :, 2:], expected_lse) < 1e-6
+
+
+class _RecordBackward(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the arguments of the CUDA efficient backward op and answers with zeros (no CUDA kernel is needed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.args = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_dot_product_efficient_attention_backward.default:
+            self.args = args
+            q, k, v = args[1:4]
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+        return func(*args, **(kwargs or {}))
+
+
+def _ring_shaped_inputs(device, dtype, batch=2, heads=4, full_len=40, head_dim=16):
+    """What the ring hands a block backward: q and out row-sliced (a zigzag half) from (B, H, L, D) tensors, out being
+    the merged float32 accumulator cast back, i.e. plain contiguous (B, H, L, D) memory."""
+    gen = torch.Generator().manual_seed(0)
+    full_q = torch.randn(batch, full_len, heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
+    full_out = torch.randn(batch, heads, full_len, head_dim, generator=gen).to(device, dtype)
+    rows = slice(full_len // 2, full_len)
+    q, out = full_q[:, :, rows], full_out[:, :, rows]
+    k = v = torch.randn(batch, heads, full_len, head_dim, generator=gen).to(device, dtype)
+    dout = torch.randn(q.shape, generator=gen).to(device, dtype)
+    lse = torch.zeros(batch, heads, q.size(2), device=device)
+    return dout, q, k, v, out, lse
+
+
+def test_efficient_backward_gets_out_in_the_layout_of_sdpas_own_forward_output():
+    """The CUDA kernel derives out's row stride as num_heads * head_dim (kernel_backward.h, o_strideM), i.e. the
+    (B, L, H, D) memory of the forward's own output: checked against the op's forward on meta tensors."""
+    dout, q, k, v, out, lse = _ring_shaped_inputs("meta", torch.bfloat16)
+    recorder = _RecordBackward()
+    with recorder:
+        CudaEfficientBlock().backward(dout, q, k, v, out, lse, (None, None), is_causal=False, scale=None, mask=None)
+    passed_out = recorder.args[5]
+    forward_out = torch.ops.aten._scaled_dot_product_efficient_attention.default(
+        q.contiguous(), k[:, :, :q.size(2)], v[:, :, :q.size(2)], None, True, 0.0, False)[0]
+    assert passed_out.shape == forward_out.shape
+    assert passed_out.stride() == forward_out.stride(), (passed_out.stride(), forward_out.stride())
+
+
+def _kernel_reads(out_passed: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """out as the CUDA kernel addresses it: after SDPA's transpose to (B, L, H, D), element (b, m, h, d) at
+    offset + b * stride(0) + m * H * D + h * stride(2) + d. Returns (values read, number of reads past the storage)."""
+    t = out_passed.transpose(1, 2)
+    batch, rows, heads, head_dim = t.shape
+    b, m, h, d = torch.meshgrid(*(torch.arange(n) for n in t.shape), indexing="ij")
+    offsets = t.storage_offset() + b * t.stride(0) + m * heads * head_dim + h * t.stride(2) + d
+    storage = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
+    inside = offsets < storage.numel()
+    values = torch.where(inside, storage[offsets.clamp(max=storage.numel() - 1)], torch.nan)
+    return values.transpose(1, 2), int((~inside).sum())
+
+
+def test_efficient_backward_delta_replayed_with_the_kernels_addressing_is_exact():
+    """Replays the kernel's delta = rowsum(dout * out) with its own address formula on the tensor actually passed."""
+    dout, q, k, v, out, lse = _ring_shaped_inputs("cpu", torch.float32)
+    recorder = _RecordBackward()
+    with recorder:
+        CudaEfficientBlock().backward(dout, q, k, v, out, lse, (None, None), is_causal=False, scale=None, mask=None)
+    read, past_the_end = _kernel_reads(recorder.args[5])
+    assert past_the_end == 0
+    delta_kernel = (read * dout).sum(-1)
+    delta_true = (out * dout).sum(-1)
+    assert torch.equal(delta_kernel, delta_true), f"{int((delta_kernel != delta_true).sum())} rows differ"
+
+
+def test_flash_only_for_head_dims_it_has_kernels_for():
+    """CUDA flash attention stops at head dim 256; larger heads go to the memory-efficient kernel."""
+    assert isinstance(kernel_for("cuda", torch.bfloat16, 256, False), CudaFlashBlock)
+    assert isinstance(kernel_for("cuda", torch.bfloat16, 512, False), CudaEfficientBlock)

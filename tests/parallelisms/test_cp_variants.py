@@ -223,3 +223,38 @@ def test_trainer_with_each_cp_impl_matches_cp1(tmp_path, cp, cp_impl):
     losses = train_losses(str(tmp_path / "cp"), *TRAIN_ARGS, "--parallelism.cp", str(cp), "--parallelism.cp_impl",
                           cp_impl, nproc=cp)
     assert max_rel_diff(losses, reference) <= 1e-5, (losses, reference)
+
+
+class _RecordSdpa(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k = args[0], args[1]
+            self.calls.append((q.size(1), k.size(1), kwargs.get("attn_mask") is not None, kwargs.get("enable_gqa")))
+        return func(*args, **kwargs)
+
+
+def _ulysses_with_documents(group, q, k, v, docs):
+    from parallelisms.cp_ulysses import ulysses_attention
+    recorder = _RecordSdpa()
+    with recorder:
+        out = ulysses_attention(q, k, v, group, is_causal=True, document_ids=docs)
+    return out, recorder.calls
+
+
+def test_ulysses_masked_calls_carry_all_heads_so_cudas_efficient_kernel_serves_them(monkeypatch):
+    """On CUDA the memory-efficient kernel is the one that takes a mask and it has no GQA (flash takes no mask): a
+    masked SDPA call with fewer K/V than query heads falls back to the math backend and its S x S scores."""
+    from tests.nccl_rules import run_ring_ranks
+    from tests.parallelisms.attention_reference import reference_attention, relative_error
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 24, 8, generator=gen)
+    k, v = (torch.randn(1, 2, 24, 8, generator=gen) for _ in range(2))
+    docs = (torch.arange(24) // 7)[None]
+    (out, calls), = run_ring_ranks(lambda g: _ulysses_with_documents(g, q, k, v, docs), 1, monkeypatch)
+    assert calls and all(q_heads == kv_heads and not gqa for q_heads, kv_heads, masked, gqa in calls if masked)
+    assert relative_error(out, reference_attention(q.double(), k.double(), v.double(), True, docs)) < 1e-5
