@@ -39,6 +39,7 @@ class Trainer:
         from data.corpus import load_documents
         from data.tokenizer import build_tokenizer
         from models.llama import Llama, model_config
+        from parallelisms.comm import Collectives
         from parallelisms.context_parallel import CommStats
         from parallelisms.parallelize import materialize, parallelize, uses_loss_parallel
         from parallelisms.pipeline_parallel import build_pipeline, plan_pipeline
@@ -56,7 +57,10 @@ class Trainer:
         self.dims = preflight(cfg, world)
         self.device = pick_device(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         timeout = datetime.timedelta(seconds=cfg.job.collective_timeout_s)
-        dist.init_process_group(self.device.backend, timeout=timeout, device_id=None)
+        # NCCL binds the communicator to this rank's GPU up front (and barriers use it); gloo needs no device.
+        dist.init_process_group(self.device.backend, timeout=timeout,
+                                device_id=self.device.torch_device if self.device.type == "cuda" else None)
+        self.comm = Collectives(self.device.torch_device)  # bookkeeping collectives on the run's device
         self.rank = dist.get_rank()
         self.mesh = self.dims.build_mesh(self.device.type)
         torch.manual_seed(cfg.job.seed)
@@ -168,17 +172,12 @@ class Trainer:
     def _count_label_tokens(self, batches: list[dict]) -> int:
         """Every label counts for text; passkey rows label only the answer, so count those over the dp ranks
         (CP and TP ranks of one dp rank hold the same rows)."""
-        import torch
-        import torch.distributed as dist
-
         from data.passkey import IGNORE_INDEX
 
         if self.cfg.data.dataset == "text":
             return self.global_batch_size * self.cfg.training.seq_len
-        count = torch.tensor([sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)], dtype=torch.float64)
-        if self.dims.dp > 1:
-            dist.all_reduce(count, group=self.mesh.data.get_group())
-        return int(count.item())
+        local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        return int(self.comm.reduce_values([local], group=self.mesh.data.get_group())[0])
 
     def _pipeline_loss(self, logits, labels):
         """The last stage's loss for one microbatch (runs inside the schedule, under the loss-parallel context)."""
@@ -193,7 +192,6 @@ class Trainer:
         (dp x cp; TP ranks already hold the same value) and, under PP, taken from the rank holding the last stage.
         """
         import torch
-        import torch.distributed as dist
 
         from parallelisms.parallelize import clip_grad_norm_
         from parallelisms.tensor_parallel import loss_context, token_loss_sum
@@ -218,9 +216,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.dims.world_size > 1:
-            dist.all_reduce(loss, group=self.mesh.loss.get_group())
+            self.comm.all_reduce_(loss, group=self.mesh.loss.get_group())
         if pp_group is not None:  # only the ranks holding the last stage have a non-zero loss
-            dist.all_reduce(loss, group=pp_group)
+            self.comm.all_reduce_(loss, group=pp_group)
         return loss.item(), float(grad_norm)
 
     def run(self) -> None:
@@ -266,9 +264,6 @@ class Trainer:
 
     def _log_step(self, loss: float, lr: float, grad_norm: float, step_time: float, data_time: float,
                   tokens: int) -> None:
-        import torch
-        import torch.distributed as dist
-
         from training.hardware import peak_memory_gib
         from training.roofline import Layout, fsdp_bytes_per_step
 
@@ -280,11 +275,8 @@ class Trainer:
         layout = Layout(d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, 1)
         fsdp_bytes = sum(fsdp_bytes_per_step(self.model_cfg, layout, t.dtype, self.grad_accum, reshard))
         # Maxima over ranks: step_time is the slowest rank's; -step_time gives the fastest rank's.
-        stats = torch.tensor([step_time, peak_memory_gib(self.device), data_time, ring_per_step, -step_time],
-                             dtype=torch.float64)
-        if d.world_size > 1:
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        step_time, memory, data_time, ring_per_step, fastest = stats.tolist()
+        step_time, memory, data_time, ring_per_step, fastest = self.comm.reduce_values(
+            [step_time, peak_memory_gib(self.device), data_time, ring_per_step, -step_time], op="max")
         tokens_per_sec = self.global_batch_size * t.seq_len / step_time
         mfu = self.flops_per_token * tokens_per_sec / (self.peak_flops * d.world_size)
         self.logger.log(self.step, {

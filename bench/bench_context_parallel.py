@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from parallelisms.comm import Collectives, all_reduce_  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
 MIB = 2 ** 20
@@ -51,10 +52,8 @@ def _measure_peak(step) -> int:
 
 
 def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    """Through the comm layer on the ranks' device (CPU here: this bench measures the CPU flash kernel and RSS)."""
+    return Collectives(torch.device("cpu")).reduce_values([value], op="max")[0]
 
 
 def _attention_inputs(shape, size, seed=0):
@@ -137,9 +136,8 @@ class _DebugModelTrainer:
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / seq_len
             del logits
             loss.backward()
-        if dist.get_world_size() > 1:
-            for p in self.model.parameters():
-                dist.all_reduce(p.grad)
+        for p in self.model.parameters():
+            all_reduce_(p.grad)
         self.opt.step()
         self.opt.zero_grad(set_to_none=False)  # parameter grads stay allocated: part of the fixed baseline
         return loss.item()

@@ -238,16 +238,16 @@ def _param_seed(seed: int, name: str) -> int:
 
 def _truncated_normal(std: float) -> Callable[[tuple, torch.Generator], torch.Tensor]:
     def draw(shape, generator):
-        return nn.init.trunc_normal_(torch.empty(shape), 0.0, std, -3 * std, 3 * std, generator=generator)
+        return nn.init.trunc_normal_(torch.empty(shape, device="cpu"), 0.0, std, -3 * std, 3 * std, generator=generator)
     return draw
 
 
 def _normal(std: float) -> Callable[[tuple, torch.Generator], torch.Tensor]:
-    return lambda shape, generator: torch.empty(shape).normal_(0.0, std, generator=generator)
+    return lambda shape, generator: torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
 
 
 def _ones(shape, generator) -> torch.Tensor:
-    return torch.ones(shape)
+    return torch.ones(shape, device="cpu")
 
 
 class Llama(nn.Module):

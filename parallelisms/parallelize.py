@@ -9,10 +9,10 @@ every mesh.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.comm import all_reduce_
 from parallelisms.data_parallel import apply_fsdp
 from parallelisms.parallel_dims import TrainingMesh
 from parallelisms.tensor_parallel import apply_tp
@@ -72,11 +72,11 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
         squared = norm.to_local() ** 2
         for dim, placement in enumerate(norm.placements):
             if placement.is_partial():
-                dist.all_reduce(squared, group=norm.device_mesh.get_group(dim))
+                all_reduce_(squared, group=norm.device_mesh.get_group(dim))
     else:
         squared = norm**2
     if pp_group is not None:
-        dist.all_reduce(squared, group=pp_group)
+        all_reduce_(squared, group=pp_group)
     norm = squared.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float(), foreach=True)
