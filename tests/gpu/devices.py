@@ -1,0 +1,29 @@
+"""Device parametrization of the GPU tier: every test body is device-agnostic and runs once per device.
+
+The "cuda" variant carries the `gpu` marker (selected by `./run_tests.sh --gpu`, deselected by the normal tiers); the
+"cpu" variant runs in the normal tiers and proves the test's own logic on a machine without GPUs: in the fast tier
+when it stays in one process (`FAST_CPU`), in the slow tier when it launches processes (`SLOW_CPU`).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+FAST_CPU = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+SLOW_CPU = [pytest.param("cpu", id="cpu", marks=pytest.mark.slow),
+            pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+CUDA_ONLY = [pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def require(device: str, ranks: int = 1) -> torch.device:
+    """The torch device a variant runs on; skips a CUDA variant when fewer than `ranks` GPUs are visible (a CPU
+    variant runs its ranks as processes or threads on the CPU)."""
+    if device == "cuda":
+        have = visible_gpus()
+        if have < ranks:
+            pytest.skip(f"needs {ranks} GPU(s), {have} visible" if have else "no GPU visible")
+    return torch.device(device)
