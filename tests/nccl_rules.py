@@ -1,4 +1,4 @@
-"""A test double for NCCL's point-to-point rules, to run the CP code as P ranks in threads of one process.
+"""A test double for NCCL's ordering rules, to run the CP code as P ranks in threads of one process.
 
 gloo buffers sends, so a ring that posts a send-only group and then a receive-only group on every rank works on CPU;
 NCCL runs each rank's groups in order on one stream, and a send in a group completes only when the peer's matching
@@ -7,15 +7,20 @@ of such groups waits on itself. This double enforces that rule strictly (no buff
 test finds what would hang a real run:
 
 - each `batch_isend_irecv` call is one group; a rank's groups run one after another, in posting order;
-- the k-th send from a to b matches the k-th receive at b from a (NCCL has no tags), and only while both sit in the
-  group their rank is running; sizes and dtypes must agree (NCCL would silently reinterpret the bytes);
+- the k-th send from a to b matches the k-th receive at b from a on the same communicator (NCCL has no tags), and
+  only while both sit in the group their rank is running; sizes and dtypes must agree (NCCL would silently
+  reinterpret the bytes);
+- a collective (`all_gather`, `all_gather_single`, `reduce_scatter_single`, `all_to_all_single`, with equal splits)
+  is a group of its own in the same stream order: it runs once every member of its communicator is running its k-th
+  collective on that communicator, and they must all be the same kind with the same sizes;
+- `new_group(ranks)` makes a sub-communicator (hybrid CP's Ulysses and ring groups);
 - buffers must be contiguous;
-- when every rank still running is waiting and no pair can match, it raises `NcclDeadlock` on every rank, naming
-  what each rank waits for.
+- when every rank still running is waiting and nothing can run, it raises `NcclDeadlock` on every rank, naming what
+  each rank waits for.
 
-`run_ring_ranks(fn, size)` runs `fn(group)` once per simulated rank with `torch.distributed`'s point-to-point entry
-points patched to the double (`group` is that rank's `SimGroup`). On a GPU the same double runs every rank's blocks of
-a CP layout on one device, with NCCL's grouping rule still enforced.
+`run_ring_ranks(fn, size)` runs `fn(group)` once per simulated rank with `torch.distributed`'s entry points patched to
+the double (`group` is that rank's `SimGroup` of the whole world). The copies run on the tensors' own device, so on a
+GPU the same double runs every rank's blocks of a CP layout on one device, real kernels and NCCL's rules together.
 """
 from __future__ import annotations
 
@@ -33,17 +38,19 @@ class NcclDeadlock(RuntimeError):
 @dataclass(eq=False)
 class _Op:
     send: bool
-    rank: int
-    peer: int
-    tensor: torch.Tensor
-    group_index: int
-    pair_index: int
+    rank: int  # global rank that posted it
+    peer: int  # global rank of the peer (-1 for a collective)
+    tensor: torch.Tensor  # the buffer sent or received; a collective's input
+    group_index: int  # position in the posting rank's stream
+    pair_index: int  # k-th op of its (communicator, direction, rank, peer); k-th collective on its communicator
+    comm: tuple = ()  # global ranks of the communicator
     done: bool = False
-    gathered: list | None = None  # all_gather's output list (collectives run when every rank reaches them)
+    collective: str | None = None  # kind of collective, None for point-to-point
+    output: object = None  # a collective's output tensor (a list of tensors for all_gather)
 
     def describe(self) -> str:
-        if self.gathered is not None:
-            return f"all_gather #{self.pair_index} in its group #{self.group_index}"
+        if self.collective is not None:
+            return f"{self.collective} #{self.pair_index} on ranks {list(self.comm)} in its group #{self.group_index}"
         kind = "send to" if self.send else "receive from"
         return f"{kind} rank {self.peer} ({self.tensor.numel()} x {self.tensor.dtype}) in its group #{self.group_index}"
 
@@ -58,10 +65,13 @@ class _Group:
 
 
 class SimGroup:
-    """One simulated rank's view of the communicator (what the code under test passes as `group`)."""
+    """One simulated rank's view of a communicator (what the code under test passes as `group`): `rank` is its rank
+    in the communicator, `members` the communicator's global ranks."""
 
-    def __init__(self, world: "NcclP2PWorld", rank: int):
-        self.world, self.rank, self.size = world, rank, world.size
+    def __init__(self, world: "NcclP2PWorld", global_rank: int, members: tuple | None = None):
+        self.world, self.global_rank = world, global_rank
+        self.members = tuple(range(world.size)) if members is None else tuple(members)
+        self.rank, self.size = self.members.index(global_rank), len(self.members)
 
 
 class _Work:
@@ -83,30 +93,70 @@ class SimP2POp:
         self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
 
 
+def _check_contiguous(rank: int, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError(f"rank {rank}: NCCL needs contiguous buffers, got strides {t.stride()}")
+
+
+def _execute(kind: str, ops: list[_Op]) -> str | None:
+    """Runs one collective over its members' ops (in communicator rank order); returns an error or None."""
+    n, inputs = len(ops), [op.tensor for op in ops]
+    if len({(t.numel(), t.dtype) for t in inputs}) != 1:
+        return f"{kind} on ranks {list(ops[0].comm)}: inputs differ: {[(t.numel(), t.dtype) for t in inputs]}"
+    if kind != "all_gather" and any(op.output.dtype != inputs[0].dtype for op in ops):
+        return f"{kind} on ranks {list(ops[0].comm)}: output dtype differs from the input's"
+    count = inputs[0].numel()
+    expected_out = {"all_gather_single": n * count, "reduce_scatter_single": count // n, "all_to_all_single": count}
+    if kind in expected_out and (any(op.output.numel() != expected_out[kind] for op in ops) or
+                                 (kind != "all_gather_single" and count % n)):
+        return f"{kind} on ranks {list(ops[0].comm)}: output of {ops[0].output.numel()} elements for inputs of {count}"
+    with torch.no_grad():
+        if kind == "all_gather":
+            for op in ops:
+                for out, src in zip(op.output, inputs):
+                    out.copy_(src)
+        elif kind == "all_gather_single":
+            for op in ops:
+                op.output.view(n, -1).copy_(torch.stack([t.reshape(-1) for t in inputs]))
+        elif kind == "reduce_scatter_single":
+            total = inputs[0].reshape(n, -1).clone()
+            for t in inputs[1:]:
+                total += t.reshape(n, -1)
+            for i, op in enumerate(ops):
+                op.output.view(-1).copy_(total[i])
+        elif kind == "all_to_all_single":
+            for i, op in enumerate(ops):
+                out = op.output.view(n, -1)
+                for j, t in enumerate(inputs):
+                    out[j].copy_(t.reshape(n, -1)[i])
+        else:
+            return f"unknown collective {kind}"
+    return None
+
+
 class NcclP2PWorld:
     def __init__(self, size: int):
         self.size = size
         self.cond = threading.Condition()
         self.groups: list[list[_Group]] = [[] for _ in range(size)]
-        self.pairs: dict[tuple[bool, int, int], list[_Op]] = {}
-        self.collectives: list[list[_Op]] = [[] for _ in range(size)]
+        self.pairs: dict[tuple, list[_Op]] = {}
+        self.collective_counts: dict[tuple[tuple, int], int] = {}  # (communicator, rank) -> collectives posted
         self.waiting: dict[int, _Op] = {}
         self.finished: set[int] = set()
         self.failure: str | None = None
         self.groups_posted = 0
 
     # ------------------------------------------------------------------ posting
-    def post(self, rank: int, p2p_ops) -> list[_Work]:
+    def post(self, rank: int, comm: tuple, p2p_ops) -> list[_Work]:
         with self.cond:
             group = _Group()
             index = len(self.groups[rank])
             for p in p2p_ops:
-                if not p.tensor.is_contiguous():
-                    raise ValueError(f"rank {rank}: NCCL needs contiguous buffers, got strides {p.tensor.stride()}")
+                _check_contiguous(rank, p.tensor)
                 send = p.op is dist.isend
-                key = (send, rank, p.peer)
-                queue = self.pairs.setdefault(key, [])
-                op = _Op(send, rank, p.peer, p.tensor, index, len(queue))
+                queue = self.pairs.setdefault((comm, send, rank, p.peer), [])
+                op = _Op(send, rank, p.peer, p.tensor, index, len(queue), comm)
                 queue.append(op)
                 group.ops.append(op)
             self.groups[rank].append(group)
@@ -115,11 +165,13 @@ class NcclP2PWorld:
             self.cond.notify_all()
             return [_Work(self, op) for op in group.ops]
 
-    def all_gather(self, rank: int, outputs: list, tensor: torch.Tensor) -> _Work:
+    def collective(self, rank: int, comm: tuple, kind: str, output, tensor: torch.Tensor) -> _Work:
         """A collective is a group of its own, in stream order with the point-to-point groups."""
         with self.cond:
-            op = _Op(False, rank, -1, tensor, len(self.groups[rank]), len(self.collectives[rank]), gathered=outputs)
-            self.collectives[rank].append(op)
+            _check_contiguous(rank, tensor, *(output if isinstance(output, list) else [output]))
+            count = self.collective_counts.get((comm, rank), 0)
+            self.collective_counts[(comm, rank)] = count + 1
+            op = _Op(False, rank, -1, tensor, len(self.groups[rank]), count, comm, collective=kind, output=output)
             self.groups[rank].append(_Group([op]))
             self._progress()
             self.cond.notify_all()
@@ -132,37 +184,46 @@ class NcclP2PWorld:
                 return i
         return None
 
-    def _run_collective(self) -> bool:
-        """Runs the next all_gather once every rank's running group is that same collective."""
-        ops = []
+    def _running_collective(self, rank: int) -> _Op | None:
+        running = self._running_group(rank)
+        if running is None or self.groups[rank][running].ops[0].collective is None:
+            return None
+        return self.groups[rank][running].ops[0]
+
+    def _run_collectives(self) -> bool:
+        """Runs every collective whose members are all running it."""
+        moved = False
         for rank in range(self.size):
-            running = self._running_group(rank)
-            if running is None or self.groups[rank][running].ops[0].gathered is None:
-                return False
-            ops.append(self.groups[rank][running].ops[0])
-        if len({op.pair_index for op in ops}) != 1:
-            return False
-        with torch.no_grad():
+            head = self._running_collective(rank)
+            if head is None:
+                continue
+            ops = [self._running_collective(member) for member in head.comm]
+            if any(op is None or op.comm != head.comm or op.pair_index != head.pair_index for op in ops):
+                continue
+            kinds = {op.collective for op in ops}
+            error = f"ranks {list(head.comm)} run different collectives together: {sorted(kinds)}" \
+                if len(kinds) > 1 else _execute(head.collective, ops)
+            if error:
+                self.failure = error
+                return moved
             for op in ops:
-                for out, src in zip(op.gathered, ops):
-                    out.copy_(src.tensor)
-        for op in ops:
-            op.done = True
-        return True
+                op.done = True
+            moved = True
+        return moved
 
     def _progress(self) -> bool:
         moved, any_moved = True, False
-        while moved:
-            moved = self._run_collective()
+        while moved and not self.failure:
+            moved = self._run_collectives()
             any_moved |= moved
             for rank in range(self.size):
                 running = self._running_group(rank)
                 if running is None:
                     continue
                 for op in self.groups[rank][running].ops:
-                    if op.done or not op.send or op.gathered is not None:
+                    if op.done or not op.send:
                         continue
-                    receives = self.pairs.get((False, op.peer, rank), [])
+                    receives = self.pairs.get((op.comm, False, op.peer, rank), [])
                     if op.pair_index >= len(receives):
                         continue  # the peer has not posted the matching receive yet
                     recv = receives[op.pair_index]
@@ -171,7 +232,6 @@ class NcclP2PWorld:
                     if recv.tensor.numel() != op.tensor.numel() or recv.tensor.dtype != op.tensor.dtype:
                         self.failure = (f"rank {rank} sends {op.tensor.numel()} x {op.tensor.dtype} to rank "
                                         f"{op.peer}, which receives {recv.tensor.numel()} x {recv.tensor.dtype}")
-                        self.cond.notify_all()
                         return any_moved
                     with torch.no_grad():
                         recv.tensor.copy_(op.tensor)
@@ -186,6 +246,7 @@ class NcclP2PWorld:
             try:
                 while not op.done:
                     if self.failure:
+                        self.cond.notify_all()
                         raise NcclDeadlock(self.failure)
                     if self._progress():
                         self.cond.notify_all()
@@ -211,7 +272,7 @@ class NcclP2PWorld:
 
     def _explain(self) -> str:
         lines = ["NCCL grouping rule: every running rank waits and no send can meet its receive in the group its "
-                 "peer is running"]
+                 "peer is running (nor can any collective run)"]
         for rank in range(self.size):
             running = self._running_group(rank)
             if rank in self.waiting and not self.waiting[rank].done:
@@ -223,40 +284,67 @@ class NcclP2PWorld:
         return "\n".join(lines)
 
 
-def _patched_dist(world: NcclP2PWorld, local: threading.local):
-    def rank_of(group=None):
-        return group.rank if isinstance(group, SimGroup) else local.rank
+def _patched_dist(world: NcclP2PWorld, local: threading.local) -> dict:
+    """The torch.distributed entry points the project's CP code calls, answered by the double."""
+    def group_of(group) -> SimGroup:
+        return group if isinstance(group, SimGroup) else local.world_group
 
-    def size_of(group=None):
-        return world.size
-
-    def batch_isend_irecv(ops):
-        return world.post(ops[0].group.rank if isinstance(ops[0].group, SimGroup) else local.rank, ops) if ops else []
-
-    def all_gather(tensor_list, tensor, group=None, async_op=False):
-        work = world.all_gather(rank_of(group), tensor_list, tensor)
+    def run(group, kind, output, tensor, async_op):
+        g = group_of(group)
+        work = world.collective(g.global_rank, g.members, kind, output, tensor)
         if async_op:
             return work
         work.wait()
         return None
 
-    return {"P2POp": SimP2POp, "batch_isend_irecv": batch_isend_irecv, "all_gather": all_gather, "get_rank": rank_of,
-            "get_world_size": size_of, "get_global_rank": lambda group, rank: rank, "is_initialized": lambda: True}
+    def batch_isend_irecv(ops):
+        if not ops:
+            return []
+        g = group_of(ops[0].group)
+        return world.post(g.global_rank, g.members, ops)
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        return run(group, "all_gather", list(tensor_list), tensor, async_op)
+
+    def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+        return run(group, "all_gather_single", output_tensor, input_tensor, async_op)
+
+    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if op != dist.ReduceOp.SUM:
+            raise NotImplementedError("the NCCL-rule double reduces with SUM only")
+        return run(group, "reduce_scatter_single", output, input, async_op)
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        if output_split_sizes is not None or input_split_sizes is not None:
+            raise NotImplementedError("the NCCL-rule double runs all_to_all_single with equal splits only")
+        return run(group, "all_to_all_single", output, input, async_op)
+
+    def new_group(ranks=None, *args, **kwargs):
+        return SimGroup(world, local.rank, sorted(ranks) if ranks is not None else None)
+
+    return {"P2POp": SimP2POp, "batch_isend_irecv": batch_isend_irecv, "all_gather": all_gather,
+            "all_gather_single": all_gather_single, "all_gather_into_tensor": all_gather_single,
+            "reduce_scatter_single": reduce_scatter_single, "reduce_scatter_tensor": reduce_scatter_single,
+            "all_to_all_single": all_to_all_single, "new_group": new_group,
+            "get_rank": lambda group=None: group_of(group).rank,
+            "get_world_size": lambda group=None: group_of(group).size,
+            "get_global_rank": lambda group, rank: group_of(group).members[rank], "is_initialized": lambda: True}
 
 
 def run_ring_ranks(fn, size: int, monkeypatch, timeout: float = 120.0) -> list:
     """`fn(group)` on `size` simulated ranks in threads; returns their results in rank order, or raises the first
-    rank's error (an `NcclDeadlock` when the code breaks NCCL's grouping rule)."""
+    rank's error (an `NcclDeadlock` when the code breaks NCCL's ordering rules)."""
     world = NcclP2PWorld(size)
     local = threading.local()
     for name, value in _patched_dist(world, local).items():
-        monkeypatch.setattr(dist, name, value)
+        monkeypatch.setattr(dist, name, value, raising=False)  # older torch lacks some *_single names
     results, errors = [None] * size, [None] * size
 
     def body(rank):
-        local.rank = rank
+        local.rank, local.world_group = rank, SimGroup(world, rank)
         try:
-            results[rank] = fn(SimGroup(world, rank))
+            results[rank] = fn(local.world_group)
         except BaseException as e:  # reported below, in rank order
             errors[rank] = e
         finally:
