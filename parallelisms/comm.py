@@ -38,6 +38,21 @@ def all_reduce_(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tens
     return tensor
 
 
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Every rank's `input` concatenated into `output`. torch 2.13 calls it `all_gather_single`; earlier releases
+    (which GPU images often ship) name the same collective `all_gather_into_tensor`."""
+    check_contiguous(output, input)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Sum over ranks of `input`, this rank's slice into `output` (`reduce_scatter_tensor` before torch 2.13)."""
+    check_contiguous(output, input)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, group=group, async_op=async_op)
+
+
 class Collectives:
     """The bookkeeping collectives of one run, on the run's device."""
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.attention_blocks import choose_block_kernel
+from parallelisms.comm import all_gather_single, reduce_scatter_single
 from parallelisms.ring_attention import (CommStats, LseAttentionFunction, _accumulate, _block_forward, _check_inputs,
                                          _covers_all, _merge, _pack, _RingSpec, _unpack, gather_document_shards)
 from parallelisms.ring_plan import FULL, BlockTask, DocumentShards, MaskedTask
@@ -90,7 +91,7 @@ def _start_gather(k, v, spec: _RingSpec, size: int, count_as_backward: bool):
     if size == 1:
         return packed.view(1, -1), None
     gathered = packed.new_empty(size, packed.numel())
-    work = dist.all_gather_single(gathered.view(-1), packed, group=spec.group, async_op=True)
+    work = all_gather_single(gathered.view(-1), packed, group=spec.group, async_op=True)
     if spec.stats is not None:
         sent = (size - 1) * packed.numel() * packed.element_size()
         if count_as_backward:
@@ -159,7 +160,7 @@ def allgather_backward(dout, q, k, v, out, lse, auxes, spec: _RingSpec):
             fused.scatter_grads(dkv, gk, gv, k, v)
     if size > 1:
         mine = dkv.new_empty(dkv.size(1))
-        dist.reduce_scatter_single(mine, dkv.view(-1), group=group)
+        reduce_scatter_single(mine, dkv.view(-1), group=group)
         if spec.stats is not None:
             spec.stats.backward_bytes_sent += (size - 1) * mine.numel() * mine.element_size()
     else:
