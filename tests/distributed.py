@@ -2,8 +2,9 @@
 
 Usage in a test:  results = run_ranks(_body, world_size=4, args=(x,), timeout=120)
 `_body(rank, world_size, *args)` must be a module-level function; it runs after the default process group is
-initialised (gloo, CPU) and its return value (picklable) comes back in rank order. An exception on any rank fails
-the test with that rank's traceback.
+initialised (gloo, CPU; or `backend="nccl"`: one GPU per rank, cuda:<rank> made current and bound to the group)
+and its return value (picklable) comes back in rank order. An exception on any rank fails the test with that rank's
+traceback.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, args, queue, threads):
+def _entry(fn, rank, world_size, port, args, queue, threads, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
@@ -30,7 +31,12 @@ def _entry(fn, rank, world_size, port, args, queue, threads):
 
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        device_id = None
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device_id = torch.device("cuda", rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60),
+                                device_id=device_id)
         result = fn(rank, world_size, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -40,11 +46,13 @@ def _entry(fn, rank, world_size, port, args, queue, threads):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, threads: int = 1) -> list:
+def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, threads: int = 1,
+              backend: str = "gloo") -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, threads), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, threads, backend),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
