@@ -209,7 +209,10 @@ class Checkpointer:
         """Every rank checksums its share of the files; rank 0 writes the manifest and renames the folder."""
         final = files.step_dir(self.folder, step)
         partial = final + files.PARTIAL_SUFFIX
-        names = sorted({info.relative_path for info in metadata.storage_data.values()} | {".metadata"})
+        storage = metadata.storage_data if metadata is not None else None
+        if storage is None:  # torch < 2.13 returns the metadata without it; the .metadata file DCP wrote has it
+            storage = FileSystemReader(partial).read_metadata().storage_data
+        names = sorted({info.relative_path for info in storage.values()} | {".metadata"})
         described = {}
         for part in self._gather(files.describe_files(partial, names[self.rank::self.world_size])):
             described.update(part)
