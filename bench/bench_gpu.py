@@ -22,7 +22,7 @@ machines have no network, so bring its wheels (TorchTitan 0.3.0 needs Python >= 
         torchtitan==0.3.0 tyro docstring-parser typeguard torch_checkpointing spmd_types==0.2.3 \\
         "datasets<4.8" "dill<0.4.1" "multiprocess<0.70.19" torchdata==0.11.0
 (plus any other package `pip check` names there), copy the folder over, and on the GPU machine:
-    pip install --no-index --no-deps --target /tmp/site wheels/*.whl && export PYTHONPATH=/tmp/site
+    pip install --no-index --no-deps --target "$HOME/gpu-site" wheels/*.whl && export PYTHONPATH="$HOME/gpu-site"
 TorchTitan 0.3.0 is written against recent torch (2.13 here); with an older torch on the GPU image its import or its
 attention call may fail, which the bench reports in one line before running our side alone.
 """
