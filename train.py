@@ -265,6 +265,7 @@ class Trainer:
     def _log_step(self, loss: float, lr: float, grad_norm: float, step_time: float, data_time: float,
                   tokens: int) -> None:
         from training.hardware import peak_memory_gib
+        from parallelisms.parallelize import compile_counters
         from training.roofline import Layout, fsdp_bytes_per_step
 
         t, d = self.cfg.training, self.dims
@@ -287,7 +288,8 @@ class Trainer:
             "tokens_per_step": self.global_batch_size * t.seq_len, "rope_theta": self.model_cfg.rope_theta,
             "stage": max(0, self.stage.index), "tokens_seen": tokens, "memory": memory,
             "step_time": step_time, "data_time": data_time, "step_time_fastest_rank": -fastest,
-            "cp_comm_bytes": ring_per_step, "fsdp_comm_bytes": fsdp_bytes})
+            "cp_comm_bytes": ring_per_step, "fsdp_comm_bytes": fsdp_bytes, "cp_attention_calls": self.comm_stats.calls,
+            **({"compile": compile_counters()} if t.compile else {})})
 
     def evaluate_passkey(self) -> None:
         """Passkey retrieval by depth x context length on the training mesh; table printed and saved as JSON."""

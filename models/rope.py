@@ -72,7 +72,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, S, H, D) by the angles, pairs (2i, 2i+1) interleaved; math in float32, result in x's dtype."""
-    pairs = x.to(torch.float32).unflatten(-1, (-1, 2))
+    pairs = x.to(torch.float32).reshape(*x.shape[:-1], -1, 2)  # not unflatten: dynamo cannot trace it under a mode
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).to(x.dtype)

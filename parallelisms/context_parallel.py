@@ -44,6 +44,9 @@ class RingAttentionMode(TorchFunctionMode):
             return self._ring(*args, **kwargs)
         return func(*args, **kwargs)
 
+    # Under torch.compile the CP attention runs as one opaque eager call: dynamo would otherwise trace the ring's
+    # point-to-point loop, break inside it and guard on its Python counters, recompiling at every call.
+    @torch.compiler.disable(reason="context-parallel attention runs eagerly between compiled graphs")
     def _ring(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
         if attn_mask is not None:

@@ -8,6 +8,8 @@ every mesh.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -29,11 +31,27 @@ def uses_loss_parallel(cfg: Config, mesh: TrainingMesh) -> bool:
 
 
 def apply_compile(model: torch.nn.Module) -> None:
-    """Compiles attention and feed-forward separately (a whole block after TP+SP fails in backward, FACTS.md)."""
+    """Compiles the forward of attention and of feed-forward separately (a whole block after TP+SP fails in
+    backward, FACTS.md). The forward, not the module: TP's input hooks (sequence-sharded -> replicated) then run
+    eagerly around the compiled graph; traced inside it they gave the preceding norm weights wrong gradients. Every
+    layer shares the compiled code (the module is an input of it), so the number of graphs does not grow with depth."""
     for block in model.layers.values():
         inner = getattr(block, "_checkpoint_wrapped_module", block)  # set on the block, not on an AC wrapper
-        inner.attention = torch.compile(inner.attention)
-        inner.feed_forward = torch.compile(inner.feed_forward)
+        for module in (inner.attention, inner.feed_forward):
+            module.forward = torch.compile(module.forward)
+
+
+def compile_counters() -> dict:
+    """Dynamo's own counters for this process, so a run can show it stayed compiled: graphs built (constant in the
+    depth when every layer reuses them), frames dynamo gave up on (recompile limit or an unsupported construct; they
+    run eagerly) and graph breaks by reason (the one expected is the CP attention call, which runs eagerly)."""
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]
+    return {"unique_graphs": counters["stats"]["unique_graphs"], "frames": frames["total"],
+            "frames_failed": frames["total"] - frames["ok"], "unimplemented": sum(counters["unimplemented"].values()),
+            "graph_breaks": {re.sub(r" at 0x[0-9a-f]+", "", " ".join(reason.split()))[:300]: n
+                             for reason, n in counters["graph_break"].items()}}
 
 
 def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torch.nn.Module:

@@ -184,3 +184,65 @@ def test_sbatch_trains_debug_recipe_on_two_nodes(slurm, tmp_path):
     assert len(losses) == 8
     assert losses[-1] < losses[0] - 0.5, losses
     print(f"slurm job log (tail):\n{text[-1200:]}\nlosses: {losses}")
+
+
+def _job_state(env: dict, job: str) -> str:
+    done = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, env=env)
+    fields = dict(part.split("=", 1) for part in done.stdout.split() if "=" in part)
+    return fields.get("JobState", "")
+
+
+def _logged_steps(folder: str) -> list[int]:
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_usr1_requeues_the_job_and_it_resumes_with_identical_losses(slurm, tmp_path):
+    """The time-limit path of slurm/train.sbatch for real: USR1 to the batch shell (what --signal=B:USR1 sends) ->
+    its trap runs `scontrol requeue` -> Slurm starts the job again (restart count 1), which resumes from its newest
+    complete checkpoint. Every loss either run logged equals an uninterrupted run's, bit for bit."""
+    from tests.trainer_runs import run_train
+
+    args = ["--parallelism.dp_shard", "-1", "--training.steps", "14", "--training.seq_len", "128",
+            "--training.local_batch_size", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+            "--metrics.enable_tensorboard", "false"]
+    reference_dir = str(tmp_path / "reference")
+    result = run_train(*args, "--job.dump_folder", reference_dir, nproc=2, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(reference_dir, "metrics.jsonl")) as f:
+        reference = {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+    out, log = str(tmp_path / "run"), str(tmp_path / "job.out")
+    env = dict(slurm.env, PYTHON=sys.executable, GPUS_PER_NODE="2", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               RDZV_PORT=str(_free_ports(1)[0]), REPO=ROOT)
+    env.pop("NPROC", None)
+    cmd = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--exclusive=user", f"--output={log}",
+           "--time=10", os.path.join(ROOT, "slurm", "train.sbatch"), "--job.dump_folder", out, *args]
+    submitted = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    _wait_for(lambda: len(_logged_steps(out)) >= 4, 300, "step 4 of the first run", [log])
+    signalled = time.monotonic()
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, env=env, timeout=30)
+    _wait_for(lambda: "restart count 1" in open(log).read(), 300, "the requeued job to start again", [log])
+    requeue_seconds = time.monotonic() - signalled
+    _wait_for(lambda: _job_state(env, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 400,
+              "the requeued job to finish", [log])
+    text = open(log).read()
+    assert _job_state(env, job) == "COMPLETED", text[-4000:]
+    assert f"caught USR1: requeueing job {job}" in text, text[-4000:]
+    assert "resumed from" in text, text[-4000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    steps = [r["step"] for r in records]
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # the second run's first record
+    assert steps[restart] - 1 in range(3, steps[restart - 1] + 1, 3), steps  # resumed from a checkpoint step
+    assert sorted(set(steps)) == list(range(1, 15)), steps
+    assert all(r["loss"] == reference[r["step"]] for r in records), (records, reference)
+    print(f"requeue: USR1 at step {steps[restart - 1]}, restarted from step {steps[restart] - 1} "
+          f"{requeue_seconds:.1f}s after the signal; all {len(records)} logged losses equal the uninterrupted run's")
