@@ -22,10 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "debug.toml")
 GLOBAL_BATCH = 4
 
-# name -> degrees (dp_shard explicit) and extra overrides; the acceptance list of issue 4.
+# name -> degrees (dp_shard explicit) and extra overrides; the acceptance lists of issues 4 and 14.
 MESHES: dict[str, dict] = {
     "dp_shard2": dict(dp_shard=2),
     "dp_replicate2": dict(dp_replicate=2, dp_shard=1),
+    "dp_replicate2 x dp_shard2": dict(dp_replicate=2, dp_shard=2),  # 2-D HSDP
+    "dp_replicate2 x dp_shard2 x cp2": dict(dp_replicate=2, dp_shard=2, cp=2),  # HSDP, each replica FSDP over dp_shard x cp
     "tp2": dict(tp=2, dp_shard=1),
     "cp2": dict(cp=2, dp_shard=1),
     "pp2": dict(pp=2, dp_shard=1),
@@ -42,8 +44,13 @@ def world_size(degrees: dict) -> int:
     return math.prod(degrees.get(d, 1) for d in DEGREES)
 
 
-def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, recipe: str = RECIPE) -> list[dict]:
-    """The single-process run: [{"loss", "grad_norm"}] per step."""
+def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, recipe: str = RECIPE,
+                  dtype: str = "float32") -> list[dict]:
+    """The single-process run: [{"loss", "grad_norm"}] per step. dtype "bfloat16" is FSDP2's mixed-precision policy
+    written out by hand: float32 master weights and optimizer, each step's forward and backward on a bfloat16 copy of
+    them, its gradients cast to float32 (reduce_dtype) before clipping and the update."""
+    import copy
+
     import torch
     import torch.nn.functional as F
 
@@ -72,9 +79,13 @@ def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, re
     records, batches = [], iter(loader)
     for _ in range(steps):
         batch = next(batches)
-        logits = model(batch["input_ids"])
-        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        compute = model if dtype == "float32" else copy.deepcopy(model).to(getattr(torch, dtype))
+        logits = compute(batch["input_ids"])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
         loss.backward()
+        if compute is not model:
+            for master, low in zip(model.parameters(), compute.parameters()):
+                master.grad = low.grad.float()
         grads = [p.grad.double() for p in model.parameters()]
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))  # float64: a float32 norm is off by ~1e-5
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.training.max_norm, norm.float())
@@ -86,7 +97,7 @@ def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, re
 
 
 def trainer_run(degrees: dict, steps: int, seq_len: int, extra: list[str] = (), global_batch: int = GLOBAL_BATCH,
-                timeout: float = 600, recipe: str = RECIPE) -> list[dict]:
+                timeout: float = 600, recipe: str = RECIPE, dtype: str = "float32") -> list[dict]:
     """The real trainer on world_size(degrees) local ranks; returns its metrics.jsonl records."""
     nproc = world_size(degrees)
     dp = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)
@@ -95,7 +106,7 @@ def trainer_run(degrees: dict, steps: int, seq_len: int, extra: list[str] = (), 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                os.path.join(ROOT, "train.py"), recipe, *overrides, "--training.steps", str(steps),
                "--training.seq_len", str(seq_len), "--training.local_batch_size", str(global_batch // dp),
-               "--training.dtype", "float32", "--job.dump_folder", out, "--metrics.enable_tensorboard", "false",
+               "--training.dtype", dtype, "--job.dump_folder", out, "--metrics.enable_tensorboard", "false",
                *extra]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

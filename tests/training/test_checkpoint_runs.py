@@ -20,6 +20,8 @@ COMMON = ["--training.steps", "10", "--training.seq_len", "128", "--checkpoint.e
 MESHES = {
     "1 rank": (1, ["--parallelism.dp_shard", "1", "--training.local_batch_size", "4"]),
     "dp_shard4": (4, ["--parallelism.dp_shard", "4", "--training.local_batch_size", "1"]),
+    "dp_replicate2 x dp_shard2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2",
+                                      "--training.local_batch_size", "1"]),
     "dp_shard2 x cp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.cp", "2", "--training.local_batch_size", "2"]),
     "tp2 x cp2": (4, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.cp", "2",
                       "--training.local_batch_size", "4"]),
@@ -73,16 +75,19 @@ def test_ten_steps_equal_five_stop_resume_five_bit_for_bit(tmp_path, mesh):
     assert straight["disabled"] == straight["async"]  # saving in the background does not perturb training
 
 
-@pytest.mark.parametrize("target", ["dp_shard2 x cp2", "tp2 x cp2"])
-def test_save_on_dp_shard4_resume_on_another_mesh(tmp_path, target):
-    """Acceptance 2: losses within 1e-5 relative of the uninterrupted dp_shard4 run; the data position continues
+@pytest.mark.parametrize("source_mesh, target", [
+    ("dp_shard4", "dp_shard2 x cp2"), ("dp_shard4", "tp2 x cp2"),
+    ("dp_shard4", "dp_replicate2 x dp_shard2"), ("dp_replicate2 x dp_shard2", "dp_shard4"),  # FSDP <-> HSDP
+])
+def test_save_on_one_mesh_resume_on_another(tmp_path, source_mesh, target):
+    """Acceptance 2: losses within 1e-5 relative of the uninterrupted source run; the data position continues
     (40 global rows after 10 steps of 4; tests/training/test_checkpoint.py shows row by row that none repeats)."""
-    source = str(tmp_path / "dp_shard4")
-    train(source, "dp_shard4")
+    source = str(tmp_path / "source")
+    train(source, source_mesh)
     reference = losses(source)
     resumed = resume_from_step5(source, str(tmp_path / "resumed"), target)
     worst = max(abs(resumed[s] - reference[s]) / abs(reference[s]) for s in range(6, 11))
-    print(f"{target}: max relative loss difference over steps 6-10: {worst:.2e}")
+    print(f"{source_mesh} -> {target}: max relative loss difference over steps 6-10: {worst:.2e}")
     assert worst <= 1e-5, (reference, resumed)
     assert rows_consumed(str(tmp_path / "resumed" / "checkpoints" / "step-10")) == 40
     assert rows_consumed(os.path.join(source, "checkpoints", "step-10")) == 40
