@@ -87,3 +87,59 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, thr
     if errors:
         raise RuntimeError("rank failure:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+class WireBytes:
+    """Counts the bytes this rank hands to torch.distributed to send, measured at the collective calls themselves, as
+    an independent check of the counters the CP code keeps (CommStats). Patches the `torch.distributed` functions
+    while active (inside one rank's process): isend ops of batch_isend_irecv, all-gather ((P-1) x the input),
+    reduce-scatter ((P-1) x the output) and equal-split all-to-all ((P-1)/P x the input)."""
+
+    NAMES = ("batch_isend_irecv", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+             "reduce_scatter_tensor", "all_to_all_single")
+
+    def __init__(self):
+        self.sent = 0
+        self._saved = {}
+        self._inside = False  # one collective implemented through another is counted once
+
+    def _count(self, name, fn):
+        import torch.distributed as dist
+
+        def counted(*args, **kwargs):
+            if self._inside:
+                return fn(*args, **kwargs)
+            group = kwargs.get("group")
+            if name == "batch_isend_irecv":
+                self.sent += sum(op.tensor.nbytes for op in args[0] if op.op.__name__ == "isend")
+            else:
+                size = dist.get_world_size(group)
+                output, inp = args[0], args[1]
+                if name.startswith("all_gather"):
+                    self.sent += (size - 1) * inp.nbytes
+                elif name.startswith("reduce_scatter"):
+                    self.sent += (size - 1) * output.nbytes
+                else:
+                    assert kwargs.get("output_split_sizes") is None and kwargs.get("input_split_sizes") is None
+                    self.sent += inp.nbytes * (size - 1) // size
+            self._inside = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._inside = False
+        return counted
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        for name in self.NAMES:
+            if hasattr(dist, name):
+                self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._count(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)

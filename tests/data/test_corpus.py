@@ -17,9 +17,9 @@ def test_pydoc_is_the_bundled_topics_in_sorted_order():
     from pydoc_data.topics import topics  # the reference: read directly
 
     docs = load_documents(["pydoc"])
-    assert len(docs) == len(topics) == 79
+    assert len(docs) == len(topics) > 0  # counts differ between Python builds: read them from the data
     assert docs == [topics[k] for k in sorted(topics)]
-    assert sum(map(len, docs)) > 400_000
+    assert sum(map(len, docs)) == sum(map(len, topics.values()))
 
 
 def test_txt_file_is_one_document_verbatim(tmp_path):

@@ -3,7 +3,6 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import sentencepiece as spm
@@ -67,7 +66,7 @@ def test_byte_fallback_encodes_unseen_characters(pydoc_tokenizer):
     assert pydoc_tokenizer.encode("") == [] and pydoc_tokenizer.decode([]) == ""
 
 
-def test_cache_hit_is_fast_identical_and_does_not_train(pydoc_tokenizer, pydoc_docs, pydoc_cache, monkeypatch):
+def test_cache_hit_is_identical_and_does_not_train(pydoc_tokenizer, pydoc_docs, pydoc_cache, monkeypatch):
     (name,) = _cached_models(pydoc_cache)
     path = os.path.join(pydoc_cache, name)
     mtime = os.stat(path).st_mtime_ns
@@ -76,9 +75,7 @@ def test_cache_hit_is_fast_identical_and_does_not_train(pydoc_tokenizer, pydoc_d
         raise AssertionError("cache hit retrained")
 
     monkeypatch.setattr(tokenizer_module, "train_model_proto", must_not_train)
-    start = time.perf_counter()
-    again = build_tokenizer(None, pydoc_docs, 2048, pydoc_cache)
-    assert time.perf_counter() - start < 0.5
+    again = build_tokenizer(None, pydoc_docs, 2048, pydoc_cache)  # no wall-clock bound: must_not_train is the check
     assert again.model_proto == pydoc_tokenizer.model_proto
     assert os.stat(path).st_mtime_ns == mtime
     assert _cached_models(pydoc_cache) == [name]

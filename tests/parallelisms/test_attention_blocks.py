@@ -24,10 +24,13 @@ def test_kernel_choice_by_device_dtype_and_mask():
     (CudaEfficientBlock(), torch.bfloat16, False)])
 def test_cuda_wrappers_fit_the_op_schemas_on_meta_tensors(kernel, dtype, masked):
     batch, heads, kv_heads, lq, head_dim = 2, 8, 2, 40, 64
-    lk = 48 if masked else lq  # a mask row that is not 16-aligned; causal blocks are square
+    lk = 50 if masked else lq  # a mask row that is not 16-aligned, so _bias pads it; causal blocks are square
     q = torch.empty(batch, heads, lq, head_dim, device="meta", dtype=dtype)
     k, v = (torch.empty(batch, kv_heads, lk, head_dim, device="meta", dtype=dtype) for _ in range(2))
     mask = torch.zeros(batch, 1, lq, lk, device="meta", dtype=dtype) if masked else None
+    if masked:  # the bias the op gets: lk columns viewed out of rows padded to 64 (the CUDA kernel's 16-alignment)
+        bias = kernel._bias(mask, heads)
+        assert bias.shape == (batch, heads, lq, lk) and bias.stride(-2) == 64 and lk % 16
     out, lse, aux = kernel.forward(q, k, v, is_causal=not masked, scale=None, mask=mask)
     assert out.shape == q.shape and lse.shape == (batch, heads, lq) and lse.dtype == torch.float32
     dq, dk, dv = kernel.backward(out, q, k, v, out, lse, aux, is_causal=not masked, scale=None, mask=mask)

@@ -61,16 +61,19 @@ def _parity_cases(size, doc_modes=(None, "random", "chunks")):
 
 def _byte_counts(rank, size):
     from parallelisms.context_parallel import CommStats, ring_attention
+    from tests.distributed import WireBytes
     results = []
     for dtype, kv_heads in ((torch.float32, 2), (torch.bfloat16, 4)):
         stats = CommStats()
         q = torch.randn(1, 4, 24 // size, 8, dtype=dtype, requires_grad=True)
         k, v = (torch.randn(1, kv_heads, 24 // size, 8, dtype=dtype, requires_grad=True) for _ in range(2))
-        for _ in range(2):
-            ring_attention(q, k, v, dist.group.WORLD, stats=stats).sum().backward()
+        with WireBytes() as wire:
+            for _ in range(2):
+                ring_attention(q, k, v, dist.group.WORLD, stats=stats).sum().backward()
         kv_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
         dkv_bytes = (k.numel() + v.numel()) * 4  # float32 accumulators, one hop per step
         backward = 0 if size == 1 else (size - 1) * kv_bytes + size * dkv_bytes
+        assert stats.kv_bytes_sent + stats.backward_bytes_sent == wire.sent, (stats, wire.sent)  # measured, too
         results.append((stats.calls, stats.kv_bytes_sent, 2 * (size - 1) * kv_bytes, stats.backward_bytes_sent,
                         2 * backward))
     return results
@@ -194,7 +197,7 @@ def test_ring_matches_full_sequence_sdpa_outputs_and_grads(size):
     assert len(_run(size)[0]["parity"]) == 60
 
 
-@pytest.mark.parametrize("size", [1, 3, 4])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_forward_sends_p_minus_one_local_kv_per_call(size):
     for rank_result in _run(size):
         for calls, sent, want, bwd_sent, bwd_want in rank_result["bytes"]:

@@ -48,19 +48,21 @@ def _cases(size, balancers=("zigzag",), doc_modes=(None, "random")):
 
 
 def _bytes_sent(rank, size):
-    """(calls, forward K/V bytes, (P-1) x local K+V bytes) of the all-gather, and the total bytes the ring and
-    Ulysses send per fwd+bwd next to the byte model the `auto` rule uses."""
+    """Per variant (calls, forward K/V bytes, total bytes by its CommStats, bytes measured at the collective calls);
+    (P-1) x local K+V bytes; the byte model the `auto` rule uses for the ring and Ulysses."""
     from parallelisms.context_parallel import CommStats, ring_attention
     from parallelisms.cp_allgather import allgather_attention
     from parallelisms.cp_choice import bytes_sent_per_call
     from parallelisms.cp_ulysses import ulysses_attention
+    from tests.distributed import WireBytes
     local_len, head_dim, counts = 24 // size, 8, {}
     for name, fn in (("allgather", allgather_attention), ("ring", ring_attention), ("ulysses", ulysses_attention)):
         stats = CommStats()
         q = torch.randn(1, 4, local_len, head_dim, requires_grad=True)
         k, v = (torch.randn(1, 2, local_len, head_dim, requires_grad=True) for _ in range(2))
-        fn(q, k, v, dist.group.WORLD, stats=stats).sum().backward()
-        counts[name] = (stats.calls, stats.kv_bytes_sent, stats.kv_bytes_sent + stats.backward_bytes_sent)
+        with WireBytes() as wire:
+            fn(q, k, v, dist.group.WORLD, stats=stats).sum().backward()
+        counts[name] = (stats.calls, stats.kv_bytes_sent, stats.kv_bytes_sent + stats.backward_bytes_sent, wire.sent)
     model = {name: bytes_sent_per_call(name, size, 4, 2, 4) * local_len * head_dim for name in ("ring", "ulysses")}
     return counts, (size - 1) * 2 * 2 * local_len * head_dim * 4, model
 
@@ -130,8 +132,10 @@ def test_variants_match_full_sequence_sdpa_outputs_and_grads(size):
 @pytest.mark.parametrize("size", [2, 4])
 def test_bytes_sent_match_the_model_auto_uses(size):
     for counts, local_kv, model in (r["bytes"] for r in _run(size)):
-        calls, forward, _ = counts["allgather"]
+        calls, forward, _, _ = counts["allgather"]
         assert calls == 1 and forward == local_kv  # (P-1) x local K+V, like the ring
+        for name, (_, _, total, on_the_wire) in counts.items():
+            assert total == on_the_wire > 0, (name, counts[name])  # the counters say what the collectives sent
         assert counts["ring"][2] == model["ring"] and counts["ulysses"][2] == model["ulysses"]
 
 
