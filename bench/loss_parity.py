@@ -45,10 +45,12 @@ def world_size(degrees: dict) -> int:
 
 
 def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, recipe: str = RECIPE,
-                  dtype: str = "float32") -> list[dict]:
+                  dtype: str = "float32", document_masking: bool = False) -> list[dict]:
     """The single-process run: [{"loss", "grad_norm"}] per step. dtype "bfloat16" is FSDP2's mixed-precision policy
     written out by hand: float32 master weights and optimizer, each step's forward and backward on a bfloat16 copy of
-    them, its gradients cast to float32 (reduce_dtype) before clipping and the update."""
+    them, its gradients cast to float32 (reduce_dtype) before clipping and the update. With `document_masking` the
+    loader packs rows the same way, and every document of a row runs alone through the model, unmasked and from
+    position 0 (records then also count the documents of each step's rows)."""
     import copy
 
     import torch
@@ -69,7 +71,7 @@ def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, re
     cache_dir = os.path.join(ROOT, cfg.data.cache_dir) if not os.path.isabs(cfg.data.cache_dir) else cfg.data.cache_dir
     tokenizer = build_tokenizer(None, documents, model_cfg.vocab_size, cache_dir)
     loader = build_dataloader(tokenizer, documents, seq_len=seq_len, local_batch_size=global_batch, dp_rank=0,
-                              dp_size=1, seed=cfg.job.seed)
+                              dp_size=1, seed=cfg.job.seed, document_masking=document_masking)
     model = Llama(model_cfg)
     model.init_weights(cfg.job.seed)
     o, s = cfg.optimizer, cfg.lr_scheduler
@@ -80,7 +82,7 @@ def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, re
     for _ in range(steps):
         batch = next(batches)
         compute = model if dtype == "float32" else copy.deepcopy(model).to(getattr(torch, dtype))
-        logits = compute(batch["input_ids"])
+        logits = _documents_one_by_one(compute, batch) if document_masking else compute(batch["input_ids"])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
         loss.backward()
         if compute is not model:
@@ -93,7 +95,24 @@ def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, re
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         records.append({"loss": loss.item(), "grad_norm": norm.item()})
+        if document_masking:
+            records[-1]["documents"] = int(sum(row.unique().numel() for row in batch["document_ids"]))
     return records
+
+
+def _documents_one_by_one(model, batch: dict):
+    """Logits of packed rows with each document computed alone (its own sequence, default positions 0..n-1)."""
+    import torch
+
+    rows = []
+    for ids, docs, positions in zip(batch["input_ids"], batch["document_ids"], batch["position_ids"]):
+        pieces = []
+        for doc in docs.unique():
+            span = (docs == doc).nonzero().flatten()
+            assert torch.equal(positions[span], torch.arange(span.numel())), "positions must restart per document"
+            pieces.append(model(ids[span].unsqueeze(0))[0])
+        rows.append(torch.cat(pieces))
+    return torch.stack(rows)
 
 
 def trainer_run(degrees: dict, steps: int, seq_len: int, extra: list[str] = (), global_batch: int = GLOBAL_BATCH,

@@ -45,6 +45,7 @@ def test_two_rank_run_writes_metrics_and_tensorboard(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(720)  # the run is allowed 600 s
 def test_debug_recipe_learns(tmp_path):
     """Acceptance of the foundation: the default recipe on 2 ranks, 20 steps, loss falls by at least 1.0."""
     out = str(tmp_path / "debug")

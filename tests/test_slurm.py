@@ -29,7 +29,7 @@ def _install_slurm() -> str:
         return "slurm-wlm/munge are not installed and cannot be (needs root and apt-get)"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "slurm-wlm", "munge"]):
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         if done.returncode:
             return f"'{' '.join(cmd)}' failed: {done.stderr.strip().splitlines()[-1:]}"
     return ""
@@ -163,6 +163,7 @@ def slurm():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1320)  # installing Slurm (2 x 300 s, first test only) + the job (600 s)
 def test_sbatch_trains_debug_recipe_on_two_nodes(slurm, tmp_path):
     """2 nodes x 2 ranks (CPU: 'GPUs per node' are ranks per node), one c10d rendezvous, falling loss, exit 0."""
     out = str(tmp_path / "run")
@@ -205,7 +206,7 @@ def _logged_steps(folder: str) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1680)  # installing Slurm if this test runs first (600 s) + the runs and waits below (1020 s)
 def test_usr1_requeues_the_job_and_it_resumes_with_identical_losses(slurm, tmp_path):
     """The time-limit path of slurm/train.sbatch for real: USR1 to the batch shell (what --signal=B:USR1 sends) ->
     its trap runs `scontrol requeue` -> Slurm starts the job again (restart count 1), which resumes from its newest
@@ -230,7 +231,7 @@ def test_usr1_requeues_the_job_and_it_resumes_with_identical_losses(slurm, tmp_p
     submitted = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
-    _wait_for(lambda: len(_logged_steps(out)) >= 4, 300, "step 4 of the first run", [log])
+    _wait_for(lambda: len(_logged_steps(out)) >= 4, 240, "step 4 of the first run", [log])
     signalled = time.monotonic()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, env=env, timeout=30)
     # Slurm holds a requeued job for a fixed delay (BeginTime, ~2 minutes here); release it at once so the test
@@ -240,7 +241,7 @@ def test_usr1_requeues_the_job_and_it_resumes_with_identical_losses(slurm, tmp_p
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, env=env, timeout=30)
     _wait_for(lambda: "restart count 1" in open(log).read(), 120, "the requeued job to start again", [log])
     requeue_seconds = time.monotonic() - signalled
-    _wait_for(lambda: _job_state(env, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 400,
+    _wait_for(lambda: _job_state(env, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300,
               "the requeued job to finish", [log])
     text = open(log).read()
     assert _job_state(env, job) == "COMPLETED", text[-4000:]

@@ -43,7 +43,7 @@ def _chromium() -> tuple[str, str]:
         return "", "chromium is not installed and cannot be (needs root and apt-get)"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "chromium"]):
-        if subprocess.run(cmd, capture_output=True, env=env, timeout=900).returncode:
+        if subprocess.run(cmd, capture_output=True, env=env, timeout=450).returncode:
             return "", f"'{' '.join(cmd)}' failed"
     return shutil.which("chromium") or "", ""
 
@@ -110,6 +110,7 @@ def test_scalars_api_serves_the_run(finished_run, tensorboard):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1320)  # installing chromium (2 x 450 s) + the module's run (300 s) + the screenshot (120 s)
 def test_headless_screenshot(tensorboard):
     chromium, reason = _chromium()
     if not chromium:

@@ -14,7 +14,10 @@ from tests.distributed import run_ranks
 from tests.parallelisms.attention_reference import random_documents, reference_attention, relative_error
 
 BALANCERS = ("zigzag", "striped", "contiguous")
-DTYPES = {"float32": (torch.float32, 1e-5), "bfloat16": (torch.bfloat16, 3e-2)}
+# Max error / max reference against float64 SDPA. Measured over every case here (CP 1-6, layouts, GQA, documents):
+# fp32 <= 6e-7, bf16 <= 8.4e-3 (bf16 keeps 8 mantissa bits: 3.9e-3 per rounding of inputs and output). The bounds
+# leave ~1.8x headroom over the measured worst case; fp32 keeps its 1e-5 (the trainer-level parity bound).
+DTYPES = {"float32": (torch.float32, 1e-5), "bfloat16": (torch.bfloat16, 1.5e-2)}
 
 
 def _documents(mode, batch, seq, size, gen):

@@ -1,7 +1,11 @@
-"""The debug model trained with context parallelism has the losses of the same run without it (fp32)."""
+"""The debug model trained with context parallelism has the losses of the same run without it (fp32), and with
+document masking the losses of every document run alone through a plain model."""
 import pytest
 
+from bench.loss_parity import max_relative_error, reference_run, trainer_run
 from tests.trainer_runs import max_rel_diff, train_losses
+
+pytestmark = pytest.mark.timeout(720)  # the module's reference run and the test's run are allowed 300 s each
 
 COMMON = ("--training.steps", "5", "--training.seq_len", "256", "--training.local_batch_size", "2",
           "--parallelism.dp_shard", "1", "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "1")
@@ -23,8 +27,22 @@ def test_cp_training_matches_cp1(tmp_path, reference, cp, balancer):
     assert max_rel_diff(losses, reference) <= 1e-5, (losses, reference)
 
 
-def test_document_masking_runs_through_the_ring_at_cp1_and_cp2(tmp_path):
-    args = (*COMMON, "--data.document_masking", "true")
-    one = train_losses(str(tmp_path / "a"), *args, "--parallelism.cp", "1", nproc=1)
-    two = train_losses(str(tmp_path / "b"), *args, "--parallelism.cp", "2", nproc=2)
-    assert max_rel_diff(two, one) <= 1e-5, (two, one)
+DOC_STEPS, DOC_SEQ = 3, 192  # 192 splits into 2 x cp chunks for cp 1, 2 and 3
+
+
+@pytest.fixture(scope="module")
+def documents_alone():
+    """The independent reference: the loader's packed rows, each document run alone (no mask, positions from 0)
+    through a plain single-process Llama; the same AdamW, schedule and clipping as the trainer."""
+    return reference_run(DOC_STEPS, DOC_SEQ, document_masking=True)
+
+
+@pytest.mark.parametrize("cp", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
+def test_document_masking_matches_every_document_run_alone(documents_alone, cp):
+    """The trainer with data.document_masking at cp 1, 2 and 3 (the ring masks across documents) against it."""
+    assert sum(r["documents"] for r in documents_alone) >= 4 * DOC_STEPS + 3  # rows really hold several documents
+    records = trainer_run(dict(cp=cp, dp_shard=1), DOC_STEPS, DOC_SEQ, extra=["--data.document_masking", "true"],
+                          timeout=300)
+    errors = {key: max_relative_error(documents_alone, records, key) for key in ("loss", "grad_norm")}
+    print(f"document masking, cp{cp}: max relative error vs documents run alone: {errors}")
+    assert errors["loss"] <= 1e-5 and errors["grad_norm"] <= 1e-5, (records, documents_alone)

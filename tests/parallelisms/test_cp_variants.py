@@ -154,6 +154,7 @@ def _other_layouts(rank, size):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(720)  # the ranks are allowed 600 s
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_variants_match_sdpa_with_the_other_layouts_and_at_cp1(size):
     assert not _failures(run_ranks(_other_layouts, size, timeout=600))

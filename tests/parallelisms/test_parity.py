@@ -13,6 +13,7 @@ from bench.loss_parity import GLOBAL_BATCH, MESHES, max_relative_error, referenc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, SEQ_LEN, TOLERANCE = 5, 128, 1e-5
+RUN_TIMEOUT = 900  # one trainer run; each test's pytest timeout adds the module's reference runs and a margin
 FAST_MESHES = ("tp2", "pp2", "dp_shard2 x cp2")
 
 
@@ -23,14 +24,15 @@ def reference():
 
 def _check_run(reference, records, degrees):
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert max_relative_error(reference, records, "loss") <= TOLERANCE, (records, reference)
-    assert max_relative_error(reference, records, "grad_norm") <= TOLERANCE, (records, reference)
+    errors = {key: max_relative_error(reference, records, key) for key in ("loss", "grad_norm")}
+    print(f"{degrees}: max relative error vs the single process: {errors}")
+    assert errors["loss"] <= TOLERANCE and errors["grad_norm"] <= TOLERANCE, (records, reference)
     tokens_per_step = GLOBAL_BATCH * SEQ_LEN  # rows x tokens, never multiplied by the CP or TP degree
     for r in records:
         assert r["global_batch_size"] == GLOBAL_BATCH and r["seq_len"] == SEQ_LEN
         assert r["cp"] == degrees.get("cp", 1)
         assert r["tokens_seen"] == r["step"] * tokens_per_step
-        assert r["tokens_per_sec"] * r["step_time"] == pytest.approx(tokens_per_step, rel=1e-6)
+        assert r["tokens_per_step"] == tokens_per_step
         assert r["tokens_per_sec_per_rank"] == pytest.approx(r["tokens_per_sec"] / world_size(degrees), rel=1e-9)
 
 
@@ -42,26 +44,58 @@ def _mesh_params():
     return params
 
 
+@pytest.mark.timeout(RUN_TIMEOUT + 240)
 @pytest.mark.parametrize("name", _mesh_params())
 def test_mesh_matches_single_process(reference, name):
     degrees = MESHES[name]
-    _check_run(reference, trainer_run(degrees, STEPS, SEQ_LEN, timeout=900), degrees)
+    _check_run(reference, trainer_run(degrees, STEPS, SEQ_LEN, timeout=RUN_TIMEOUT), degrees)
+
+
+# bf16 (issue 14): the reference is the same mixed-precision policy in one plain process (bf16 compute, fp32 master
+# weights and gradients). Measured over 5 steps (max relative error): the bf16 reference vs the fp32 one differs by
+# 4.3e-4 in loss and 5.6e-3 in grad norm (that is bf16's noise); dp_shard2 x cp2, cp2 x tp2 and the 1-rank trainer
+# differ from the bf16 reference by at most 2.9e-5 in loss and 3.9e-4 in grad norm (summation order of bf16
+# partial products). The bounds are ~3.5x those, and still ~4x below the bf16-vs-fp32 gap, so a mesh that silently
+# ran fp32 (or a wrong policy) fails.
+BF16_LOSS_TOLERANCE, BF16_GRAD_NORM_TOLERANCE = 1e-4, 1.5e-3
+
+
+@pytest.fixture(scope="module")
+def bf16_reference():
+    return reference_run(STEPS, SEQ_LEN, dtype="bfloat16")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT + 240)
+@pytest.mark.parametrize("name", ["dp_shard2 x cp2", "cp2 x tp2"])
+def test_bf16_mesh_matches_single_process_mixed_precision(reference, bf16_reference, name):
+    degrees = MESHES[name]
+    records = trainer_run(degrees, STEPS, SEQ_LEN, dtype="bfloat16", timeout=RUN_TIMEOUT)
+    loss_error = max_relative_error(bf16_reference, records, "loss")
+    norm_error = max_relative_error(bf16_reference, records, "grad_norm")
+    print(f"bf16 {name}: max relative error vs the bf16 reference: loss {loss_error:.2e}, grad norm {norm_error:.2e}")
+    assert loss_error <= BF16_LOSS_TOLERANCE and norm_error <= BF16_GRAD_NORM_TOLERANCE, (records, bf16_reference)
+    # the tolerance can tell bf16 from fp32: the two references are further apart than it
+    assert max_relative_error(reference, bf16_reference, "loss") > 2 * BF16_LOSS_TOLERANCE
+    assert max_relative_error(reference, records, "loss") > 2 * BF16_LOSS_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT + 240)
 @pytest.mark.parametrize("schedule", ["GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
                                       "ZBVZeroBubble"])
 def test_pipeline_schedules_with_tp_and_cp(reference, schedule):
     degrees = dict(pp=2, cp=2, tp=2, dp_shard=1)
-    records = trainer_run(degrees, STEPS, SEQ_LEN, extra=["--parallelism.pp_schedule", schedule], timeout=900)
+    records = trainer_run(degrees, STEPS, SEQ_LEN, extra=["--parallelism.pp_schedule", schedule], timeout=RUN_TIMEOUT)
     _check_run(reference, records, degrees)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT + 240)
 @pytest.mark.parametrize("mode", ["full", "selective", "op"])
 def test_activation_checkpointing_under_cp_and_tp(reference, mode):
     degrees = dict(cp=2, tp=2, dp_shard=1)
-    records = trainer_run(degrees, STEPS, SEQ_LEN, extra=["--activation_checkpoint.mode", mode], timeout=900)
+    records = trainer_run(degrees, STEPS, SEQ_LEN, extra=["--activation_checkpoint.mode", mode], timeout=RUN_TIMEOUT)
     _check_run(reference, records, degrees)
 
 

@@ -15,7 +15,7 @@ import pytest
 from tests.trainer_runs import ROOT
 from tests.training.test_checkpoint_runs import losses
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the module's uninterrupted run + a job allowed 400 s
 
 ARGS = ["--training.steps", "20", "--training.seq_len", "128", "--training.local_batch_size", "2",
         "--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2",

@@ -60,6 +60,7 @@ def rows_consumed(checkpoint: str) -> int:
     return state["dataloader"]["global_rows_consumed"]
 
 
+@pytest.mark.timeout(1320)  # four runs allowed 300 s each
 @pytest.mark.parametrize("mesh", ["1 rank", "dp_shard2 x cp2"])
 def test_ten_steps_equal_five_stop_resume_five_bit_for_bit(tmp_path, mesh):
     """Acceptance 1: sync and async saving; per-step losses compared with ==."""
@@ -75,6 +76,7 @@ def test_ten_steps_equal_five_stop_resume_five_bit_for_bit(tmp_path, mesh):
     assert straight["disabled"] == straight["async"]  # saving in the background does not perturb training
 
 
+@pytest.mark.timeout(720)  # two runs allowed 300 s each
 @pytest.mark.parametrize("source_mesh, target", [
     ("dp_shard4", "dp_shard2 x cp2"), ("dp_shard4", "tp2 x cp2"),
     ("dp_shard4", "dp_replicate2 x dp_shard2"), ("dp_replicate2 x dp_shard2", "dp_shard4"),  # FSDP <-> HSDP

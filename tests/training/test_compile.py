@@ -47,10 +47,11 @@ def _compiled_probe(rank, world_size, name: str, steps: int) -> dict:
     return {"n_layers": cfg.n_layers, "cp_calls": stats.calls, "losses": losses, **compile_counters()}
 
 
+@pytest.mark.timeout(840)  # three processes allowed 240 s each
 def test_every_shipped_depth_stays_compiled():
     """debug (6 layers), 8B (32) and 70B (80): no frame given up, no recompile-limit hit, the only graph break is the
     CP attention call, the same graphs for every depth, and every attention call went through the CP path."""
-    probes = {name: run_ranks(_compiled_probe, 1, args=(name, STEPS), timeout=400)[0]
+    probes = {name: run_ranks(_compiled_probe, 1, args=(name, STEPS), timeout=240)[0]
               for name in ("debug", "llama3_8b", "llama3_70b")}
     for name, probe in probes.items():
         assert probe["n_layers"] == MODEL_CONFIGS[name].n_layers

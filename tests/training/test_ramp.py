@@ -77,6 +77,7 @@ def test_bad_ramp_is_refused_before_launch(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1320)  # two 4-rank runs allowed 600 s each
 def test_ramp_switches_stages_and_resumes_exactly_mid_stage(tmp_path):
     recipe = write_recipe(tmp_path, checkpoint=True)
     straight = str(tmp_path / "straight")
