@@ -76,16 +76,28 @@ def test_ten_steps_equal_five_stop_resume_five_bit_for_bit(tmp_path, mesh):
     assert straight["disabled"] == straight["async"]  # saving in the background does not perturb training
 
 
+@pytest.fixture(scope="module")
+def source_runs(tmp_path_factory):
+    """Uninterrupted 10-step runs by mesh, each trained once for the module."""
+    folders = {}
+
+    def run(mesh: str) -> str:
+        if mesh not in folders:
+            folders[mesh] = str(tmp_path_factory.mktemp("source") / "run")
+            train(folders[mesh], mesh)
+        return folders[mesh]
+    return run
+
+
 @pytest.mark.timeout(720)  # two runs allowed 300 s each
 @pytest.mark.parametrize("source_mesh, target", [
     ("dp_shard4", "dp_shard2 x cp2"), ("dp_shard4", "tp2 x cp2"),
     ("dp_shard4", "dp_replicate2 x dp_shard2"), ("dp_replicate2 x dp_shard2", "dp_shard4"),  # FSDP <-> HSDP
 ])
-def test_save_on_one_mesh_resume_on_another(tmp_path, source_mesh, target):
+def test_save_on_one_mesh_resume_on_another(tmp_path, source_runs, source_mesh, target):
     """Acceptance 2: losses within 1e-5 relative of the uninterrupted source run; the data position continues
     (40 global rows after 10 steps of 4; tests/training/test_checkpoint.py shows row by row that none repeats)."""
-    source = str(tmp_path / "source")
-    train(source, source_mesh)
+    source = source_runs(source_mesh)
     reference = losses(source)
     resumed = resume_from_step5(source, str(tmp_path / "resumed"), target)
     worst = max(abs(resumed[s] - reference[s]) / abs(reference[s]) for s in range(6, 11))
