@@ -13,6 +13,9 @@ from bench.loss_parity import GLOBAL_BATCH, MESHES, max_relative_error, referenc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, SEQ_LEN, TOLERANCE = 5, 128, 1e-5
+# Pipeline schedules and AC modes (8 runs of 4-8 ranks) train 3 steps: steps 1-3 are lr warmup, whose lr does not
+# depend on the run's length, so their losses and grad norms are those of the 5-step reference's first three.
+SHORT_STEPS = 3
 RUN_TIMEOUT = 900  # one trainer run; each test's pytest timeout adds the module's reference runs and a margin
 FAST_MESHES = ("tp2", "pp2", "dp_shard2 x cp2")
 
@@ -23,7 +26,7 @@ def reference():
 
 
 def _check_run(reference, records, degrees):
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records] == list(range(1, len(reference) + 1))
     errors = {key: max_relative_error(reference, records, key) for key in ("loss", "grad_norm")}
     print(f"{degrees}: max relative error vs the single process: {errors}")
     assert errors["loss"] <= TOLERANCE and errors["grad_norm"] <= TOLERANCE, (records, reference)
@@ -86,8 +89,9 @@ def test_bf16_mesh_matches_single_process_mixed_precision(reference, bf16_refere
                                       "ZBVZeroBubble"])
 def test_pipeline_schedules_with_tp_and_cp(reference, schedule):
     degrees = dict(pp=2, cp=2, tp=2, dp_shard=1)
-    records = trainer_run(degrees, STEPS, SEQ_LEN, extra=["--parallelism.pp_schedule", schedule], timeout=RUN_TIMEOUT)
-    _check_run(reference, records, degrees)
+    records = trainer_run(degrees, SHORT_STEPS, SEQ_LEN, extra=["--parallelism.pp_schedule", schedule],
+                          timeout=RUN_TIMEOUT)
+    _check_run(reference[:SHORT_STEPS], records, degrees)
 
 
 @pytest.mark.slow
@@ -95,8 +99,9 @@ def test_pipeline_schedules_with_tp_and_cp(reference, schedule):
 @pytest.mark.parametrize("mode", ["full", "selective", "op"])
 def test_activation_checkpointing_under_cp_and_tp(reference, mode):
     degrees = dict(cp=2, tp=2, dp_shard=1)
-    records = trainer_run(degrees, STEPS, SEQ_LEN, extra=["--activation_checkpoint.mode", mode], timeout=RUN_TIMEOUT)
-    _check_run(reference, records, degrees)
+    records = trainer_run(degrees, SHORT_STEPS, SEQ_LEN, extra=["--activation_checkpoint.mode", mode],
+                          timeout=RUN_TIMEOUT)
+    _check_run(reference[:SHORT_STEPS], records, degrees)
 
 
 # ---------------------------------------------------------------- impossible meshes: one line, before any collective
