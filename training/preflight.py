@@ -32,7 +32,7 @@ def required_ranks(cfg: Config) -> int:
 
 def preflight(cfg: Config, world_size: int):
     """Every check that needs no process group; returns the resolved parallel degrees."""
-    from data.corpus import load_documents
+    from data.sources import check_sources
     from models.llama import model_config
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.pipeline_parallel import plan_pipeline
@@ -41,10 +41,11 @@ def preflight(cfg: Config, world_size: int):
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
     mcfg = model_config(cfg.model.name, **model_overrides(cfg))
-    load_documents(cfg.data.corpus)  # raises on a missing path
+    check_sources(cfg)  # names, weights and paths; reads no file
     if cfg.data.tokenizer_path and not os.path.exists(cfg.data.tokenizer_path):
         raise RecipeError(f"{cfg.recipe_path}: data.tokenizer_path '{cfg.data.tokenizer_path}' does not exist. "
-                          f"Point it at a SentencePiece .model file or leave it empty to train one.")
+                          f"Point it at a SentencePiece .model, a tokenizer.json or a Hugging Face model folder, or "
+                          f"leave it empty to train one.")
     rows_per_step = cfg.training.local_batch_size * dims.dp
     gbs = cfg.training.global_batch_size
     if gbs != -1 and (gbs <= 0 or gbs % rows_per_step):
