@@ -345,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         from training.checkpoint import preflight_checkpoint
         preflight_checkpoint(cfg, model_config(cfg.model.name, **model_overrides(cfg)))
         if "--check" in flags:
-            if cfg.data.dataset == "text":
-                from data.sources import check_stores
-                check_stores(cfg, vocab_size)  # tokenizer problems and stale stores, before any process group
+            if cfg.data.dataset == "text":  # before any process group: tokenizer and data errors, stale stores, and a
+                from data.sources import build_run_tokenizer, open_stores  # missing store prepared here, once
+                open_stores(cfg, build_run_tokenizer(cfg, vocab_size), log=lambda line: print(line, file=sys.stderr))
             print(world)
             return 0
         trainer = Trainer(cfg)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.corpus import PYDOC, read_part, source_files, source_parts
+from data.corpus import PART_BYTES, PYDOC, read_part, source_files, source_parts
 from data.token_store import (FORMAT, MANIFEST, TokenStore, finished_shard, token_dtype, write_manifest,
                               write_shard)
 from training.errors import RecipeError
@@ -43,9 +43,11 @@ class StoreSpec:
     text_field: str
     cache_dir: str
     key: str = "data.corpus"
+    part_bytes: int = PART_BYTES
+    """Source bytes per shard: the unit of parallel work and of resumption."""
 
     def folder(self, tokenizer) -> str:
-        ident = json.dumps([FORMAT, list(self.entries), self.text_field, tokenizer.fingerprint])
+        ident = json.dumps([FORMAT, list(self.entries), self.text_field, tokenizer.fingerprint, self.part_bytes])
         digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
         return os.path.join(self.cache_dir, "stores", f"{_safe(self.name)}-{digest}")
 
@@ -98,7 +100,7 @@ def prepare_store(spec: StoreSpec, tokenizer, workers: int, *, log=print, progre
     """Tokenizes `spec`'s sources into its store (resuming a partial one) and publishes it; returns the folder."""
     folder = spec.folder(tokenizer)
     files = files_fingerprint(spec)
-    parts = source_parts(list(spec.entries), spec.text_field, spec.key)
+    parts = source_parts(list(spec.entries), spec.text_field, spec.key, spec.part_bytes)
     partial = f"{folder}.partial"
     _start_or_resume(partial, files, len(parts))
     todo = [i for i in range(len(parts)) if finished_shard(partial, i) is None]
@@ -145,7 +147,7 @@ def _run_parts(parts, todo, partial, tokenizer, dtype, workers, progress, name) 
     from tqdm import tqdm
 
     bar = tqdm(total=len(parts), initial=len(parts) - len(todo), unit="part", desc=f"prepare {name}",
-               disable=not progress, file=sys.stdout, dynamic_ncols=True)
+               disable=not progress, file=sys.stderr, dynamic_ncols=True)
     done_tokens, started = 0, time.perf_counter()
     jobs = [(parts[i], i, partial, dtype.str) for i in todo]
     workers = max(1, min(workers, len(jobs) or 1))

@@ -86,13 +86,6 @@ def open_stores(cfg, tokenizer, log=print) -> dict:
     return {spec.name: ensure_store(spec, tokenizer, prepare_workers(cfg), log=log) for spec in store_specs(cfg)}
 
 
-def check_stores(cfg, vocab_size: int) -> None:
-    """Before any process group: the tokenizer loads (or trains once) and no prepared store is stale."""
-    tokenizer = build_run_tokenizer(cfg, vocab_size)
-    for spec in store_specs(cfg):
-        open_store(spec, tokenizer)
-
-
 def prepare_data(cfg, vocab_size: int, log=print) -> dict:
     """`--prepare-data`: every source's store prepared (a stale one made again, a partial one resumed)."""
     tokenizer = build_run_tokenizer(cfg, vocab_size)
