@@ -249,11 +249,34 @@ class Trainer:
                 raise FloatingPointError(f"loss became {loss} at step {self.step}; lower optimizer.lr or check data.")
             last = self.step == self.cfg.training.steps
             self.checkpointer.maybe_save(self.step, last=last)
-            if self.step % self.cfg.metrics.log_freq == 0 or last:
+            evaluation = self._long_doc_eval() if self._long_doc_eval_due(last) else {}
+            if self.step % self.cfg.metrics.log_freq == 0 or last or evaluation:
                 self._log_step(loss, lr, grad_norm, step_time, data_time, tokens_seen(self.stages, self.step),
-                               source_tokens_seen(self.stages, self.step) if self.stores else {})
+                               source_tokens_seen(self.stages, self.step) if self.stores else {}, evaluation)
         if self.cfg.eval.passkey:
             self.evaluate_passkey()
+
+    def _long_doc_eval_due(self, last: bool) -> bool:
+        e = self.cfg.eval
+        return e.long_doc_loss and (last or (e.long_doc_interval > 0 and self.step % e.long_doc_interval == 0))
+
+    def _long_doc_eval(self) -> dict:
+        """Loss by position bucket on held-out documents, on the training mesh; logged with this step."""
+        from data.sources import heldout_rows
+        from training.evaluation import long_document_loss
+
+        p = self.cfg.parallelism
+        masked_or_cp = p.cp > 1 or self.cfg.data.document_masking
+        result = long_document_loss(
+            self.model, heldout_rows(self.cfg, self.stores), self.cfg.eval.long_doc_rows,
+            device=self.device.torch_device, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp,
+            reduce_sums=lambda values: self.comm.reduce_values(values, group=self.mesh.data.get_group()),
+            cp_context=self._cp_context if masked_or_cp else None, cp_mesh=self.mesh.cp_mesh, cp_size=p.cp,
+            load_balancer=p.cp_load_balancer)
+        if self.rank == 0:
+            print("long-document loss by position: " + "  ".join(f"{k} {v:.3f}" for k, v in result.items()),
+                  flush=True)
+        return {"long_doc_loss": result}
 
     def _announce(self) -> None:
         if self.rank != 0:
@@ -267,7 +290,7 @@ class Trainer:
               f"GFLOP/s per rank ({self.peak_source})", flush=True)
 
     def _log_step(self, loss: float, lr: float, grad_norm: float, step_time: float, data_time: float,
-                  tokens: int, source_tokens: dict[str, int]) -> None:
+                  tokens: int, source_tokens: dict[str, int], evaluation: dict) -> None:
         from training.hardware import peak_memory_gib
         from training.roofline import Layout, fsdp_bytes_per_step
 
@@ -291,7 +314,8 @@ class Trainer:
             "tokens_per_step": self.global_batch_size * t.seq_len, "rope_theta": self.model_cfg.rope_theta,
             "stage": max(0, self.stage.index), "tokens_seen": tokens, "memory": memory,
             "step_time": step_time, "data_time": data_time, "step_time_fastest_rank": -fastest,
-            "cp_comm_bytes": ring_per_step, "fsdp_comm_bytes": fsdp_bytes, "source_tokens": source_tokens})
+            "cp_comm_bytes": ring_per_step, "fsdp_comm_bytes": fsdp_bytes, "source_tokens": source_tokens,
+            **evaluation})
 
     def evaluate_passkey(self) -> None:
         """Passkey retrieval by depth x context length on the training mesh; table printed and saved as JSON."""

@@ -23,7 +23,7 @@ from training.errors import RecipeError
 PYDOC = "pydoc"
 DOCUMENT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 GLOB_CHARACTERS = "*?["
-PART_BYTES = 64 << 20  # a .jsonl file or a run of .txt files is cut into parts of about this size for the workers
+PART_BYTES = 16 << 20  # .jsonl files, .parquet row groups and runs of .txt files are cut into parts of about this size
 
 
 @dataclass(frozen=True)

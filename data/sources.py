@@ -106,6 +106,11 @@ def prepare_data(cfg, vocab_size: int, log=print) -> dict:
     return stores
 
 
+def heldout_fraction(cfg) -> float:
+    """Documents held out of training for the long-document evaluation (none when it is off)."""
+    return cfg.eval.long_doc_heldout if cfg.eval.long_doc_loss else 0.0
+
+
 def stage_rows(cfg, stores: dict):
     """The row stream of one ramp stage (`cfg` is the stage's config, with its weights): a single source's packed
     rows, or the weighted mixture of all of them."""
@@ -113,11 +118,19 @@ def stage_rows(cfg, stores: dict):
     sources = source_list(cfg)
     rows = [StoreRows(stores[s.name], seq_len=t.seq_len, seed=seed, document_masking=cfg.data.document_masking,
                       min_doc_tokens=s.min_doc_tokens, long_doc_tokens=s.long_doc_tokens,
-                      long_doc_upsample=s.long_doc_upsample, key=f"data.sources '{s.name}'") for s in sources]
+                      long_doc_upsample=s.long_doc_upsample, heldout_fraction=heldout_fraction(cfg),
+                      key=f"data.sources '{s.name}'") for s in sources]
     if len(rows) == 1:
         return rows[0]
     return MixtureRows([s.name for s in sources], rows, [s.weight for s in sources], seed=seed,
                        where=f"{cfg.recipe_path}: data.sources")
+
+
+def heldout_rows(cfg, stores: dict) -> list:
+    """Per source, rows of its held-out documents at the stage's seq_len (longest documents first)."""
+    return [StoreRows.heldout(stores[s.name], seq_len=cfg.training.seq_len, seed=cfg.job.seed,
+                              fraction=heldout_fraction(cfg), document_masking=cfg.data.document_masking)
+            for s in source_list(cfg)]
 
 
 def rows_per_source(cfg, start: int, stop: int) -> dict[str, int]:

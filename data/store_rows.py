@@ -18,6 +18,15 @@ from data.token_store import TokenStore
 from training.errors import RecipeError
 
 _UPSAMPLE_STREAM = 11  # keeps the upsampling draws apart from the document shuffle of the same seed
+_HELDOUT_STREAM = 17  # which documents are held out for evaluation
+
+
+def heldout_documents(store: TokenStore, fraction: float, seed: int) -> np.ndarray:
+    """Bool per document: held out for evaluation (never trained on). At least one document when fraction > 0."""
+    held = np.random.default_rng([_HELDOUT_STREAM, seed]).random(store.num_documents) < fraction
+    if fraction > 0 and not held.any() and store.num_documents > 1:
+        held[int(np.argmax(store.doc_lengths))] = True
+    return held
 
 
 class StoreRows:
@@ -25,16 +34,14 @@ class StoreRows:
 
     def __init__(self, store: TokenStore, *, seq_len: int, seed: int, document_masking: bool = False,
                  min_doc_tokens: int = 0, long_doc_tokens: int = 0, long_doc_upsample: float = 1.0,
-                 key: str = "data"):
+                 heldout_fraction: float = 0.0, key: str = "data"):
         if seq_len < 2:
             raise RecipeError(f"training.seq_len must be >= 2 (one input and one label token per row), got "
                               f"{seq_len}; set e.g. --training.seq_len 512.")
-        self.store = store
-        self.seq_len = seq_len
-        self.eos_id = store.eos_id
-        self.document_masking = document_masking
         lengths = store.doc_lengths.astype(np.int64)
         copies = np.where(lengths >= max(min_doc_tokens, 1), 1.0, 0.0)
+        if heldout_fraction > 0:
+            copies[heldout_documents(store, heldout_fraction, seed)] = 0.0
         if long_doc_tokens > 0 and long_doc_upsample != 1.0:
             copies = np.where(lengths >= long_doc_tokens, copies * long_doc_upsample, copies)
         whole = np.floor(copies)
@@ -45,10 +52,28 @@ class StoreRows:
             raise RecipeError(f"{key}: no document of '{store.manifest['name']}' is kept (min_doc_tokens = "
                               f"{min_doc_tokens}, longest document {int(lengths.max(initial=0))} tokens); lower "
                               f"min_doc_tokens or add data.")
-        self.order = instances[np.random.default_rng(seed).permutation(len(instances))]
-        self.ends = np.cumsum(lengths[self.order] + 1)  # +1: the EOS after each document
-        self.corpus_tokens = int(self.ends[-1])
-        self.num_documents = len(self.order)
+        self._use_order(store, instances[np.random.default_rng(seed).permutation(len(instances))], seq_len,
+                        document_masking)
+
+    @classmethod
+    def heldout(cls, store: TokenStore, *, seq_len: int, seed: int, fraction: float,
+                document_masking: bool = False) -> "StoreRows":
+        """Rows of the held-out documents, longest first (so the first rows carry the longest contexts)."""
+        held = np.flatnonzero(heldout_documents(store, fraction, seed))
+        order = held[np.argsort(-store.doc_lengths[held].astype(np.int64), kind="stable")]
+        rows = cls.__new__(cls)
+        rows._use_order(store, order, seq_len, document_masking)
+        return rows
+
+    def _use_order(self, store: TokenStore, order: np.ndarray, seq_len: int, document_masking: bool) -> None:
+        self.store = store
+        self.seq_len = seq_len
+        self.eos_id = store.eos_id
+        self.document_masking = document_masking
+        self.order = order
+        self.ends = np.cumsum(store.doc_lengths.astype(np.int64)[order] + 1)  # +1: the EOS after each document
+        self.corpus_tokens = int(self.ends[-1]) if len(order) else 0
+        self.num_documents = len(order)
         self.num_rows = max(1, self.corpus_tokens // (seq_len + 1))
         self.repeated = self.corpus_tokens < seq_len + 1
 

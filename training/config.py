@@ -141,6 +141,15 @@ class EvalConfig:
     """Number of evenly spaced key depths from 0 (start of the context) to 1 (just before the question)."""
     passkey_samples: int = 20
     """Rows per (length, depth) cell."""
+    long_doc_loss: bool = False
+    """Loss by position bucket (0-1K, 1K-4K, ... up to seq_len) on held-out documents of the data stores, on the
+    training mesh: whether longer context is being used (metrics.jsonl and TensorBoard: long_doc_loss)."""
+    long_doc_heldout: float = 0.01
+    """With long_doc_loss: the fraction of each source's documents held out of training for it."""
+    long_doc_interval: int = 0
+    """With long_doc_loss: evaluate every this many steps as well as at the end (0 = only at the end)."""
+    long_doc_rows: int = 8
+    """With long_doc_loss: held-out rows evaluated (longest documents first), split over the data-parallel ranks."""
 
 
 @dataclass

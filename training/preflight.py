@@ -73,6 +73,18 @@ def preflight(cfg: Config, world_size: int):
                               f"supported with parallelism.pp > 1. Evaluate a checkpoint with pp = 1.")
         for length in cfg.eval.passkey_lengths:
             check_sequence_split(cfg, length, "eval.passkey_lengths")
+    e = cfg.eval
+    if e.long_doc_loss:
+        if p.pp > 1:
+            raise RecipeError(f"{cfg.recipe_path}: eval.long_doc_loss runs the whole model on each rank and is not "
+                              f"supported with parallelism.pp > 1. Set pp = 1 or long_doc_loss = false.")
+        if cfg.data.dataset != "text":
+            raise RecipeError(f"{cfg.recipe_path}: eval.long_doc_loss needs real documents (data.dataset = "
+                              f"\"text\"), not {cfg.data.dataset!r} rows.")
+        if not 0 < e.long_doc_heldout < 1 or e.long_doc_rows < 1 or e.long_doc_interval < 0:
+            raise RecipeError(f"{cfg.recipe_path}: eval.long_doc_heldout must be in (0, 1), long_doc_rows >= 1 and "
+                              f"long_doc_interval >= 0 (got {e.long_doc_heldout}, {e.long_doc_rows}, "
+                              f"{e.long_doc_interval}).")
     return dims
 
 
