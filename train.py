@@ -357,15 +357,18 @@ def main(argv: list[str] | None = None) -> int:
         if "--dry-run" in flags:  # one process, fake process group: memory and speed of every stage (no GPU needed)
             from training.dry_run import run_dry_run
             return run_dry_run(cfg, world)
-        preflight_stages(cfg, world)
+        preflight_stages(cfg, world, check_data=False)
+        from data.sources import check_sources
         from models.llama import model_config
         vocab_size = model_config(cfg.model.name, **model_overrides(cfg)).vocab_size
         if "--prepare-data" in flags:  # one process, any machine (a login node too): tokenize every source, stop
             from data.sources import prepare_data
+            check_sources(cfg)
             prepare_data(cfg, vocab_size)
             return 0
         from training.device_check import check_gpus
         check_gpus(cfg, world)  # a GPU-sized recipe without GPUs stops here, in one line
+        check_sources(cfg)  # data paths (after the GPU check: on a laptop the GPU count is the news)
         from training.checkpoint import preflight_checkpoint
         preflight_checkpoint(cfg, model_config(cfg.model.name, **model_overrides(cfg)))
         if "--check" in flags:

@@ -57,7 +57,7 @@ def write_corpus(folder: str, tokens: int) -> list[str]:
     import pyarrow.parquet as pq
 
     os.makedirs(os.path.join(folder, "txt"), exist_ok=True)
-    third = int(tokens * CHARS_PER_TOKEN / 3) + 1
+    third = int(tokens * 1.05 * CHARS_PER_TOKEN / 3) + 1  # 5% over: the estimate of characters per token is rough
     docs = generate_documents(3 * third)
     with open(os.path.join(folder, "corpus.jsonl"), "w") as f:
         size = 0

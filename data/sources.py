@@ -29,7 +29,7 @@ def source_list(cfg) -> list[SourceConfig]:
 
 
 def check_sources(cfg) -> None:
-    """Names, weights and paths of every source, without reading any file (the preflight's part)."""
+    """Names, weights and paths of every source and the tokenizer's path, without reading any file."""
     where = cfg.recipe_path
     sources = source_list(cfg)
     names = [s.name for s in sources]
@@ -49,6 +49,10 @@ def check_sources(cfg) -> None:
                               f"documents are seen), got {source.long_doc_upsample}.")
         source_files(source.path, f"{where}: {key}.path")
     check_weights(names, [s.weight for s in sources], f"{where}: data.sources")
+    if cfg.data.tokenizer_path and not os.path.exists(cfg.data.tokenizer_path):
+        raise RecipeError(f"{where}: data.tokenizer_path '{cfg.data.tokenizer_path}' does not exist. Point it at a "
+                          f"SentencePiece .model, a tokenizer.json or a Hugging Face model folder, or leave it empty "
+                          f"to train one.")
 
 
 def tokenizer_training_documents(cfg) -> list[str]:
