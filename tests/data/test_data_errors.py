@@ -36,7 +36,7 @@ def write_recipe(tmp_path, a=None, b=None, wa=1.0, wb=1.0, field="text", extra="
 
 
 def assert_one_line_error(recipe: str, *needles: str, args=()):
-    result = run_train(recipe, *args, nproc=2, timeout=120)
+    result = run_train(recipe, *args, nproc=2, timeout=300)
     assert result.returncode == 2, result.stdout[-1000:] + result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -72,12 +72,12 @@ def test_a_store_whose_sources_changed(tmp_path):
     model = tmp_path / "tok.model"  # a fixed tokenizer: a trained one would change with the data (a new store)
     model.write_bytes(build_tokenizer(None, load_documents(["pydoc"]), 2048, str(tmp_path)).model_proto)
     recipe = write_recipe(tmp_path, extra=f"tokenizer_path = \"{model}\"")
-    prepared = run_train(recipe, "--prepare-data", timeout=120)
+    prepared = run_train(recipe, "--prepare-data", timeout=300)
     assert prepared.returncode == 0 and "already prepared" not in prepared.stderr + prepared.stdout
     with open(tmp_path / "b.jsonl", "a") as f:
         f.write(json.dumps({"text": "added later"}) + "\n")
     assert_one_line_error(recipe, "'b'", "changed", "--prepare-data")
-    again = run_train(recipe, "--prepare-data", timeout=120)
+    again = run_train(recipe, "--prepare-data", timeout=300)
     assert again.returncode == 0 and "source 'a' is already prepared" in again.stdout, again.stdout + again.stderr
 
 
