@@ -23,7 +23,7 @@ from training.recipe import default_recipe, load_config, to_toml
 
 
 def parse_cli(argv: list[str]) -> tuple[str, list[str], set[str]]:
-    flags = {a for a in argv if a in ("--print-config", "--check", "--dry-run")}
+    flags = {a for a in argv if a in ("--print-config", "--check", "--dry-run", "--prepare-data")}
     rest = [a for a in argv if a not in flags]
     recipe = default_recipe()
     if rest and not rest[0].startswith("--"):
@@ -36,8 +36,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from data.corpus import load_documents
-        from data.tokenizer import build_tokenizer
+        from data.sources import build_run_tokenizer, describe_stores, open_stores
         from models.llama import Llama, model_config
         from parallelisms.comm import Collectives
         from parallelisms.context_parallel import CommStats
@@ -65,13 +64,15 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type)
         torch.manual_seed(cfg.job.seed)
 
-        # Data: rank 0 trains (or loads) the tokenizer first so the others hit its cache.
-        self.documents = load_documents(cfg.data.corpus)
+        # Data: rank 0 trains (or loads) the tokenizer first so the others hit its cache; the stores are memory-mapped
+        # (a missing one is prepared once, under a file lock, while the other ranks wait).
         if self.rank == 0:
-            build_tokenizer(cfg.data.tokenizer_path or None, self.documents, self._vocab_size(), cfg.data.cache_dir)
+            build_run_tokenizer(cfg, self._vocab_size())
         dist.barrier()
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer_path or None, self.documents, self._vocab_size(),
-                                         cfg.data.cache_dir)
+        self.tokenizer = build_run_tokenizer(cfg, self._vocab_size())
+        self.stores = open_stores(cfg, self.tokenizer) if cfg.data.dataset == "text" else {}
+        if self.rank == 0 and self.stores:
+            print(describe_stores(self.stores), flush=True)
         t = cfg.training
 
         # Model: built on the meta device, split into pipeline stages, parallelized, then materialised and
@@ -122,6 +123,7 @@ class Trainer:
         """Switches to a ramp stage: its mesh (cp traded against dp_shard), batch split, data at its sequence length
         (continuing at `rows_consumed` of that stage's row stream) and its RoPE."""
         from data.loader import build_dataloader
+        from data.sources import stage_rows
         from models.llama import flops_per_token, model_config
         from parallelisms.parallel_dims import ParallelDims
 
@@ -134,9 +136,10 @@ class Trainer:
         self.grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
         self.global_batch_size = t.local_batch_size * dims.dp * self.grad_accum
         self.dataloader = build_dataloader(
-            self.tokenizer, self.documents, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+            self.tokenizer, None, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
             dp_rank=self.mesh.dp_rank, dp_size=dims.dp, seed=cfg.job.seed, document_masking=cfg.data.document_masking,
-            num_workers=cfg.data.num_workers, dataset=cfg.data.dataset)
+            num_workers=cfg.data.num_workers, dataset=cfg.data.dataset,
+            rows=stage_rows(cfg, self.stores) if self.stores else None)
         if rows_consumed:
             self.dataloader.load_state_dict({"global_rows_consumed": rows_consumed})
         if hasattr(self, "checkpointer"):
@@ -222,7 +225,7 @@ class Trainer:
         return loss.item(), float(grad_norm)
 
     def run(self) -> None:
-        from training.ramp import tokens_seen
+        from training.ramp import source_tokens_seen, tokens_seen
 
         self._announce()
         self._logged = (self.comm_stats.kv_bytes_sent + self.comm_stats.backward_bytes_sent, self.step)
@@ -246,10 +249,34 @@ class Trainer:
                 raise FloatingPointError(f"loss became {loss} at step {self.step}; lower optimizer.lr or check data.")
             last = self.step == self.cfg.training.steps
             self.checkpointer.maybe_save(self.step, last=last)
-            if self.step % self.cfg.metrics.log_freq == 0 or last:
-                self._log_step(loss, lr, grad_norm, step_time, data_time, tokens_seen(self.stages, self.step))
+            evaluation = self._long_doc_eval() if self._long_doc_eval_due(last) else {}
+            if self.step % self.cfg.metrics.log_freq == 0 or last or evaluation:
+                self._log_step(loss, lr, grad_norm, step_time, data_time, tokens_seen(self.stages, self.step),
+                               source_tokens_seen(self.stages, self.step) if self.stores else {}, evaluation)
         if self.cfg.eval.passkey:
             self.evaluate_passkey()
+
+    def _long_doc_eval_due(self, last: bool) -> bool:
+        e = self.cfg.eval
+        return e.long_doc_loss and (last or (e.long_doc_interval > 0 and self.step % e.long_doc_interval == 0))
+
+    def _long_doc_eval(self) -> dict:
+        """Loss by position bucket on held-out documents, on the training mesh; logged with this step."""
+        from data.sources import heldout_rows
+        from training.evaluation import long_document_loss
+
+        p = self.cfg.parallelism
+        masked_or_cp = p.cp > 1 or self.cfg.data.document_masking
+        result = long_document_loss(
+            self.model, heldout_rows(self.cfg, self.stores), self.cfg.eval.long_doc_rows,
+            device=self.device.torch_device, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp,
+            reduce_sums=lambda values: self.comm.reduce_values(values, group=self.mesh.data.get_group()),
+            cp_context=self._cp_context if masked_or_cp else None, cp_mesh=self.mesh.cp_mesh, cp_size=p.cp,
+            load_balancer=p.cp_load_balancer)
+        if self.rank == 0:
+            print("long-document loss by position: " + "  ".join(f"{k} {v:.3f}" for k, v in result.items()),
+                  flush=True)
+        return {"long_doc_loss": result}
 
     def _announce(self) -> None:
         if self.rank != 0:
@@ -263,7 +290,7 @@ class Trainer:
               f"GFLOP/s per rank ({self.peak_source})", flush=True)
 
     def _log_step(self, loss: float, lr: float, grad_norm: float, step_time: float, data_time: float,
-                  tokens: int) -> None:
+                  tokens: int, source_tokens: dict[str, int], evaluation: dict) -> None:
         from training.hardware import peak_memory_gib
         from parallelisms.parallelize import compile_counters
         from training.roofline import Layout, fsdp_bytes_per_step
@@ -289,6 +316,7 @@ class Trainer:
             "stage": max(0, self.stage.index), "tokens_seen": tokens, "memory": memory,
             "step_time": step_time, "data_time": data_time, "step_time_fastest_rank": -fastest,
             "cp_comm_bytes": ring_per_step, "fsdp_comm_bytes": fsdp_bytes, "cp_attention_calls": self.comm_stats.calls,
+            "source_tokens": source_tokens, **evaluation,
             **({"compile": compile_counters()} if t.compile else {})})
 
     def evaluate_passkey(self) -> None:
@@ -331,13 +359,24 @@ def main(argv: list[str] | None = None) -> int:
         if "--dry-run" in flags:  # one process, fake process group: memory and speed of every stage (no GPU needed)
             from training.dry_run import run_dry_run
             return run_dry_run(cfg, world)
-        preflight_stages(cfg, world)
+        preflight_stages(cfg, world, check_data=False)
+        from data.sources import check_sources
+        from models.llama import model_config
+        vocab_size = model_config(cfg.model.name, **model_overrides(cfg)).vocab_size
+        if "--prepare-data" in flags:  # one process, any machine (a login node too): tokenize every source, stop
+            from data.sources import prepare_data
+            check_sources(cfg)
+            prepare_data(cfg, vocab_size)
+            return 0
         from training.device_check import check_gpus
         check_gpus(cfg, world)  # a GPU-sized recipe without GPUs stops here, in one line
-        from models.llama import model_config
+        check_sources(cfg)  # data paths (after the GPU check: on a laptop the GPU count is the news)
         from training.checkpoint import preflight_checkpoint
         preflight_checkpoint(cfg, model_config(cfg.model.name, **model_overrides(cfg)))
         if "--check" in flags:
+            if cfg.data.dataset == "text":  # before any process group: tokenizer and data errors, stale stores, and a
+                from data.sources import build_run_tokenizer, open_stores  # missing store prepared here, once
+                open_stores(cfg, build_run_tokenizer(cfg, vocab_size), log=lambda line: print(line, file=sys.stderr))
             print(world)
             return 0
         trainer = Trainer(cfg)

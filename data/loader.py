@@ -57,7 +57,10 @@ class GlobalRowStream(torch.utils.data.Dataset):
         return int(self._cached_epoch[1][offset])
 
     def __getitem__(self, global_row: int) -> dict[str, torch.Tensor]:
-        fields = self.packed.row_fields(self.row_of(global_row))
+        if hasattr(self.packed, "row_at"):  # a mixture places its rows itself (data/mixture.py)
+            fields = self.packed.row_at(global_row)
+        else:
+            fields = self.packed.row_fields(self.row_of(global_row))
         return {name: torch.from_numpy(values) for name, values in fields.items()}
 
 
@@ -138,11 +141,12 @@ class _CountingIterator:
         return batch
 
 
-def build_dataloader(tokenizer, documents: list[str], *, seq_len: int, local_batch_size: int, dp_rank: int,
+def build_dataloader(tokenizer, documents: list[str] | None, *, seq_len: int, local_batch_size: int, dp_rank: int,
                      dp_size: int, seed: int, document_masking: bool = False,
-                     num_workers: int = 0, dataset: str = "text") -> PackedRowLoader:
-    """This dp rank's loader of (local_batch_size, seq_len) int64 batches: `documents` packed (dataset "text"), or
-    synthetic passkey rows (dataset "passkey", data/passkey.py; `documents` then only trained the tokenizer)."""
+                     num_workers: int = 0, dataset: str = "text", rows=None) -> PackedRowLoader:
+    """This dp rank's loader of (local_batch_size, seq_len) int64 batches: `rows` (packed rows read from the token
+    stores, data/sources.py) or `documents` packed in memory (dataset "text"), or synthetic passkey rows (dataset
+    "passkey", data/passkey.py)."""
     if seq_len < 2:
         raise RecipeError(f"training.seq_len must be >= 2 (one input and one label token per row), got {seq_len}; "
                           f"set e.g. --training.seq_len 512.")
@@ -156,6 +160,8 @@ def build_dataloader(tokenizer, documents: list[str], *, seq_len: int, local_bat
         raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
     if dataset == "passkey":
         packed = PasskeyRows(tokenizer, seq_len=seq_len, seed=seed)
+    elif rows is not None:
+        packed = rows
     else:
         packed = pack_documents(tokenizer, documents, seq_len=seq_len, seed=seed, document_masking=document_masking)
     sampler = DataParallelBatchSampler(local_batch_size, dp_rank, dp_size)

@@ -48,17 +48,22 @@ class PackedRows:
 
     def row_fields(self, index: int) -> dict[str, np.ndarray]:
         """input_ids, labels, position_ids, document_ids of row `index`, each int64 of length seq_len."""
-        tokens = self.rows[index]
-        input_ids = tokens[:-1].astype(np.int64)
-        labels = tokens[1:].astype(np.int64)
-        ends_document = input_ids == self.eos_id
-        document_ids = np.zeros(self.seq_len, dtype=np.int64)
-        np.cumsum(ends_document[:-1], out=document_ids[1:])
-        positions = np.arange(self.seq_len, dtype=np.int64)
-        if self.document_masking:
-            document_starts = np.flatnonzero(np.concatenate(([True], ends_document[:-1])))
-            positions = positions - document_starts[document_ids]
-        return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "document_ids": document_ids}
+        return row_fields(self.rows[index], self.eos_id, self.document_masking)
+
+
+def row_fields(tokens: np.ndarray, eos_id: int, document_masking: bool) -> dict[str, np.ndarray]:
+    """The four training buffers of one row of seq_len + 1 tokens (labels shifted here, before any sharding)."""
+    seq_len = len(tokens) - 1
+    input_ids = tokens[:-1].astype(np.int64)
+    labels = tokens[1:].astype(np.int64)
+    ends_document = input_ids == eos_id
+    document_ids = np.zeros(seq_len, dtype=np.int64)
+    np.cumsum(ends_document[:-1], out=document_ids[1:])
+    positions = np.arange(seq_len, dtype=np.int64)
+    if document_masking:
+        document_starts = np.flatnonzero(np.concatenate(([True], ends_document[:-1])))
+        positions = positions - document_starts[document_ids]
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "document_ids": document_ids}
 
 
 def pack_documents(tokenizer, documents: list[str], *, seq_len: int, seed: int,

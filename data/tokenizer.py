@@ -54,10 +54,13 @@ TRAINER_SETTINGS = {
 class Tokenizer:
     """A loaded SentencePiece model with the handful of calls the data pipeline needs."""
 
+    add_bos = False  # our packing never put BOS in documents; kept so that trained models see what they always saw
+
     def __init__(self, model_proto: bytes, source: str = "<memory>"):
         self._processor = spm.SentencePieceProcessor(model_proto=model_proto)
         self.model_proto = model_proto
         self.source = source
+        self.fingerprint = hashlib.sha256(model_proto).hexdigest()[:24]
 
     @classmethod
     def from_file(cls, path: str) -> "Tokenizer":
@@ -177,13 +180,24 @@ def _write_temp(folder: str, name: str, data: bytes) -> str:
     return temp_path
 
 
-def _load_given_model(model_path: str, vocab_size: int) -> Tokenizer:
-    if not os.path.isfile(model_path):
+def _load_given_model(model_path: str, vocab_size: int):
+    """A SentencePiece .model, a Hugging Face tokenizer.json, or a folder holding either (an HF model folder)."""
+    from data.hf_tokenizer import HFTokenizer, tokenizer_json_in
+
+    if not os.path.exists(model_path):
         raise RecipeError(f"data.tokenizer_path: '{model_path}' does not exist; fix the path or leave "
                           f"data.tokenizer_path empty to train a tokenizer on data.corpus.")
-    tokenizer = Tokenizer.from_file(model_path)
+    json_path = tokenizer_json_in(model_path)
+    if json_path:
+        tokenizer = HFTokenizer(json_path)
+    else:
+        spm_path = os.path.join(model_path, "tokenizer.model") if os.path.isdir(model_path) else model_path
+        if not os.path.isfile(spm_path):
+            raise RecipeError(f"data.tokenizer_path: folder '{model_path}' holds neither tokenizer.json nor "
+                              f"tokenizer.model; point it at a Hugging Face model folder or a tokenizer file.")
+        tokenizer = Tokenizer.from_file(spm_path)
     if tokenizer.vocab_size > vocab_size:
-        raise RecipeError(f"data.tokenizer_path: '{model_path}' has {tokenizer.vocab_size} pieces but "
+        raise RecipeError(f"data.tokenizer_path: '{model_path}' has {tokenizer.vocab_size} tokens but "
                           f"model.vocab_size is {vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}.")
     if tokenizer.eos_id < 0:
         raise RecipeError(f"data.tokenizer_path: '{model_path}' defines no EOS piece, which packing needs to "

@@ -91,13 +91,38 @@ class LRSchedulerConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One `[[data.sources]]` table: a named source of documents and how much of the mixture it is."""
+    name: str = ""
+    """Name in metrics (source_tokens) and in ramp stages' source_weights."""
+    path: list[str] = field(default_factory=list)
+    """Files, folders or glob patterns (.txt, .jsonl, .jsonl.gz, .parquet), or "pydoc"; a string is one entry."""
+    weight: float = 1.0
+    """This source's share of the tokens seen (weights are normalised over the sources)."""
+    text_field: str = "text"
+    """The JSON field (.jsonl) or column (.parquet) that holds the text."""
+    min_doc_tokens: int = 0
+    """Drop documents shorter than this many tokens."""
+    long_doc_tokens: int = 0
+    """Documents of at least this many tokens are upsampled by long_doc_upsample (0 = no upsampling)."""
+    long_doc_upsample: float = 1.0
+    """How many times as often long documents are seen, within the source (Fu et al. 2024)."""
+
+
+@dataclass
 class DataConfig:
     corpus: list[str] = field(default_factory=lambda: ["pydoc"])
-    """Documents: "pydoc" (English docs shipped with every Python), local .txt/.jsonl files or folders of them."""
+    """Documents when no [[data.sources]] are given: "pydoc" (English docs shipped with every Python), local files
+    (.txt, .jsonl, .jsonl.gz, .parquet), folders or glob patterns; one source named "corpus"."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    """[[data.sources]] tables: a weighted mixture of named sources (replaces corpus)."""
     tokenizer_path: str = ""
-    """An existing SentencePiece tokenizer.model; empty = train one on the corpus (cached in cache_dir)."""
+    """A SentencePiece .model, a Hugging Face tokenizer.json, or a folder holding one (e.g. the checkpoint's
+    hf_load_path); empty = train a SentencePiece model on the sources (cached in cache_dir)."""
     cache_dir: str = ".cache"
-    """Where trained tokenizers are cached."""
+    """Where trained tokenizers and the tokenized stores (cache_dir/stores/) live; shared by all ranks of a node."""
+    prepare_workers: int = 0
+    """Worker processes that tokenize sources into the store (0 = every core)."""
     document_masking: bool = False
     """Attention stays inside each packed document and positions restart per document."""
     num_workers: int = 0
@@ -116,6 +141,15 @@ class EvalConfig:
     """Number of evenly spaced key depths from 0 (start of the context) to 1 (just before the question)."""
     passkey_samples: int = 20
     """Rows per (length, depth) cell."""
+    long_doc_loss: bool = False
+    """Loss by position bucket (0-1K, 1K-4K, ... up to seq_len) on held-out documents of the data stores, on the
+    training mesh: whether longer context is being used (metrics.jsonl and TensorBoard: long_doc_loss)."""
+    long_doc_heldout: float = 0.01
+    """With long_doc_loss: the fraction of each source's documents held out of training for it."""
+    long_doc_interval: int = 0
+    """With long_doc_loss: evaluate every this many steps as well as at the end (0 = only at the end)."""
+    long_doc_rows: int = 8
+    """With long_doc_loss: held-out rows evaluated (longest documents first), split over the data-parallel ranks."""
 
 
 @dataclass

@@ -62,7 +62,7 @@ def measure_stage(stage: Stage, world: int, gpus_per_node: int) -> StageResult:
     from training.preflight import model_overrides, preflight
 
     cfg = stage.cfg
-    dims = preflight(cfg, world)
+    dims = preflight(cfg, world, check_data=False)  # the data lives where the recipe will run
     if dims.pp > 1:  # a schedule's stages exchange tensor shapes at run time, which a fake process group cannot answer
         raise RecipeError(f"{cfg.recipe_path}: the dry run measures plans with parallelism.pp = 1 only; check this "
                           f"one with --parallelism.pp 1 and dp_shard x {dims.pp} (the same GPUs) as an approximation.")

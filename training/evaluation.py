@@ -71,3 +71,62 @@ def format_passkey_table(results: dict[tuple[int, float], float]) -> str:
     overall = sum(results.values()) / len(results)
     lines.append(f"mean   {100 * overall:.1f}%")
     return "\n".join(lines)
+
+
+def position_buckets(seq_len: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of position-in-document, growing 4x and ending at seq_len (e.g. 0-512, 512-2K, 2K-8K)."""
+    edges = {0, seq_len} | {seq_len // 4 ** k for k in range(1, 16) if seq_len // 4 ** k >= 64}
+    edges = sorted(edges)
+    return list(zip(edges, edges[1:]))
+
+
+def bucket_name(lo: int, hi: int) -> str:
+    def short(n: int) -> str:
+        return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+    return f"{short(lo)}-{short(hi)}"
+
+
+def positions_in_document(document_ids: np.ndarray) -> np.ndarray:
+    """Each token's position inside its own document (0 at a row's start and after each EOS)."""
+    starts = np.flatnonzero(np.concatenate(([True], document_ids[1:] != document_ids[:-1])))
+    run = np.searchsorted(starts, np.arange(len(document_ids)), side="right") - 1
+    return np.arange(len(document_ids)) - starts[run]
+
+
+@torch.no_grad()
+def long_document_loss(model, sources: list, rows: int, *, device: torch.device, dp_rank: int, dp_size: int,
+                       reduce_sums, cp_context=None, cp_mesh=None, cp_size: int = 1,
+                       load_balancer: str = "zigzag") -> dict[str, float]:
+    """Mean loss per position bucket over `rows` held-out rows (taken from `sources` in turn, split over the dp ranks).
+    `reduce_sums(list)` sums a list of numbers over the data-parallel ranks."""
+    was_training = model.training
+    model.eval()
+    seq_len = sources[0].seq_len
+    buckets = position_buckets(seq_len)
+    sums, counts = np.zeros(len(buckets)), np.zeros(len(buckets))
+    for index in range(dp_rank, rows, dp_size):
+        packed = sources[index % len(sources)]
+        fields = packed.row_fields((index // len(sources)) % packed.num_rows)
+        in_document = positions_in_document(fields["document_ids"])
+        batch = {k: torch.from_numpy(v[None]).to(device) for k, v in fields.items()}
+        labels = batch["labels"].clone()
+        with cp_context(batch) if cp_context else contextlib.nullcontext():
+            logits = model(batch["input_ids"], batch["position_ids"])
+            if hasattr(logits, "full_tensor"):  # tensor-parallel logits are sharded over the vocabulary
+                logits = logits.full_tensor()
+            token_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
+                                                           reduction="none").view(1, -1)
+        if cp_size > 1:
+            from parallelisms.context_parallel import unshard_sequence
+
+            token_loss = unshard_sequence(token_loss.contiguous(), 1, cp_mesh, load_balancer=load_balancer)
+        token_loss = token_loss[0].double().cpu().numpy()
+        valid = labels[0].cpu().numpy() != IGNORE_INDEX
+        for b, (lo, hi) in enumerate(buckets):
+            chosen = valid & (in_document >= lo) & (in_document < hi)
+            sums[b] += token_loss[chosen].sum()
+            counts[b] += chosen.sum()
+    model.train(was_training)
+    totals = reduce_sums(list(sums) + list(counts))
+    sums, counts = totals[:len(buckets)], totals[len(buckets):]
+    return {bucket_name(lo, hi): float(s / c) for (lo, hi), s, c in zip(buckets, sums, counts) if c > 0}

@@ -59,6 +59,10 @@ class MetricsLogger:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.tb.add_scalar(key, value, step)
+                elif isinstance(value, dict):  # e.g. source_tokens: one curve per source (numbers only)
+                    for name, item in value.items():
+                        if isinstance(item, (int, float)):
+                            self.tb.add_scalar(f"{key}/{name}", item, step)
         done = step - self.start_step
         elapsed = time.perf_counter() - self.start_time
         eta = elapsed / max(1, done) * (self.total_steps - step)

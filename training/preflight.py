@@ -3,19 +3,19 @@ and again by each rank, so bad input is one line naming the key and the fix, nev
 from __future__ import annotations
 
 import math
-import os
 
 from training.config import Config
 from training.errors import RecipeError
 from training.ramp import Stage, resolve_stages
 
 
-def preflight_stages(cfg: Config, world_size: int) -> list[Stage]:
-    """The recipe's stages (one without [[ramp]]), each checked; errors name the stage."""
+def preflight_stages(cfg: Config, world_size: int, check_data: bool = True) -> list[Stage]:
+    """The recipe's stages (one without [[ramp]]), each checked; errors name the stage. `check_data=False` leaves out
+    the data paths (the dry run plans a recipe whose data lives on the cluster)."""
     stages = resolve_stages(cfg, world_size)
     for stage in stages:
         try:
-            preflight(stage.cfg, world_size)
+            preflight(stage.cfg, world_size, check_data)
         except RecipeError as e:
             if stage.index < 0:
                 raise
@@ -30,9 +30,9 @@ def required_ranks(cfg: Config) -> int:
     return p.pp * p.dp_replicate * max(1, p.dp_shard) * p.cp * p.tp
 
 
-def preflight(cfg: Config, world_size: int):
+def preflight(cfg: Config, world_size: int, check_data: bool = True):
     """Every check that needs no process group; returns the resolved parallel degrees."""
-    from data.corpus import load_documents
+    from data.sources import check_sources
     from models.llama import model_config
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.pipeline_parallel import plan_pipeline
@@ -41,10 +41,8 @@ def preflight(cfg: Config, world_size: int):
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
     mcfg = model_config(cfg.model.name, **model_overrides(cfg))
-    load_documents(cfg.data.corpus)  # raises on a missing path
-    if cfg.data.tokenizer_path and not os.path.exists(cfg.data.tokenizer_path):
-        raise RecipeError(f"{cfg.recipe_path}: data.tokenizer_path '{cfg.data.tokenizer_path}' does not exist. "
-                          f"Point it at a SentencePiece .model file or leave it empty to train one.")
+    if check_data:
+        check_sources(cfg)  # names, weights and paths; reads no file
     rows_per_step = cfg.training.local_batch_size * dims.dp
     gbs = cfg.training.global_batch_size
     if gbs != -1 and (gbs <= 0 or gbs % rows_per_step):
@@ -72,6 +70,18 @@ def preflight(cfg: Config, world_size: int):
                               f"supported with parallelism.pp > 1. Evaluate a checkpoint with pp = 1.")
         for length in cfg.eval.passkey_lengths:
             check_sequence_split(cfg, length, "eval.passkey_lengths")
+    e = cfg.eval
+    if e.long_doc_loss:
+        if p.pp > 1:
+            raise RecipeError(f"{cfg.recipe_path}: eval.long_doc_loss runs the whole model on each rank and is not "
+                              f"supported with parallelism.pp > 1. Set pp = 1 or long_doc_loss = false.")
+        if cfg.data.dataset != "text":
+            raise RecipeError(f"{cfg.recipe_path}: eval.long_doc_loss needs real documents (data.dataset = "
+                              f"\"text\"), not {cfg.data.dataset!r} rows.")
+        if not 0 < e.long_doc_heldout < 1 or e.long_doc_rows < 1 or e.long_doc_interval < 0:
+            raise RecipeError(f"{cfg.recipe_path}: eval.long_doc_heldout must be in (0, 1), long_doc_rows >= 1 and "
+                              f"long_doc_interval >= 0 (got {e.long_doc_heldout}, {e.long_doc_rows}, "
+                              f"{e.long_doc_interval}).")
     return dims
 
 

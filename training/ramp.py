@@ -38,6 +38,8 @@ class RampStage:
     """Llama 3.1 RoPE scaling factor from this stage on (0 = keep, -1 = off)."""
     local_batch_size: int = 0
     """Rows per data-parallel rank per micro-step (0 = derived from tokens_per_step and the recipe's value)."""
+    source_weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Source weights from this stage on, by source name (unnamed sources keep the recipe's weight)."""
 
 
 @dataclass
@@ -67,6 +69,13 @@ def parse_ramp(tables, recipe_path: str) -> list[RampStage]:
                 near = difflib.get_close_matches(key, list(fields), n=1)
                 hint = f" Did you mean '{near[0]}'?" if near else f" Valid: {', '.join(fields)}."
                 raise RecipeError(f"{recipe_path}: unknown key 'ramp[{i}].{key}'.{hint}")
+            if key == "source_weights":
+                if not isinstance(value, dict) or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                                                          for w in value.values()):
+                    raise RecipeError(f"{recipe_path}: ramp[{i}].source_weights must be a table of numbers, e.g. "
+                                      f"source_weights = {{books = 0.3, code = 0.7}}.")
+                stage.source_weights = {str(k): float(w) for k, w in value.items()}
+                continue
             want = int if fields[key] in ("int", int) else float
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (want is int and
                                                                                  not isinstance(value, int)):
@@ -149,6 +158,8 @@ def resolve_stages(cfg, world_size: int) -> list[Stage]:
             s.model.rope_scaling_factor = stage.rope_scaling_factor
         if stage.local_batch_size:
             s.training.local_batch_size = stage.local_batch_size
+        if stage.source_weights:
+            _apply_source_weights(cfg, i, stage, s)
         dp = base.dp_replicate * s.parallelism.dp_shard
         if cfg.training.tokens_per_step:
             s.training.global_batch_size, s.training.local_batch_size = _batch_for(cfg, i, stage, stage.seq_len, dp)
@@ -156,6 +167,20 @@ def resolve_stages(cfg, world_size: int) -> list[Stage]:
         stages.append(Stage(i, stage.start_step, end, s, tokens_per_step(s, dp)))
         previous = s
     return stages
+
+
+def _apply_source_weights(cfg, i: int, stage: RampStage, stage_cfg) -> None:
+    """A stage's source_weights replace the named sources' weights from that stage on."""
+    sources = {source.name: source for source in stage_cfg.data.sources}
+    for name, weight in stage.source_weights.items():
+        if name not in sources:
+            _fail(cfg, i, stage, f"source_weights names '{name}', which is not one of the [[data.sources]] "
+                                 f"({', '.join(sources) or 'none: set [[data.sources]] first'}).")
+        if weight < 0:
+            _fail(cfg, i, stage, f"source_weights.{name} = {weight}; weights must be >= 0.")
+        sources[name].weight = weight
+    if not sum(source.weight for source in sources.values()) > 0:
+        _fail(cfg, i, stage, "source_weights leave every source at weight 0; give one a positive weight.")
 
 
 def stage_at(stages: list[Stage], step: int) -> Stage:
@@ -166,3 +191,16 @@ def stage_at(stages: list[Stage], step: int) -> Stage:
 def tokens_seen(stages: list[Stage], steps_done: int) -> int:
     """Global tokens trained on after `steps_done` optimizer steps (derived from the plan, so exact after a resume)."""
     return sum(max(0, min(steps_done, s.end_step) - s.start_step) * s.tokens_per_step for s in stages)
+
+
+def source_tokens_seen(stages: list[Stage], steps_done: int) -> dict[str, int]:
+    """Global tokens trained on per data source after `steps_done` steps (each stage's mixture from its own row 0)."""
+    from data.sources import rows_per_source
+
+    seen: dict[str, int] = {}
+    for s in stages:
+        steps = max(0, min(steps_done, s.end_step) - s.start_step)
+        rows_per_step = s.tokens_per_step // s.cfg.training.seq_len
+        for name, rows in rows_per_source(s.cfg, 0, steps * rows_per_step).items():
+            seen[name] = seen.get(name, 0) + rows * s.cfg.training.seq_len
+    return seen

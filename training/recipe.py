@@ -65,8 +65,16 @@ def _convert(value, kind, where: str, from_text: bool):
             if not from_text and not isinstance(value, str):
                 raise ValueError
             return str(value)
+        if dataclasses.is_dataclass(kind):
+            return _convert_table(value, kind, where)
         if typing.get_origin(kind) is list:
             item = typing.get_args(kind)[0]
+            if dataclasses.is_dataclass(item):
+                if from_text or not isinstance(value, list):
+                    raise ValueError
+                return [_convert_table(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+            if isinstance(value, str) and not from_text and item is str:
+                value = [value]  # a single entry written as a plain string
             items = [v for v in str(value).split(",") if v] if from_text else value
             if not isinstance(items, list):
                 raise ValueError
@@ -74,6 +82,19 @@ def _convert(value, kind, where: str, from_text: bool):
     except (TypeError, ValueError):
         pass
     raise RecipeError(f"{where}: expected {expected}, got {value!r}. Fix the value.")
+
+
+def _convert_table(value, kind, where: str):
+    """A TOML table -> the dataclass `kind`, each key typed and checked like a section's."""
+    if not isinstance(value, dict):
+        raise RecipeError(f"{where}: expected a table ([[...]] or {{...}}), got {value!r}.")
+    hints = typing.get_type_hints(kind)
+    instance = kind()
+    for key, item in value.items():
+        if key not in hints:
+            raise RecipeError(f"{where}: unknown key '{key}'.{_nearest(key, hints)}")
+        setattr(instance, key, _convert(item, hints[key], f"{where}.{key}", from_text=False))
+    return instance
 
 
 def _set(cfg: Config, section: str, key: str, value, origin: str, from_text: bool) -> None:

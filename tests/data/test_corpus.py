@@ -67,7 +67,7 @@ def test_missing_path(tmp_path):
 def test_empty_folder(tmp_path):
     folder = tmp_path / "empty"
     folder.mkdir()
-    _assert_one_line_error([str(folder)], str(folder), "no .txt or .jsonl")
+    _assert_one_line_error([str(folder)], str(folder), "contains no .txt/.jsonl")
 
 
 def test_folder_without_document_files(tmp_path):
