@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from training.errors import RecipeError
+from config import RecipeError
 
 PYDOC = "pydoc"
 DOCUMENT_SUFFIXES = (".txt", ".jsonl")
@@ -33,9 +33,22 @@ def load_documents(paths: list[str]) -> list[str]:
     return documents
 
 
+def check_corpus_paths(paths: list[str]) -> None:
+    """The path errors `load_documents` would raise (empty list, missing path, empty folder, wrong extension),
+    found without reading any document: the launch check runs per ramp stage, and reading stays with the trainer."""
+    if isinstance(paths, str):
+        paths = [paths]
+    if not paths:
+        raise RecipeError(f"{_KEY} is empty; list at least one entry, e.g. [\"{PYDOC}\"] or a .txt/.jsonl path.")
+    for entry in map(str, paths):
+        if entry != PYDOC:
+            for path in _entry_files(entry):
+                _check_suffix(path)
+
+
 def pydoc_documents() -> list[str]:
     """Python's bundled topic help pages, sorted by topic name for a stable order."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # lazy: ~0.5 MB of text that only the "pydoc" entry needs
 
     return [topics[name] for name in sorted(topics)]
 
@@ -43,16 +56,21 @@ def pydoc_documents() -> list[str]:
 def _load_entry(entry: str) -> list[str]:
     if entry == PYDOC:
         return pydoc_documents()
+    return [doc for path in _entry_files(entry) for doc in _load_file(path)]
+
+
+def _entry_files(entry: str) -> list[str]:
+    """The document files of one local entry: the file itself, or every .txt/.jsonl file below a folder."""
     if not os.path.exists(entry):
         raise RecipeError(f"{_KEY}: '{entry}' does not exist; fix the path or use \"{PYDOC}\" "
                           f"(the documentation bundled with Python).")
-    if os.path.isdir(entry):
-        files = _document_files_under(entry)
-        if not files:
-            raise RecipeError(f"{_KEY}: folder '{entry}' contains no .txt or .jsonl files; add some "
-                              f"or point {_KEY} elsewhere.")
-        return [doc for path in files for doc in _load_file(path)]
-    return _load_file(entry)
+    if not os.path.isdir(entry):
+        return [entry]
+    files = _document_files_under(entry)
+    if not files:
+        raise RecipeError(f"{_KEY}: folder '{entry}' contains no .txt or .jsonl files; add some "
+                          f"or point {_KEY} elsewhere.")
+    return files
 
 
 def _document_files_under(folder: str) -> list[str]:
@@ -64,12 +82,14 @@ def _document_files_under(folder: str) -> list[str]:
 
 
 def _load_file(path: str) -> list[str]:
-    if path.endswith(".txt"):
-        return [_read_text(path)]
-    if path.endswith(".jsonl"):
-        return _read_jsonl(path)
-    raise RecipeError(f"{_KEY}: '{path}' has an unsupported extension; use a .txt file (one document), "
-                      f"a .jsonl file (one {{\"text\": ...}} per line) or a folder of them.")
+    _check_suffix(path)
+    return [_read_text(path)] if path.endswith(".txt") else _read_jsonl(path)
+
+
+def _check_suffix(path: str) -> None:
+    if not path.endswith(DOCUMENT_SUFFIXES):
+        raise RecipeError(f"{_KEY}: '{path}' has an unsupported extension; use a .txt file (one document), "
+                          f"a .jsonl file (one {{\"text\": ...}} per line) or a folder of them.")
 
 
 def _read_text(path: str) -> str:

@@ -7,11 +7,16 @@ are never training rows.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 
 import numpy as np
 import torch
 
+from config.schema import Config
 from data.passkey import IGNORE_INDEX, PasskeyRows
+from parallelisms.context_parallel import unshard_sequence
+from training.step import StepSetup, cp_context
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -21,8 +26,6 @@ def _full_predictions(logits: torch.Tensor, cp_mesh, cp_size: int, load_balancer
         logits = logits.full_tensor()
     predictions = logits.argmax(dim=-1)
     if cp_size > 1:
-        from parallelisms.context_parallel import unshard_sequence
-
         predictions = unshard_sequence(predictions.contiguous(), 1, cp_mesh, load_balancer=load_balancer)
     return predictions
 
@@ -71,3 +74,19 @@ def format_passkey_table(results: dict[tuple[int, float], float]) -> str:
     overall = sum(results.values()) / len(results)
     lines.append(f"mean   {100 * overall:.1f}%")
     return "\n".join(lines)
+
+
+def run_passkey_eval(cfg: Config, setup: StepSetup, tokenizer, device: torch.device, is_writer: bool) -> None:
+    """Passkey retrieval by depth x context length on the training mesh, sharded by the training step's own CP
+    context; rank 0 prints the table and saves <dump_folder>/passkey_eval.json."""
+    e, p = cfg.eval, cfg.parallelism
+    depths = [i / max(1, e.passkey_depths - 1) for i in range(e.passkey_depths)]
+    results = evaluate_passkey(
+        setup.model, tokenizer, None, context_lengths=e.passkey_lengths or [cfg.training.seq_len], depths=depths,
+        samples=e.passkey_samples, seed=cfg.job.seed, device=device,
+        cp_context=(lambda batch: cp_context(setup, batch)) if setup.shards_sequence else None,
+        cp_mesh=setup.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer)
+    if is_writer:
+        print(format_passkey_table(results), flush=True)
+        with open(os.path.join(cfg.job.dump_folder, "passkey_eval.json"), "w") as f:
+            json.dump([{"context_length": n, "depth": d, "accuracy": a} for (n, d), a in results.items()], f)

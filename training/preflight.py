@@ -5,12 +5,20 @@ from __future__ import annotations
 import math
 import os
 
-from training.config import Config
-from training.errors import RecipeError
-from training.ramp import Stage, resolve_stages
+from config import RecipeError
+from config.schema import Config
+from data.corpus import check_corpus_paths
+from models.llama import recipe_model_config
+from parallelisms.cp_ulysses import kv_replication
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.pipeline_parallel import plan_pipeline
+from parallelisms.ring_attention import UnsupportedAttentionError
+from parallelisms.sequence_sharding import sequence_divisor
+from parallelisms.tensor_parallel import check_tp_degree
+from training.ramp import RampStage, resolve_stages
 
 
-def preflight_stages(cfg: Config, world_size: int) -> list[Stage]:
+def preflight_stages(cfg: Config, world_size: int) -> list[RampStage]:
     """The recipe's stages (one without [[ramp]]), each checked; errors name the stage."""
     stages = resolve_stages(cfg, world_size)
     for stage in stages:
@@ -32,16 +40,10 @@ def required_ranks(cfg: Config) -> int:
 
 def preflight(cfg: Config, world_size: int):
     """Every check that needs no process group; returns the resolved parallel degrees."""
-    from data.corpus import load_documents
-    from models.llama import model_config
-    from parallelisms.parallel_dims import ParallelDims
-    from parallelisms.pipeline_parallel import plan_pipeline
-    from parallelisms.tensor_parallel import check_tp_degree
-
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
-    mcfg = model_config(cfg.model.name, **model_overrides(cfg))
-    load_documents(cfg.data.corpus)  # raises on a missing path
+    mcfg = recipe_model_config(cfg)
+    check_corpus_paths(cfg.data.corpus)  # paths only: the trainer reads the corpus, once per rank
     if cfg.data.tokenizer_path and not os.path.exists(cfg.data.tokenizer_path):
         raise RecipeError(f"{cfg.recipe_path}: data.tokenizer_path '{cfg.data.tokenizer_path}' does not exist. "
                           f"Point it at a SentencePiece .model file or leave it empty to train one.")
@@ -54,8 +56,6 @@ def preflight(cfg: Config, world_size: int):
         check_tp_degree(mcfg.n_heads, mcfg.num_kv_heads, p.tp, where=cfg.recipe_path)
     check_sequence_split(cfg)
     if p.cp_impl == "ulysses" and p.cp > 1:  # hybrid and auto fall back to what the heads allow
-        from parallelisms.cp_ulysses import kv_replication
-        from parallelisms.ring_attention import UnsupportedAttentionError
         try:
             kv_replication(mcfg.n_heads // p.tp, mcfg.num_kv_heads // p.tp, p.cp)
         except UnsupportedAttentionError as e:
@@ -81,7 +81,7 @@ def check_sequence_split(cfg: Config, seq_len: int | None = None, key: str = "tr
     p = cfg.parallelism
     seq_len = cfg.training.seq_len if seq_len is None else seq_len
     cp_active = p.cp > 1 or cfg.data.document_masking
-    cp_multiple = (2 * p.cp if p.cp_load_balancer == "zigzag" else p.cp) if cp_active else 1
+    cp_multiple = sequence_divisor(p.cp, p.cp_load_balancer) if cp_active else 1
     multiple = math.lcm(cp_multiple, p.cp * p.tp)
     if seq_len % multiple == 0:
         return
@@ -93,12 +93,3 @@ def check_sequence_split(cfg: Config, seq_len: int | None = None, key: str = "tr
         parts.append(f"cp x tp = {p.cp * p.tp} for sequence parallelism over tp {p.tp}")
     raise RecipeError(f"{cfg.recipe_path}: {key} {seq_len} is not divisible by {multiple} "
                       f"({'; '.join(parts)}). Use {nearest}.")
-
-
-def model_overrides(cfg: Config) -> dict:
-    m = cfg.model
-    names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta")
-    out = {k: getattr(m, k) for k in names if getattr(m, k)}
-    if m.rope_scaling_factor:
-        out["rope_scaling_factor"] = None if m.rope_scaling_factor < 0 else m.rope_scaling_factor
-    return out

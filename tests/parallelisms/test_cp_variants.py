@@ -194,7 +194,7 @@ def test_ulysses_head_limits_and_hybrid_layouts_raise_clear_errors():
 
 def test_unknown_cp_impl_is_a_recipe_error():
     from parallelisms.cp_choice import check_cp_impl
-    from training.errors import RecipeError
+    from config import RecipeError
     with pytest.raises(RecipeError, match="parallelism.cp_impl.*ring, allgather, ulysses, hybrid, auto"):
         check_cp_impl("ulyses")
 
