@@ -21,7 +21,8 @@ import torch.distributed as dist
 from parallelisms.cp_allgather import allgather_attention
 from parallelisms.cp_hybrid import check_hybrid, hybrid_attention, hybrid_groups, hybrid_plan, ring_documents
 from parallelisms.cp_ulysses import document_mask, global_order_plan, ulysses_attention, ulysses_feasible
-from parallelisms.ring_attention import CommStats, ring_attention
+from parallelisms.cp_toolkit import CommStats
+from parallelisms.ring_attention import ring_attention
 from parallelisms.ring_plan import DocumentShards
 from config import RecipeError, choices
 from config.schema import CpImpl

@@ -12,7 +12,6 @@ Works on a pipeline stage too: modules a stage does not hold (None) are skipped.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,

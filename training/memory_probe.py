@@ -151,7 +151,7 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
             # With accumulation every micro-step after the first runs on top of existing gradients: run one first,
             # then measure the next (the memory tracker follows one forward/backward at a time).
             step.micro_step(setup, _fake_batch(cfg), global_tokens)
-            sent_before = setup.stats.kv_bytes_sent + setup.stats.backward_bytes_sent
+            sent_before = setup.stats.bytes_sent
         with _tracker(model, optimizer) as tracker:
             step.micro_step(setup, _fake_batch(cfg), global_tokens)
             peak_forward_backward = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
@@ -161,7 +161,7 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
             state = _by_kind(tracker.get_tracker_snapshot("current"))
             optimizer.zero_grad(set_to_none=True)
             peak_optimizer_step = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
-    ring = setup.stats.kv_bytes_sent + setup.stats.backward_bytes_sent - sent_before
+    ring = setup.stats.bytes_sent - sent_before
     return RankMemory(state["params"], state["grads"], state["optimizer"], peak_forward_backward,
                       peak_optimizer_step, float(ring) if p.cp > 1 else None, (mcfg.n_layers,))
 

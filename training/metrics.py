@@ -88,13 +88,10 @@ class StepMetrics:
                  step: int):
         self.comm, self.comm_stats, self.device = comm, comm_stats, device
         self.peak_flops, self.peak_source = peak_flops, peak_source
-        self._cp_bytes_at = (self._cp_bytes_sent(), step)  # (bytes sent, step) when last logged
-
-    def _cp_bytes_sent(self) -> int:
-        return self.comm_stats.kv_bytes_sent + self.comm_stats.backward_bytes_sent
+        self._cp_bytes_at = (comm_stats.bytes_sent, step)  # (bytes sent, step) when last logged
 
     def _cp_bytes_per_step(self, step: int) -> float:
-        sent, since = self._cp_bytes_sent(), self._cp_bytes_at
+        sent, since = self.comm_stats.bytes_sent, self._cp_bytes_at
         self._cp_bytes_at = (sent, step)
         return (sent - since[0]) / max(1, step - since[1])
 

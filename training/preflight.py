@@ -12,7 +12,7 @@ from models.llama import recipe_model_config
 from parallelisms.cp_ulysses import kv_replication
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline_parallel import plan_pipeline
-from parallelisms.ring_attention import UnsupportedAttentionError
+from parallelisms.cp_toolkit import UnsupportedAttentionError
 from parallelisms.sequence_sharding import sequence_divisor
 from parallelisms.tensor_parallel import check_tp_degree
 from training.ramp import RampStage, resolve_stages

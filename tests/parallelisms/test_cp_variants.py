@@ -60,7 +60,7 @@ def _bytes_sent(rank, size):
         q = torch.randn(1, 4, local_len, head_dim, requires_grad=True)
         k, v = (torch.randn(1, 2, local_len, head_dim, requires_grad=True) for _ in range(2))
         fn(q, k, v, dist.group.WORLD, stats=stats).sum().backward()
-        counts[name] = (stats.calls, stats.kv_bytes_sent, stats.kv_bytes_sent + stats.backward_bytes_sent)
+        counts[name] = (stats.calls, stats.forward_bytes_sent, stats.forward_bytes_sent + stats.backward_bytes_sent)
     model = {name: bytes_sent_per_call(name, size, 4, 2, 4) * local_len * head_dim for name in ("ring", "ulysses")}
     return counts, (size - 1) * 2 * 2 * local_len * head_dim * 4, model
 
