@@ -167,7 +167,7 @@ def trainer_worker(name, steps, profile):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     from train import Trainer
-    from training.recipe import load_config
+    from config.recipe import load_config
     _, seq, batch, _ = SHAPES[name]
     with tempfile.TemporaryDirectory() as out:
         args = _trainer_args(name, steps, out)

@@ -19,16 +19,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.recipe import load_config  # noqa: E402
-from training.dry_run import RUNTIME_RESERVE_GIB, Stage, measure_stage  # noqa: E402
+from config.recipe import load_config  # noqa: E402
+from training.dry_run import RUNTIME_RESERVE_GIB, PlanRow, measure_row  # noqa: E402
 
 SEQ_LENS = (8192, 32768, 65536, 131072, 262144, 524288, 1048576)
 
 
-def stage_for(cfg, seq_len: int, cp: int, gpus: int):
+def row_for(cfg, seq_len: int, cp: int, gpus: int):
     par = dataclasses.replace(cfg.parallelism, cp=cp, dp_shard=gpus // cp, dp_replicate=1, tp=1, pp=1)
     training = dataclasses.replace(cfg.training, seq_len=seq_len, local_batch_size=1, global_batch_size=-1)
-    return Stage(f"{seq_len}", dataclasses.replace(cfg, parallelism=par, training=training))
+    return PlanRow(f"{seq_len}", dataclasses.replace(cfg, parallelism=par, training=training))
 
 
 def main() -> int:
@@ -44,7 +44,7 @@ def main() -> int:
     for seq_len in (int(s) for s in args.seq.split(",")):
         cp, peaks, fit = max(1, seq_len // 65536), {}, None
         while cp <= args.gpus and fit is None:
-            result = measure_stage(stage_for(cfg, seq_len, cp, args.gpus), args.gpus, cfg.hardware.gpus_per_node)
+            result = measure_row(row_for(cfg, seq_len, cp, args.gpus), args.gpus, cfg.hardware.gpus_per_node)
             peaks[cp] = result.peak_gib
             print(f"  seq {seq_len:>9,}  cp {cp:>3}  peak {result.peak_gib:6.1f} GiB  "
                   f"step {result.times['overlap_s']:.2f}s  mfu {100 * result.times['mfu_overlap']:.0f}%", flush=True)

@@ -62,7 +62,7 @@ def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, re
     from data.loader import build_dataloader
     from data.tokenizer import build_tokenizer
     from models.llama import Llama, model_config
-    from training.recipe import load_config
+    from config.recipe import load_config
     from training.lr_schedule import build_lr_scheduler
 
     cfg = load_config(recipe, ["--training.seq_len", str(seq_len), "--training.steps", str(steps)])

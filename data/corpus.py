@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from training.errors import RecipeError
+from config import RecipeError
 
 PYDOC = "pydoc"
 DOCUMENT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 
-from training.errors import RecipeError
+from config import RecipeError
 
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<|startoftext|>")
 EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>")

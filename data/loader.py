@@ -29,7 +29,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from data.packing import PackedRows, pack_documents
 from data.passkey import PasskeyRows
-from training.errors import RecipeError
+from config import RecipeError
+from config.schema import MIN_SEQ_LEN
 
 _ROW_SHUFFLE_STREAM = 1  # keeps the row permutations' random stream apart from anything else seeded by `seed`
 
@@ -147,7 +148,7 @@ def build_dataloader(tokenizer, documents: list[str] | None, *, seq_len: int, lo
     """This dp rank's loader of (local_batch_size, seq_len) int64 batches: `rows` (packed rows read from the token
     stores, data/sources.py) or `documents` packed in memory (dataset "text"), or synthetic passkey rows (dataset
     "passkey", data/passkey.py)."""
-    if seq_len < 2:
+    if seq_len < MIN_SEQ_LEN:
         raise RecipeError(f"training.seq_len must be >= 2 (one input and one label token per row), got {seq_len}; "
                           f"set e.g. --training.seq_len 512.")
     if local_batch_size < 1:

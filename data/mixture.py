@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from training.errors import RecipeError
+from config import RecipeError
 
 DEFAULT_BLOCK_ROWS = 4096
 _SOURCE_SHUFFLE_STREAM = 13

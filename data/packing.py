@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from training.errors import RecipeError
+from config import RecipeError
+from config.schema import MIN_SEQ_LEN
 
 FIELDS = ("input_ids", "labels", "position_ids", "document_ids")
 
@@ -80,7 +81,7 @@ def pack_documents(tokenizer, documents: list[str], *, seq_len: int, seed: int,
 def pack_token_documents(token_documents: list[list[int]], *, eos_id: int, seq_len: int, seed: int,
                          document_masking: bool = False) -> PackedRows:
     """Pack already tokenized documents (no EOS yet) into rows of seq_len + 1 tokens."""
-    if seq_len < 2:
+    if seq_len < MIN_SEQ_LEN:
         raise RecipeError(f"training.seq_len must be >= 2 (one input and one label token per row), got {seq_len}; "
                           f"set e.g. --training.seq_len 512.")
     if not token_documents:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from training.errors import RecipeError
+from config import RecipeError
 
 IGNORE_INDEX = -100
 # The standard formulation: the key sits in repetitive, key-free filler, so what is measured is retrieval over

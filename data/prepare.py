@@ -30,7 +30,7 @@ import numpy as np
 from data.corpus import PART_BYTES, PYDOC, read_part, source_files, source_parts
 from data.token_store import (FORMAT, MANIFEST, TokenStore, finished_shard, token_dtype, write_manifest,
                               write_shard)
-from training.errors import RecipeError
+from config import RecipeError
 
 ENCODE_BATCH = 64  # documents per encode_batch call: large enough for the Rust tokenizer's threads, small in memory
 

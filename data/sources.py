@@ -15,8 +15,8 @@ from data.corpus import PART_BYTES, read_part, source_files, source_parts
 from data.mixture import BlockPlan, MixtureRows, check_weights
 from data.prepare import StoreSpec, ensure_store, open_store, prepare_store
 from data.store_rows import StoreRows
-from training.config import SourceConfig
-from training.errors import RecipeError
+from config.schema import SourceConfig
+from config import RecipeError
 
 TOKENIZER_SAMPLE_BYTES = 32 << 20  # a tokenizer we train ourselves learns from the first 32 MiB of text
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from data.packing import row_fields
 from data.token_store import TokenStore
-from training.errors import RecipeError
+from config import RecipeError
 
 _UPSAMPLE_STREAM = 11  # keeps the upsampling draws apart from the document shuffle of the same seed
 _HELDOUT_STREAM = 17  # which documents are held out for evaluation

@@ -19,7 +19,7 @@ import os
 
 import numpy as np
 
-from training.errors import RecipeError
+from config import RecipeError
 
 FORMAT = 1
 MANIFEST = "manifest.json"

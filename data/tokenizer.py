@@ -28,7 +28,8 @@ import time
 
 import sentencepiece as spm
 
-from training.errors import RecipeError
+from config import RecipeError
+from data.corpus import load_documents
 
 # SentencePiece skips training "sentences" longer than max_sentence_length bytes, so long documents are fed in
 # newline-aligned chunks of at most this many characters (4 bytes per character at most in UTF-8).
@@ -232,8 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--out", required=True, help="where to write the .model file")
     args = parser.parse_args(argv)
-    from data.corpus import load_documents
-
     try:
         documents = load_documents(args.corpus)
         start = time.perf_counter()

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.llama import Llama, LlamaConfig, canonical_name
-from training.errors import RecipeError
+from config import RecipeError
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",

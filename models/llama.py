@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.rope import RotaryEmbedding, apply_rotary
-from training.errors import RecipeError
+from config import Config, RecipeError
 
 
 @dataclass
@@ -152,6 +152,11 @@ def model_config(name: str, **overrides) -> LlamaConfig:
         if float in (typing.get_args(hints[key]) or (hints[key],)) and isinstance(value, int):
             overrides[key] = float(value)
     return dataclasses.replace(MODEL_CONFIGS[name], **overrides)
+
+
+def recipe_model_config(cfg: Config) -> LlamaConfig:
+    """The Llama shape a recipe asks for: its [model] name with the fields the recipe sets (a fresh copy)."""
+    return model_config(cfg.model.name, **cfg.model.overrides())
 
 
 class RMSNorm(nn.Module):

@@ -20,6 +20,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from config import choices
+from config.schema import ActivationCheckpointMode
+
 _aten = torch.ops.aten
 ATTENTION_OPS = frozenset({
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -30,7 +33,7 @@ ATTENTION_OPS = frozenset({
 })
 ALWAYS_SAVED_OPS = ATTENTION_OPS | {torch.ops._c10d_functional.reduce_scatter_tensor.default}
 MATMUL_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default})
-MODES = ("none", "full", "selective", "op")
+MODES = choices(ActivationCheckpointMode)
 
 
 def _op_policy():

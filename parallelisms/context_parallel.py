@@ -1,8 +1,8 @@
 """Context parallelism for any model that calls `F.scaled_dot_product_attention` (CONTRACT, see ARCHITECTURE.md).
 
 `context_parallel(...)` shards the batch's sequence buffers in place (tokens, labels, position_ids, document ids: all
-the same way, so RoPE sees true positions) and routes every SDPA call made inside it to `ring_attention` through a
-TorchFunctionMode: no monkey-patching, and the model needs no CP-specific code. SDPA calls the ring cannot compute
+the same way, so RoPE sees true positions) and routes every SDPA call made inside it to a CP variant (`ring_attention`
+by default) through a TorchFunctionMode, `SdpaToContextParallel`: no monkey-patching, and the model needs no CP-specific code. SDPA calls the ring cannot compute
 exactly (an attn_mask, dropout) raise `UnsupportedAttentionError` instead of computing something else.
 `cp_impl` picks another exact variant on the same layouts (all-gather, Ulysses, hybrid, or auto: see cp_choice.py).
 
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from parallelisms.cp_choice import CP_IMPLS, CPAttention, check_cp_impl
-from parallelisms.ring_attention import CommStats, UnsupportedAttentionError, ring_attention
+from parallelisms.cp_toolkit import CommStats, UnsupportedAttentionError
+from parallelisms.ring_attention import ring_attention
 from parallelisms.ring_plan import DocumentShards
 from parallelisms.sequence_sharding import (LOAD_BALANCERS, check_load_balancer, check_sequence_length,
                                             local_positions, resolve_group, shard_sequence, unshard_sequence)
@@ -28,8 +29,9 @@ __all__ = ["shard_sequence", "unshard_sequence", "ring_attention", "context_para
            "UnsupportedAttentionError", "LOAD_BALANCERS", "CP_IMPLS", "check_sequence_length", "local_positions"]
 
 
-class RingAttentionMode(TorchFunctionMode):
-    """Sends `F.scaled_dot_product_attention` to the ring; every other torch call passes through untouched."""
+class SdpaToContextParallel(TorchFunctionMode):
+    """Sends `F.scaled_dot_product_attention` to the CP variant (the ring, or `variant`: all-gather, Ulysses,
+    hybrid, auto) after checking the call is one it computes exactly; every other torch call passes through."""
 
     def __init__(self, group: dist.ProcessGroup, load_balancer: str, local_lengths: set[int],
                  documents: DocumentShards | None, stats: CommStats | None, variant: CPAttention | None = None):
@@ -41,13 +43,13 @@ class RingAttentionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return self._ring(*args, **kwargs)
+            return self._route(*args, **kwargs)
         return func(*args, **kwargs)
 
     # Under torch.compile the CP attention runs as one opaque eager call: dynamo would otherwise trace the ring's
     # point-to-point loop, break inside it and guard on its Python counters, recompiling at every call.
     @torch.compiler.disable(reason="context-parallel attention runs eagerly between compiled graphs")
-    def _ring(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+    def _route(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
         if attn_mask is not None:
             raise UnsupportedAttentionError(
@@ -120,7 +122,7 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
             buf.set_(local)
     local_lengths = {buf.size(dim) for buf, dim in zip(buffers, buffer_seq_dims)}
     try:
-        with RingAttentionMode(group, load_balancer, local_lengths, documents, stats, variant):
+        with SdpaToContextParallel(group, load_balancer, local_lengths, documents, stats, variant):
             yield
     finally:
         with torch.no_grad():

@@ -21,11 +21,13 @@ import torch.distributed as dist
 from parallelisms.cp_allgather import allgather_attention
 from parallelisms.cp_hybrid import check_hybrid, hybrid_attention, hybrid_groups, hybrid_plan, ring_documents
 from parallelisms.cp_ulysses import document_mask, global_order_plan, ulysses_attention, ulysses_feasible
-from parallelisms.ring_attention import CommStats, ring_attention
+from parallelisms.cp_toolkit import CommStats
+from parallelisms.ring_attention import ring_attention
 from parallelisms.ring_plan import DocumentShards
-from training.errors import RecipeError
+from config import RecipeError, choices
+from config.schema import CpImpl
 
-CP_IMPLS = ("ring", "allgather", "ulysses", "hybrid", "auto")
+CP_IMPLS = choices(CpImpl)
 # Ulysses must send less than this fraction of the ring's bytes to win: it also copies Q, K, V, O and their gradients
 # in and out of its all-to-all buffers, which the ring never does. Fitted on this box (docs/cp_variants.md): at 0.5
 # the two tie, at 0.3 Ulysses is 9-20% faster, at 0.9 it is level or slower.

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.cp_ulysses import ExchangePlan, exchange_heads_to_seq, exchange_seq_to_heads, replicate_kv
-from parallelisms.ring_attention import CommStats, UnsupportedAttentionError, ring_attention
+from parallelisms.cp_toolkit import CommStats, UnsupportedAttentionError
+from parallelisms.ring_attention import ring_attention
 from parallelisms.ring_plan import DocumentShards
 from parallelisms.sequence_sharding import (check_load_balancer, check_sequence_length, local_positions,
                                             resolve_group, unshard_sequence)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallelisms.ring_attention import CommStats, UnsupportedAttentionError
+from parallelisms.cp_toolkit import CommStats, UnsupportedAttentionError, check_attention_inputs, count_sent, nbytes
 from parallelisms.sequence_sharding import (check_load_balancer, check_sequence_length, local_positions,
                                             resolve_group, unshard_sequence)
 
@@ -75,21 +75,12 @@ def _as_runs(target_index: torch.Tensor) -> tuple:
                  for a, b in zip(bounds[:-1], bounds[1:]))
 
 
-def _count(stats: CommStats | None, sent_bytes: int, backward: bool) -> None:
-    if stats is None:
-        return
-    if backward:
-        stats.backward_bytes_sent += sent_bytes
-    else:
-        stats.kv_bytes_sent += sent_bytes
-
-
 def _all_to_all(plan: ExchangePlan, send: torch.Tensor, stats, backward: bool) -> torch.Tensor:
     if plan.size == 1:
         return send
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=plan.group)
-    _count(stats, send.numel() * send.element_size() * (plan.size - 1) // plan.size, backward)
+    count_sent(stats, nbytes(send) * (plan.size - 1) // plan.size, backward)
     return recv
 
 
@@ -145,35 +136,28 @@ def heads_to_seq(plan: ExchangePlan, tensors, stats=None, backward=False) -> lis
     return outs
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One all-to-all exchange whose backward is the opposite exchange of the gradients: `seq_to_heads` when
+    `to_heads`, else `heads_to_seq`."""
+
     @staticmethod
-    def forward(ctx, plan, stats, *tensors):
-        ctx.plan, ctx.stats = plan, stats
-        return tuple(seq_to_heads(plan, tensors, stats))
+    def forward(ctx, plan, stats, to_heads: bool, *tensors):
+        ctx.plan, ctx.stats, ctx.to_heads = plan, stats, to_heads
+        return tuple((seq_to_heads if to_heads else heads_to_seq)(plan, tensors, stats))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *heads_to_seq(ctx.plan, [g.contiguous() for g in grads], ctx.stats, backward=True))
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, plan, stats, *tensors):
-        ctx.plan, ctx.stats = plan, stats
-        return tuple(heads_to_seq(plan, tensors, stats))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None, *seq_to_heads(ctx.plan, [g.contiguous() for g in grads], ctx.stats, backward=True))
+        back = heads_to_seq if ctx.to_heads else seq_to_heads
+        return (None, None, None, *back(ctx.plan, [g.contiguous() for g in grads], ctx.stats, backward=True))
 
 
 def exchange_seq_to_heads(plan: ExchangePlan, *tensors, stats: CommStats | None = None):
     """Differentiable `seq_to_heads` (its backward is `heads_to_seq` of the gradients)."""
-    return _SeqToHeads.apply(plan, stats, *tensors)
+    return _Exchange.apply(plan, stats, True, *tensors)
 
 
 def exchange_heads_to_seq(plan: ExchangePlan, *tensors, stats: CommStats | None = None):
-    return _HeadsToSeq.apply(plan, stats, *tensors)
+    return _Exchange.apply(plan, stats, False, *tensors)
 
 
 def kv_replication(q_heads: int, kv_heads: int, degree: int) -> int:
@@ -237,9 +221,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     size = dist.get_world_size(pg)
     seq_len = q.size(2) * size
     check_sequence_length(seq_len, size, load_balancer)
-    if k.shape[:3] != v.shape[:3] or q.size(2) != k.size(2) or q.size(1) % k.size(1):
-        raise UnsupportedAttentionError(f"Ulysses attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} / "
-                                        f"{tuple(v.shape)} must share batch and length, with Hq a multiple of Hkv")
+    check_attention_inputs(q, k, v, document_ids)
     plan = _plan or global_order_plan(pg, seq_len, load_balancer)
     mask = _mask
     if mask is None and document_ids is not None:

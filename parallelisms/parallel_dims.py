@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.errors import RecipeError
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from config import RecipeError
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -56,8 +58,6 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard * self.cp > 1
 
     def build_mesh(self, device_type: str) -> "TrainingMesh":
-        from torch.distributed.device_mesh import init_device_mesh
-
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
         return TrainingMesh(
@@ -100,7 +100,5 @@ class TrainingMesh:
     def fsdp_mesh(self):
         """HSDP 2-D mesh (dp_replicate, dp_shard_cp) when replicating, else the flattened 1-D shard mesh."""
         if self.dims.dp_replicate > 1:
-            from torch.distributed.device_mesh import DeviceMesh
-
             return DeviceMesh._concatenate([self.world["dp_replicate"], self.fsdp_shard])
         return self.fsdp_shard

@@ -11,14 +11,12 @@ from __future__ import annotations
 import re
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from config.schema import Config
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
-from parallelisms.comm import all_reduce_
 from parallelisms.data_parallel import apply_fsdp
 from parallelisms.parallel_dims import TrainingMesh
 from parallelisms.tensor_parallel import apply_tp
-from training.config import Config
 
 
 def uses_fsdp(cfg: Config, mesh: TrainingMesh) -> bool:
@@ -55,15 +53,14 @@ def compile_counters() -> dict:
 
 
 def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torch.nn.Module:
-    par = cfg.parallelism
     if mesh.dims.tp > 1:
         apply_tp(model, mesh.tp_mesh, uses_loss_parallel(cfg, mesh))
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every)
     if cfg.training.compile:
         apply_compile(model)
     if uses_fsdp(cfg, mesh):
-        reshard = {"always": True, "never": False, "default": par.pp == 1}[par.fsdp_reshard_after_forward]
-        apply_fsdp(model, mesh.fsdp_mesh(), getattr(torch, cfg.training.dtype), reshard)
+        apply_fsdp(model, mesh.fsdp_mesh(), getattr(torch, cfg.training.dtype),
+                   cfg.parallelism.reshard_after_forward)
     return model
 
 
@@ -75,27 +72,3 @@ def materialize(model: torch.nn.Module, device: torch.device, cfg: Config, mesh:
     with torch.no_grad():
         model.init_weights(cfg.job.seed)
 
-
-@torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
-    """Clips by the global 2-norm over every shard (FSDP/TP DTensors are reduced over their meshes) and, with
-    `pp_group`, over every pipeline stage; returns that norm. max_norm <= 0 only measures.
-
-    Accumulated in float64: a float32 CPU norm of one large gradient is off by ~1e-5 relative, which would show up as
-    a mesh-dependent grad norm (every mesh shards the tensors differently)."""
-    params = [p for p in parameters if p.grad is not None]
-    per_tensor = torch._foreach_norm([p.grad for p in params], 2.0, dtype=torch.float64)
-    norm = torch.linalg.vector_norm(torch.stack(per_tensor))
-    if isinstance(norm, DTensor):  # a partial norm over the sharded mesh dims: sum the squares over each of them
-        squared = norm.to_local() ** 2
-        for dim, placement in enumerate(norm.placements):
-            if placement.is_partial():
-                all_reduce_(squared, group=norm.device_mesh.get_group(dim))
-    else:
-        squared = norm**2
-    if pp_group is not None:
-        all_reduce_(squared, group=pp_group)
-    norm = squared.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float(), foreach=True)
-    return norm

@@ -21,12 +21,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
 
-from training.errors import RecipeError
+from config import RecipeError, choices
+from config.schema import MultiStageSchedule, PipelineSchedule, SingleStageSchedule
 
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
-SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+SINGLE_STAGE_SCHEDULES = choices(SingleStageSchedule)
+MULTI_STAGE_SCHEDULES = choices(MultiStageSchedule)
+SCHEDULES = choices(PipelineSchedule)
 
 
 @dataclass(frozen=True)
@@ -142,15 +145,12 @@ def stage_module(model: nn.Module, layer_ids, is_first: bool, is_last: bool) -> 
 
 
 class Pipeline:
-    """This rank's stages and their schedule. `step(batch)` runs forward and backward of one (already CP-sharded)
-    local batch and returns this rank's summed microbatch losses (already divided by the global token count;
-    zero on ranks without the last stage)."""
+    """This rank's stages and their schedule. `step(batch, loss_divisor)` runs forward and backward of one (already
+    CP-sharded) local batch and returns this rank's summed microbatch losses, each `loss_fn(logits, labels)` divided
+    by `loss_divisor` (the step's global token count; zero on ranks without the last stage)."""
 
     def __init__(self, plan: PipelinePlan, stage_ids: list[int], modules: list[nn.Module], pp_group,
                  device: torch.device, loss_fn):
-        from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import get_schedule_class
-
         self.plan = plan
         self.modules = modules
         self.has_first = 0 in stage_ids
@@ -159,10 +159,17 @@ class Pipeline:
         stages = [PipelineStage(module, idx, plan.num_stages, device, group=pp_group)
                   for idx, module in zip(stage_ids, modules)]
         cls = get_schedule_class(plan.schedule)
-        self.schedule = cls(stages if plan.schedule in MULTI_STAGE_SCHEDULES else stages[0],
-                            n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=False)
+        # The schedule keeps one loss function for the whole run; the divisor changes per step (step() sets it).
+        self._loss_divisor = 1
 
-    def step(self, batch: dict) -> torch.Tensor:
+        def scaled_loss(logits, labels):
+            return loss_fn(logits, labels) / self._loss_divisor
+
+        self.schedule = cls(stages if plan.schedule in MULTI_STAGE_SCHEDULES else stages[0],
+                            n_microbatches=plan.microbatches, loss_fn=scaled_loss, scale_grads=False)
+
+    def step(self, batch: dict, loss_divisor: int | float = 1) -> torch.Tensor:
+        self._loss_divisor = loss_divisor
         losses = [] if self.has_last else None
         target = batch["labels"] if self.has_last else None
         args = (batch["input_ids"],) if self.has_first else ()

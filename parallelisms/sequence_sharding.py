@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from training.errors import RecipeError
+from config import RecipeError, choices
+from config.schema import LoadBalancer
 
-LOAD_BALANCERS = ("zigzag", "striped", "contiguous")
+LOAD_BALANCERS = choices(LoadBalancer)
 
 
 def check_load_balancer(load_balancer: str) -> None:

@@ -6,21 +6,18 @@ wq/wk/wv and w1/w3 are column-wise (each rank holds whole heads / a slice of the
 attention sees its LOCAL heads as plain tensors (the model infers the head count from the projection size) and calls
 SDPA with unexpanded local K/V; under context parallelism that call becomes the ring over the CP group.
 With loss parallelism the output projection stays sharded on the vocabulary and the cross entropy is computed on the
-shards (`loss_context`), so the (tokens x vocab) logits are never gathered.
+shards (training/loss.py's `loss_context`), so the (tokens x vocab) logits are never gathered.
 
 Works on a pipeline stage too: modules a stage does not hold (None) are skipped.
 """
 from __future__ import annotations
 
-import contextlib
-
-import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+                                               SequenceParallel, parallelize_module)
 
-from training.errors import RecipeError
+from config import RecipeError
 
 
 def check_tp_degree(n_heads: int, n_kv_heads: int, tp: int, where: str = "recipe") -> None:
@@ -72,14 +69,3 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel_enabled: bool = True) -> N
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan())
 
-
-def loss_context(enabled: bool):
-    """torch's `loss_parallel()` when the logits are vocabulary-sharded DTensors, else nothing."""
-    return loss_parallel() if enabled else contextlib.nullcontext()
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross entropy of this rank's tokens, in float32; works on plain and vocabulary-sharded DTensor logits
-    (inside `loss_context`), returning a plain tensor either way."""
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss

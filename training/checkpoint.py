@@ -33,11 +33,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from config import RecipeError
+from config.schema import CheckpointConfig
 from models.hf import (from_hf_config, load_hf_weights, quiet_single_process_dcp, read_hf_config,
                        save_hf)
+from models.llama import Llama
 from training import checkpoint_files as files
-from training.config import CheckpointConfig
-from training.errors import RecipeError
 
 _OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -66,8 +67,6 @@ def merged_model(model_parts: Sequence[nn.Module]) -> nn.Module:
 
 def expected_model_shapes(model_config) -> dict[str, tuple]:
     """Every parameter of the full model (all pipeline stages) and its global shape, from a meta-device build."""
-    from models.llama import Llama
-
     with torch.device("meta"):
         model = Llama(model_config)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}

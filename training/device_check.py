@@ -5,30 +5,28 @@ from __future__ import annotations
 import math
 import os
 
-from training.config import Config
-from training.errors import RecipeError
+import torch
+
+from config import RecipeError
+from config.schema import Config
+from models.llama import recipe_model_config
+from training.roofline import parameter_count
 
 GPU_SIZED_PARAMETERS = 1e9
 """With hardware.device = "auto", a model this large counts as GPU-sized (the 8B on CPU would not finish a step)."""
 
 
 def needs_gpus(cfg: Config) -> bool:
-    from models.llama import model_config
-    from training.preflight import model_overrides
-    from training.roofline import parameter_count
-
     device = cfg.hardware.device
     if device != "auto":
         return device == "cuda"
-    return parameter_count(model_config(cfg.model.name, **model_overrides(cfg))) >= GPU_SIZED_PARAMETERS
+    return parameter_count(recipe_model_config(cfg)) >= GPU_SIZED_PARAMETERS
 
 
 def check_gpus(cfg: Config, world_size: int) -> None:
     """Raises RecipeError when the recipe needs GPUs this machine does not have (checked before torchrun)."""
     if not needs_gpus(cfg):
         return
-    import torch
-
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NPROC") or world_size)
     per_node = cfg.hardware.gpus_per_node

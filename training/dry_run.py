@@ -12,9 +12,13 @@ import math
 import time
 from dataclasses import dataclass
 
-from training.config import Config
-from training.errors import RecipeError
+from config import RecipeError
+from config.schema import Config
+from models.llama import recipe_model_config
+from parallelisms.sequence_sharding import sequence_divisor
 from training.memory_probe import GIB, RankMemory, measure_memory
+from training.preflight import preflight
+from training.ramp import resolve_stages
 from training.roofline import H100_SXM, ROOFLINE_STATEMENT, Layout, parameter_count, step_cost
 
 RUNTIME_RESERVE_GIB = 2.0
@@ -22,22 +26,20 @@ RUNTIME_RESERVE_GIB = 2.0
 
 
 @dataclass
-class Stage:
+class PlanRow:
+    """One row of the dry run's table: a complete Config to measure (a ramp stage, or a candidate fix of one)."""
     name: str
     cfg: Config
 
 
-def stage_configs(cfg: Config, world: int) -> list[Stage]:
-    """The recipe's training stages, each a complete Config (its own seq_len, cp, rope, batch): one per [[ramp]]
-    table, or the recipe itself."""
-    from training.ramp import resolve_stages
-
-    return [Stage(s.name, s.cfg) for s in resolve_stages(cfg, world)]
+def plan_rows(cfg: Config, world: int) -> list[PlanRow]:
+    """One row per ramp stage (its own seq_len, cp, rope, batch), or the recipe itself without [[ramp]]."""
+    return [PlanRow(s.name, s.cfg) for s in resolve_stages(cfg, world)]
 
 
 @dataclass
-class StageResult:
-    stage: Stage
+class RowResult:
+    row: PlanRow
     world: int
     dims: object
     memory: RankMemory
@@ -53,43 +55,39 @@ class StageResult:
 def ranks_that_matter(dims) -> list[int]:
     """Without PP every rank holds the same shapes (rank 0 the largest uneven FSDP shard); with PP the first stage
     holds the most in-flight activations and the last one the output layer and the loss."""
-    last_stage_first_rank = (dims.pp - 1) * (dims.world_size // dims.pp)
-    return sorted({0, last_stage_first_rank})
+    first_rank_of_last_pipeline_stage = (dims.pp - 1) * (dims.world_size // dims.pp)
+    return sorted({0, first_rank_of_last_pipeline_stage})
 
 
-def measure_stage(stage: Stage, world: int, gpus_per_node: int) -> StageResult:
-    from models.llama import model_config
-    from training.preflight import model_overrides, preflight
-
-    cfg = stage.cfg
+def measure_row(row: PlanRow, world: int, gpus_per_node: int) -> RowResult:
+    cfg = row.cfg
     dims = preflight(cfg, world, check_data=False)  # the data lives where the recipe will run
     if dims.pp > 1:  # a schedule's stages exchange tensor shapes at run time, which a fake process group cannot answer
         raise RecipeError(f"{cfg.recipe_path}: the dry run measures plans with parallelism.pp = 1 only; check this "
                           f"one with --parallelism.pp 1 and dp_shard x {dims.pp} (the same GPUs) as an approximation.")
-    mcfg = model_config(cfg.model.name, **model_overrides(cfg))
+    mcfg = recipe_model_config(cfg)
     ranks = ranks_that_matter(dims)
     memories = [measure_memory(cfg, world, mcfg.n_layers, rank) for rank in ranks]
     memory = max(memories, key=lambda m: m.peak)
     t, p = cfg.training, cfg.parallelism
-    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
+    grad_accum = t.grad_accum_steps(dims.dp)
     layout = Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node)
-    reshard = {"always": True, "never": False, "default": p.pp == 1}[p.fsdp_reshard_after_forward]
     cost = step_cost(mcfg, layout, seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum=grad_accum,
                      dtype=t.dtype, ac_mode=cfg.activation_checkpoint.mode, ac_every=cfg.activation_checkpoint.every,
-                     reshard_after_forward=reshard, cp_ring_bytes=memory.cp_ring_bytes)
+                     reshard_after_forward=p.reshard_after_forward, cp_ring_bytes=memory.cp_ring_bytes)
     times = cost.times(H100_SXM)
     times["tokens_per_gpu_s"] = t.local_batch_size * dims.dp * grad_accum * t.seq_len / times["overlap_s"] / world
     times["comm_gib"] = (cost.nvlink_bytes + cost.ib_bytes) / GIB
-    return StageResult(stage, world, dims, memory, times, ranks)
+    return RowResult(row, world, dims, memory, times, ranks)
 
 
 def _with(cfg: Config, section: str, **values) -> Config:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
 
 
-def propose_fix(result: StageResult, usable_gib: float) -> tuple[str, Config | None]:
+def propose_fix(result: RowResult, usable_gib: float) -> tuple[str, Config | None]:
     """What to change in a stage that does not fit: (advice, a config to check it with, if any)."""
-    cfg, dims, mem = result.stage.cfg, result.dims, result.memory
+    cfg, dims, mem = result.row.cfg, result.dims, result.memory
     state_gib, act_gib = mem.state / GIB, mem.activations / GIB
     if cfg.activation_checkpoint.mode != "full":
         return ("set activation_checkpoint.mode = \"full\" (each block keeps only its input)",
@@ -104,7 +102,7 @@ def propose_fix(result: StageResult, usable_gib: float) -> tuple[str, Config | N
     while act_gib / factor > room and factor < 1024:
         factor *= 2
     new_cp = dims.cp * factor
-    multiple = 2 * new_cp if cfg.parallelism.cp_load_balancer == "zigzag" else new_cp
+    multiple = sequence_divisor(new_cp, cfg.parallelism.cp_load_balancer)
     if dims.dp_shard % factor == 0 and cfg.training.seq_len % multiple == 0:
         return (f"raise parallelism.cp from {dims.cp} to {new_cp} and lower dp_shard from {dims.dp_shard} to "
                 f"{dims.dp_shard // factor} (same {result.world} GPUs; activations ~1/cp)",
@@ -114,12 +112,9 @@ def propose_fix(result: StageResult, usable_gib: float) -> tuple[str, Config | N
             f"or shorten training.seq_len by {factor}x", None)
 
 
-def _header(cfg: Config, world: int, first: StageResult, n_layers: int) -> list[str]:
-    from models.llama import model_config
-    from training.preflight import model_overrides
-
+def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[str]:
     hw, memory = cfg.hardware, first.memory
-    mcfg = model_config(cfg.model.name, **model_overrides(cfg))
+    mcfg = recipe_model_config(cfg)
     nodes = math.ceil(world / hw.gpus_per_node)
     usable = hw.device_memory_gib - RUNTIME_RESERVE_GIB
     depth = (f"blocks {memory.blocks_measured[0]} and {memory.blocks_measured[1]} measured, extrapolated linearly to "
@@ -153,9 +148,9 @@ def _gib(nbytes: float) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
 
-def _row(result: StageResult, index: int, usable_gib: float) -> list[str]:
+def _row(result: RowResult, index: int, usable_gib: float) -> list[str]:
     d, m, t = result.dims, result.memory, result.times
-    return [f"{index} {result.stage.name}", f"{result.stage.cfg.training.seq_len:,}", str(d.cp), str(d.dp_shard),
+    return [f"{index} {result.row.name}", f"{result.row.cfg.training.seq_len:,}", str(d.cp), str(d.dp_shard),
             str(d.tp), str(d.pp), _gib(m.params), _gib(m.grads), _gib(m.optimizer), _gib(m.activations),
             _gib(m.peak), "yes" if result.peak_gib <= usable_gib else "NO",
             f"{t['overlap_s']:.2f}..{t['serial_s']:.2f}",
@@ -170,23 +165,20 @@ def format_table(rows: list[list[str]]) -> str:
 
 
 def run_dry_run(cfg: Config, world: int) -> int:
-    from models.llama import model_config
-    from training.preflight import model_overrides
-
     start = time.perf_counter()
     usable = cfg.hardware.device_memory_gib - RUNTIME_RESERVE_GIB
     results = []
-    for index, stage in enumerate(stage_configs(cfg, world)):
+    for index, row in enumerate(plan_rows(cfg, world)):
         try:
-            results.append(measure_stage(stage, world, cfg.hardware.gpus_per_node))
+            results.append(measure_row(row, world, cfg.hardware.gpus_per_node))
         except RecipeError:
             raise
         except Exception as e:  # the real step failed: that is what a dry run is for
             first_line = (str(e).strip().splitlines() or [""])[0]
-            print(f"stage {index + 1} ({stage.name}, seq_len {stage.cfg.training.seq_len:,}): the training step fails "
+            print(f"stage {index + 1} ({row.name}, seq_len {row.cfg.training.seq_len:,}): the training step fails "
                   f"under the dry run, so it would fail on the GPUs too: {type(e).__name__}: {first_line}")
             return 1
-    n_layers = model_config(cfg.model.name, **model_overrides(cfg)).n_layers
+    n_layers = recipe_model_config(cfg).n_layers
     print("\n".join(_header(cfg, world, results[0], n_layers)))
     print("  columns: GiB per rank (params/grads/optim = persistent state; activ = the rest of the peak: saved and "
           "recomputed activations, logits and loss, gathered parameters, comm buffers); comm = bytes sent per step")
@@ -200,11 +192,11 @@ def run_dry_run(cfg: Config, world: int) -> int:
         return 0
     bad = results[failing]
     advice, candidate = propose_fix(bad, usable)
-    print(f"stage {failing + 1} ({bad.stage.name}, seq_len {bad.stage.cfg.training.seq_len:,}) does NOT fit: "
+    print(f"stage {failing + 1} ({bad.row.name}, seq_len {bad.row.cfg.training.seq_len:,}) does NOT fit: "
           f"peak {_gib(bad.memory.peak)} GiB > {usable:g} GiB usable, reached in the {bad.memory.peak_phase}.")
     print(f"  change: {advice}")
     if candidate is not None:
-        checked = measure_stage(Stage(bad.stage.name, candidate), world, cfg.hardware.gpus_per_node)
+        checked = measure_row(PlanRow(bad.row.name, candidate), world, cfg.hardware.gpus_per_node)
         verdict = "fits" if checked.peak_gib <= usable else "still does not fit"
         print(f"  checked with the same measurement: peak {_gib(checked.memory.peak)} GiB, {verdict}")
     print(f"dry run took {time.perf_counter() - start:.0f}s")

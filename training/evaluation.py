@@ -7,11 +7,17 @@ are never training rows.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 
 import numpy as np
 import torch
 
+from config.schema import Config
 from data.passkey import IGNORE_INDEX, PasskeyRows
+from data.sources import heldout_rows
+from parallelisms.context_parallel import unshard_sequence
+from training.step import StepSetup, cp_context
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -21,8 +27,6 @@ def _full_predictions(logits: torch.Tensor, cp_mesh, cp_size: int, load_balancer
         logits = logits.full_tensor()
     predictions = logits.argmax(dim=-1)
     if cp_size > 1:
-        from parallelisms.context_parallel import unshard_sequence
-
         predictions = unshard_sequence(predictions.contiguous(), 1, cp_mesh, load_balancer=load_balancer)
     return predictions
 
@@ -117,8 +121,6 @@ def long_document_loss(model, sources: list, rows: int, *, device: torch.device,
             token_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                                                            reduction="none").view(1, -1)
         if cp_size > 1:
-            from parallelisms.context_parallel import unshard_sequence
-
             token_loss = unshard_sequence(token_loss.contiguous(), 1, cp_mesh, load_balancer=load_balancer)
         token_loss = token_loss[0].double().cpu().numpy()
         valid = labels[0].cpu().numpy() != IGNORE_INDEX
@@ -130,3 +132,33 @@ def long_document_loss(model, sources: list, rows: int, *, device: torch.device,
     totals = reduce_sums(list(sums) + list(counts))
     sums, counts = totals[:len(buckets)], totals[len(buckets):]
     return {bucket_name(lo, hi): float(s / c) for (lo, hi), s, c in zip(buckets, sums, counts) if c > 0}
+
+
+def run_passkey_eval(cfg: Config, setup: StepSetup, tokenizer, device: torch.device, is_writer: bool) -> None:
+    """Passkey retrieval by depth x context length on the training mesh, sharded by the training step's own CP
+    context; rank 0 prints the table and saves <dump_folder>/passkey_eval.json."""
+    e, p = cfg.eval, cfg.parallelism
+    depths = [i / max(1, e.passkey_depths - 1) for i in range(e.passkey_depths)]
+    results = evaluate_passkey(
+        setup.model, tokenizer, None, context_lengths=e.passkey_lengths or [cfg.training.seq_len], depths=depths,
+        samples=e.passkey_samples, seed=cfg.job.seed, device=device,
+        cp_context=(lambda batch: cp_context(setup, batch)) if setup.shards_sequence else None,
+        cp_mesh=setup.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer)
+    if is_writer:
+        print(format_passkey_table(results), flush=True)
+        with open(os.path.join(cfg.job.dump_folder, "passkey_eval.json"), "w") as f:
+            json.dump([{"context_length": n, "depth": d, "accuracy": a} for (n, d), a in results.items()], f)
+
+
+def run_long_doc_eval(cfg: Config, setup: StepSetup, stores: dict, device: torch.device, comm, is_writer: bool) -> dict:
+    """Loss by position bucket on the stores' held-out documents, sharded by the training step's own CP context;
+    returns {"long_doc_loss": {bucket: loss}} for the step's metrics record."""
+    p, data_group = cfg.parallelism, setup.mesh.data.get_group()
+    result = long_document_loss(
+        setup.model, heldout_rows(cfg, stores), cfg.eval.long_doc_rows, device=device, dp_rank=setup.mesh.dp_rank,
+        dp_size=setup.mesh.dims.dp, reduce_sums=lambda values: comm.reduce_values(values, group=data_group),
+        cp_context=(lambda batch: cp_context(setup, batch)) if setup.shards_sequence else None,
+        cp_mesh=setup.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer)
+    if is_writer:
+        print("long-document loss by position: " + "  ".join(f"{k} {v:.3f}" for k, v in result.items()), flush=True)
+    return {"long_doc_loss": result}

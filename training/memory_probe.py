@@ -13,13 +13,24 @@ which keeps a 1M-token, CP-64 probe fast.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
 
-from training.config import Config
+from config.schema import Config
+from models.llama import Llama, recipe_model_config
+from parallelisms.context_parallel import CommStats
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import parallelize, uses_loss_parallel
+from training import step
+from training.build import build_optimizer
+from training.step import StepSetup, clip_grad_norm_
 
 GIB = 2**30
 
@@ -94,10 +105,6 @@ def _by_kind(snapshot: dict) -> dict[str, float]:
 
 
 def _tracker(model, optimizer):
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
-
     if isinstance(model, FSDPModule):
         return FSDPMemTracker(model, optimizer)
     tracker = MemTracker()
@@ -113,46 +120,25 @@ def _fake_batch(cfg: Config) -> dict:
             "document_ids": torch.zeros(shape, dtype=torch.long)}
 
 
-def _cp_context(cfg: Config, mesh, batch: dict, stats):
-    """As the trainer shards a batch, without document masking: document ids are data, and fake tensors hold none
-    (a masked ring skips blocks, so causal attention is the upper bound)."""
-    p = cfg.parallelism
-    if p.cp == 1:
-        return contextlib.nullcontext()
-    from parallelisms.context_parallel import context_parallel
-
-    names = ["input_ids", "labels", "position_ids"]
-    return context_parallel(mesh.cp_mesh, buffers=[batch[n] for n in names], buffer_seq_dims=[1] * len(names),
-                            no_restore_buffers={batch[n] for n in names}, load_balancer=p.cp_load_balancer,
-                            stats=stats)
-
-
 def _measure_step(cfg: Config, world_size: int) -> RankMemory:
-    """Runs on an initialised (fake) process group; builds, parallelizes and steps the model under fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """Runs on an initialised (fake) process group; builds, parallelizes and steps the model under fake tensors.
 
-    from models.llama import Llama, model_config
-    from parallelisms.context_parallel import CommStats
-    from parallelisms.parallel_dims import ParallelDims
-    from parallelisms.parallelize import clip_grad_norm_, parallelize, uses_loss_parallel
-    from parallelisms.tensor_parallel import loss_context, token_loss_sum
-    from training.preflight import model_overrides
-
-    p, t, o = cfg.parallelism, cfg.training, cfg.optimizer
+    The micro-step is the trainer's own (training/step.py), without document masking: document ids are data, and
+    fake tensors hold none (a masked ring skips blocks, so causal attention is the upper bound)."""
+    p, t = cfg.parallelism, cfg.training
     dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
     mesh = dims.build_mesh("cpu")
-    mcfg = model_config(cfg.model.name, **model_overrides(cfg))
+    mcfg = recipe_model_config(cfg)
     with torch.device("meta"):
         model = Llama(mcfg)
     model = parallelize(model, mesh, cfg)
-    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
-    global_tokens = t.local_batch_size * dims.dp * grad_accum * t.seq_len
-    stats = CommStats()
+    global_tokens = t.global_batch_rows(dims.dp) * t.seq_len
+    setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
+                      stats=CommStats())
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")  # without FSDP the dtype is float32 (bf16 always goes through FSDP)
         params = list(model.parameters())
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                      weight_decay=o.weight_decay, foreach=True)
+        optimizer, _ = build_optimizer(cfg, [model])
         # Create AdamW's state (and warm DTensor's sharding caches) before measuring: in training it exists from the
         # first step on, so every later step peaks with it in memory.
         for param in params:
@@ -160,25 +146,14 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
         clip_grad_norm_(params, t.max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-
-        def micro_step():
-            # As Trainer.train_step does it (same variables alive at the same time).
-            batch = _fake_batch(cfg)
-            with _cp_context(cfg, mesh, batch, stats), loss_context(uses_loss_parallel(cfg, mesh)):
-                logits = model(batch["input_ids"], batch["position_ids"])
-                scaled = token_loss_sum(logits, batch["labels"]) / global_tokens
-                scaled.backward()
-            return logits, scaled, batch
-
-        stats_before = 0
-        if grad_accum > 1:
+        sent_before = 0
+        if t.grad_accum_steps(dims.dp) > 1:
             # With accumulation every micro-step after the first runs on top of existing gradients: run one first,
             # then measure the next (the memory tracker follows one forward/backward at a time).
-            micro_step()  # its outputs are dropped at once
-            stats_before = stats.kv_bytes_sent + stats.backward_bytes_sent
+            step.micro_step(setup, _fake_batch(cfg), global_tokens)
+            sent_before = setup.stats.bytes_sent
         with _tracker(model, optimizer) as tracker:
-            logits, scaled, batch = micro_step()
-            del logits, scaled, batch
+            step.micro_step(setup, _fake_batch(cfg), global_tokens)
             peak_forward_backward = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
         with _tracker(model, optimizer) as tracker:
             clip_grad_norm_(params, t.max_norm)
@@ -186,14 +161,15 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
             state = _by_kind(tracker.get_tracker_snapshot("current"))
             optimizer.zero_grad(set_to_none=True)
             peak_optimizer_step = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
-    ring = stats.kv_bytes_sent + stats.backward_bytes_sent - stats_before
+    ring = setup.stats.bytes_sent - sent_before
     return RankMemory(state["params"], state["grads"], state["optimizer"], peak_forward_backward,
                       peak_optimizer_step, float(ring) if p.cp > 1 else None, (mcfg.n_layers,))
 
 
 def measure_rank(cfg: Config, world_size: int, rank: int = 0) -> RankMemory:
     """One rank of a fake process group of `world_size`, measured at the recipe's full depth."""
-    import torch.distributed as dist
+    # Lazy: torch's internal testing package (it registers the "fake" backend) is needed by the dry run only, and
+    # this module is imported by every training rank through train.py.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -1,12 +1,22 @@
-"""One logged step goes to three places: a console progress line, <dump>/metrics.jsonl and TensorBoard (<dump>/tb).
-
-Only the first rank writes; callers reduce the numbers over ranks before logging.
+"""One logged step: its numbers (throughput, MFU against the measured peak, communication bytes: `StepMetrics`), and
+the three places they go (`MetricsLogger`): a console progress line, <dump>/metrics.jsonl and TensorBoard
+(<dump>/tb). Every rank computes the record (the reductions over ranks are collectives); only the first one writes.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+
+from torch.utils.tensorboard import SummaryWriter
+
+from models.llama import flops_per_token
+from parallelisms.comm import Collectives
+from parallelisms.context_parallel import CommStats
+from parallelisms.parallelize import compile_counters
+from training.hardware import Device, peak_memory_gib
+from training.ramp import RampStage
+from training.roofline import Layout, fsdp_bytes_per_step
 
 
 def format_eta(seconds: float) -> str:
@@ -44,8 +54,6 @@ class MetricsLogger:
         _drop_records_after(path, start_step)  # a resumed run replays the steps after its checkpoint
         self.jsonl = open(path, "a", buffering=1)
         if enable_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.tb = SummaryWriter(os.path.join(dump_folder, "tb"), purge_step=start_step + 1 if start_step else None)
 
     def log(self, step: int, record: dict) -> None:
@@ -75,3 +83,42 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+class StepMetrics:
+    """Turns a step's timings into the logged record: the slowest rank's times, tokens/s, MFU against the measured
+    per-rank peak, and the bytes CP attention and FSDP sent per step."""
+
+    def __init__(self, comm: Collectives, comm_stats: CommStats, device: Device, peak_flops: float, peak_source: str,
+                 step: int):
+        self.comm, self.comm_stats, self.device = comm, comm_stats, device
+        self.peak_flops, self.peak_source = peak_flops, peak_source
+        self._cp_bytes_at = (comm_stats.bytes_sent, step)  # (bytes sent, step) when last logged
+
+    def _cp_bytes_per_step(self, step: int) -> float:
+        sent, since = self.comm_stats.bytes_sent, self._cp_bytes_at
+        self._cp_bytes_at = (sent, step)
+        return (sent - since[0]) / max(1, step - since[1])
+
+    def record(self, stage: RampStage, step: int, *, loss: float, lr: float, grad_norm: float, step_time: float,
+               data_time: float, tokens_seen: int) -> dict:
+        t, d, m = stage.cfg.training, stage.dims, stage.model
+        layout = Layout(d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, 1)
+        fsdp_bytes = sum(fsdp_bytes_per_step(m, layout, t.dtype, stage.grad_accum_steps,
+                                             stage.cfg.parallelism.reshard_after_forward))
+        # Maxima over ranks: step_time is the slowest rank's; -step_time gives the fastest rank's.
+        step_time, memory, data_time, cp_bytes, fastest = self.comm.reduce_values(
+            [step_time, peak_memory_gib(self.device), data_time, self._cp_bytes_per_step(step), -step_time],
+            op="max")
+        tokens_per_sec = stage.tokens_per_step / step_time
+        mfu = flops_per_token(m, t.seq_len) * tokens_per_sec / (self.peak_flops * d.world_size)
+        return {
+            "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
+            "tokens_per_sec_per_rank": tokens_per_sec / d.world_size, "mfu": mfu,
+            "peak_flops_per_rank": self.peak_flops, "peak_source": self.peak_source,
+            "seq_len": t.seq_len, "cp": d.cp, "global_batch_size": stage.global_batch_rows,
+            "tokens_per_step": stage.tokens_per_step, "rope_theta": m.rope_theta,
+            "stage": max(0, stage.index), "tokens_seen": tokens_seen, "memory": memory,
+            "step_time": step_time, "data_time": data_time, "step_time_fastest_rank": -fastest,
+            "cp_comm_bytes": cp_bytes, "fsdp_comm_bytes": fsdp_bytes, "cp_attention_calls": self.comm_stats.calls,
+            **({"compile": compile_counters()} if t.compile else {})}

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import math
 
-from training.config import Config
-from training.errors import RecipeError
-from training.ramp import Stage, resolve_stages
+from config import RecipeError
+from config.schema import Config
+from data.sources import check_sources
+from models.llama import recipe_model_config
+from parallelisms.cp_ulysses import kv_replication
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.pipeline_parallel import plan_pipeline
+from parallelisms.cp_toolkit import UnsupportedAttentionError
+from parallelisms.sequence_sharding import sequence_divisor
+from parallelisms.tensor_parallel import check_tp_degree
+from training.ramp import RampStage, resolve_stages
 
 
-def preflight_stages(cfg: Config, world_size: int, check_data: bool = True) -> list[Stage]:
+def preflight_stages(cfg: Config, world_size: int, check_data: bool = True) -> list[RampStage]:
     """The recipe's stages (one without [[ramp]]), each checked; errors name the stage. `check_data=False` leaves out
     the data paths (the dry run plans a recipe whose data lives on the cluster)."""
     stages = resolve_stages(cfg, world_size)
@@ -32,17 +40,11 @@ def required_ranks(cfg: Config) -> int:
 
 def preflight(cfg: Config, world_size: int, check_data: bool = True):
     """Every check that needs no process group; returns the resolved parallel degrees."""
-    from data.sources import check_sources
-    from models.llama import model_config
-    from parallelisms.parallel_dims import ParallelDims
-    from parallelisms.pipeline_parallel import plan_pipeline
-    from parallelisms.tensor_parallel import check_tp_degree
-
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
-    mcfg = model_config(cfg.model.name, **model_overrides(cfg))
+    mcfg = recipe_model_config(cfg)
     if check_data:
-        check_sources(cfg)  # names, weights and paths; reads no file
+        check_sources(cfg)  # names, weights and paths of the sources and the tokenizer; reads no file
     rows_per_step = cfg.training.local_batch_size * dims.dp
     gbs = cfg.training.global_batch_size
     if gbs != -1 and (gbs <= 0 or gbs % rows_per_step):
@@ -52,8 +54,6 @@ def preflight(cfg: Config, world_size: int, check_data: bool = True):
         check_tp_degree(mcfg.n_heads, mcfg.num_kv_heads, p.tp, where=cfg.recipe_path)
     check_sequence_split(cfg)
     if p.cp_impl == "ulysses" and p.cp > 1:  # hybrid and auto fall back to what the heads allow
-        from parallelisms.cp_ulysses import kv_replication
-        from parallelisms.ring_attention import UnsupportedAttentionError
         try:
             kv_replication(mcfg.n_heads // p.tp, mcfg.num_kv_heads // p.tp, p.cp)
         except UnsupportedAttentionError as e:
@@ -91,7 +91,7 @@ def check_sequence_split(cfg: Config, seq_len: int | None = None, key: str = "tr
     p = cfg.parallelism
     seq_len = cfg.training.seq_len if seq_len is None else seq_len
     cp_active = p.cp > 1 or cfg.data.document_masking
-    cp_multiple = (2 * p.cp if p.cp_load_balancer == "zigzag" else p.cp) if cp_active else 1
+    cp_multiple = sequence_divisor(p.cp, p.cp_load_balancer) if cp_active else 1
     multiple = math.lcm(cp_multiple, p.cp * p.tp)
     if seq_len % multiple == 0:
         return
@@ -103,12 +103,3 @@ def check_sequence_split(cfg: Config, seq_len: int | None = None, key: str = "tr
         parts.append(f"cp x tp = {p.cp * p.tp} for sequence parallelism over tp {p.tp}")
     raise RecipeError(f"{cfg.recipe_path}: {key} {seq_len} is not divisible by {multiple} "
                       f"({'; '.join(parts)}). Use {nearest}.")
-
-
-def model_overrides(cfg: Config) -> dict:
-    m = cfg.model
-    names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta")
-    out = {k: getattr(m, k) for k in names if getattr(m, k)}
-    if m.rope_scaling_factor:
-        out["rope_scaling_factor"] = None if m.rope_scaling_factor < 0 else m.rope_scaling_factor
-    return out

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from data.corpus import load_documents
-from training.errors import RecipeError
+from config import RecipeError
 
 
 def _write(path, text):

@@ -16,7 +16,7 @@ from data.corpus import load_documents
 from data.hf_tokenizer import HFTokenizer
 from data.tokenizer import build_tokenizer
 from tests.trainer_runs import read_metrics, run_train
-from training.errors import RecipeError
+from config import RecipeError
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,7 +5,7 @@ import torch
 
 from data.loader import build_dataloader
 from tests.data.test_packing import _brute_force_row
-from training.errors import RecipeError
+from config import RecipeError
 
 SEQ_LEN = 8
 FIELDS = ("input_ids", "labels", "position_ids", "document_ids")

@@ -16,7 +16,7 @@ from data.prepare import StoreSpec, ensure_store
 from data.store_rows import StoreRows
 from data.tokenizer import build_tokenizer
 from tests.trainer_runs import run_train
-from training.errors import RecipeError
+from config import RecipeError
 
 ALPHABETS = {"letters": "abcdefghij", "digits": "0123456789", "symbols": "!#$%&()*+,"}
 SEQ_LEN = 16

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from data.packing import pack_documents, pack_token_documents
-from training.errors import RecipeError
+from config import RecipeError
 
 EOS = 2
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from data.passkey import IGNORE_INDEX, KEY_INTRO, QUESTION, PasskeyRows
-from training.errors import RecipeError
+from config import RecipeError
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from data.prepare import StoreSpec, ensure_store, open_store, prepare_store
 from data.store_rows import StoreRows
 from data.tokenizer import build_tokenizer
 from tests.trainer_runs import ROOT
-from training.errors import RecipeError
+from config import RecipeError
 
 WORDS = ("river mill stone wall bird hill quiet long day walk back again the a of to and in is was "
          "context ring attention token shard rank memory store prepare").split()

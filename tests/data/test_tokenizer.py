@@ -10,7 +10,7 @@ import sentencepiece as spm
 import data.tokenizer as tokenizer_module
 from data.corpus import load_documents
 from data.tokenizer import Tokenizer, build_tokenizer, publish_once
-from training.errors import RecipeError
+from config import RecipeError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -12,7 +12,7 @@ from models.hf import (hf_name, interleaved_to_rotate_half, load_hf, load_hf_wei
                        save_hf)
 from models.llama import Llama, LlamaConfig
 from tests.distributed import run_ranks
-from training.errors import RecipeError
+from config import RecipeError
 
 transformers = pytest.importorskip("transformers")
 

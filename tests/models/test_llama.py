@@ -11,7 +11,7 @@ from models.llama import (MODEL_CONFIGS, Attention, Llama, LlamaConfig, count_pa
                           model_config)
 from models.rope import RotaryEmbedding, apply_rotary, rope_frequencies
 from tests.distributed import run_ranks
-from training.errors import RecipeError
+from config import RecipeError
 
 TINY = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, rope_theta=10000.0)
 

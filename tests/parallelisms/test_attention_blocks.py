@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from parallelisms.attention_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock, kernel_for
-from parallelisms.ring_attention import _block_forward
+from parallelisms.cp_toolkit import block_forward
 from parallelisms.ring_plan import BlockTask, mask_task
 from tests.parallelisms.attention_reference import relative_error
 
@@ -42,7 +42,7 @@ def test_cpu_block_with_document_mask_zeroes_rows_that_see_nothing():
     q, k, v = (torch.randn(1, 2, 6, 8, generator=gen) for _ in range(3))
     doc_q, doc_k = torch.tensor([[0, 0, 1, 1, 2, 2]]), torch.tensor([[1, 1, 1, 2, 3, 3]])
     job = mask_task(BlockTask(slice(None), slice(None), False), doc_q, doc_k, torch.float32)
-    out, lse, _ = _block_forward(q, k, v, job, None)
+    out, lse, _ = block_forward(q, k, v, job, None)
     assert torch.equal(out[:, :, :2], torch.zeros(1, 2, 2, 8)) and torch.isinf(lse[:, :, :2]).all()
     allowed = doc_q[0][:, None] == doc_k[0][None, :]
     scores = (q.double() @ k.double().transpose(-1, -2)) / 8 ** 0.5

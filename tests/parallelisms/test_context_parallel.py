@@ -76,8 +76,8 @@ def _byte_counts(rank, size):
         kv_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
         dkv_bytes = (k.numel() + v.numel()) * 4  # float32 accumulators, one hop per step
         backward = 0 if size == 1 else (size - 1) * kv_bytes + size * dkv_bytes
-        assert stats.kv_bytes_sent + stats.backward_bytes_sent == wire.sent, (stats, wire.sent)  # measured, too
-        results.append((stats.calls, stats.kv_bytes_sent, 2 * (size - 1) * kv_bytes, stats.backward_bytes_sent,
+        assert stats.forward_bytes_sent + stats.backward_bytes_sent == wire.sent, (stats, wire.sent)  # measured, too
+        results.append((stats.calls, stats.forward_bytes_sent, 2 * (size - 1) * kv_bytes, stats.backward_bytes_sent,
                         2 * backward))
     return results
 

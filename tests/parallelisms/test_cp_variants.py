@@ -62,7 +62,8 @@ def _bytes_sent(rank, size):
         k, v = (torch.randn(1, 2, local_len, head_dim, requires_grad=True) for _ in range(2))
         with WireBytes() as wire:
             fn(q, k, v, dist.group.WORLD, stats=stats).sum().backward()
-        counts[name] = (stats.calls, stats.kv_bytes_sent, stats.kv_bytes_sent + stats.backward_bytes_sent, wire.sent)
+        counts[name] = (stats.calls, stats.forward_bytes_sent, stats.forward_bytes_sent + stats.backward_bytes_sent,
+                        wire.sent)
     model = {name: bytes_sent_per_call(name, size, 4, 2, 4) * local_len * head_dim for name in ("ring", "ulysses")}
     return counts, (size - 1) * 2 * 2 * local_len * head_dim * 4, model
 
@@ -199,7 +200,7 @@ def test_ulysses_head_limits_and_hybrid_layouts_raise_clear_errors():
 
 def test_unknown_cp_impl_is_a_recipe_error():
     from parallelisms.cp_choice import check_cp_impl
-    from training.errors import RecipeError
+    from config import RecipeError
     with pytest.raises(RecipeError, match="parallelism.cp_impl.*ring, allgather, ulysses, hybrid, auto"):
         check_cp_impl("ulyses")
 

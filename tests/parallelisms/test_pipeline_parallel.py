@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from models.llama import Llama, LlamaConfig, canonical_name
 from parallelisms.pipeline_parallel import SCHEDULES, PipelinePlan, plan_pipeline, split_layers, stage_module
 from tests.distributed import run_ranks
-from training.errors import RecipeError
+from config import RecipeError
 
 TINY = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, rope_theta=10000.0)
 BATCH, SEQ, POSITION_OFFSET = 4, 16, 5

@@ -4,7 +4,7 @@ import torch
 
 from parallelisms.context_parallel import check_sequence_length, local_positions, shard_sequence
 from parallelisms.ring_plan import BlockTask, block_tasks, mask_task
-from training.errors import RecipeError
+from config import RecipeError
 
 
 def _expected_positions(seq_len, rank, size, balancer):

@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 from models.llama import Llama, LlamaConfig, canonical_name
 from parallelisms.tensor_parallel import check_tp_degree
 from tests.distributed import run_ranks
-from training.errors import RecipeError
+from config import RecipeError
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, rope_theta=10000.0)
 BATCH, SEQ = 2, 16
@@ -55,7 +55,8 @@ def _tp_body(rank, world_size):
 def _tp_run(mesh, loss_parallel):
     from torch.distributed.tensor import DTensor
 
-    from parallelisms.tensor_parallel import apply_tp, loss_context, token_loss_sum
+    from parallelisms.tensor_parallel import apply_tp
+    from training.loss import loss_context, token_loss_sum
 
     with torch.device("meta"):
         model = Llama(LlamaConfig(**TINY))

@@ -13,14 +13,14 @@ import torch.nn.functional as F
 
 from tests.data.test_loader import DOCUMENTS, NumberedTokenizer
 from tests.distributed import run_ranks
-from training.errors import RecipeError
+from config import RecipeError
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32)
 SEQ_LEN = 12
 
 
 def _config(**overrides):
-    from training.config import CheckpointConfig
+    from config.schema import CheckpointConfig
 
     return CheckpointConfig(**{"enable": True, "interval": 2, "keep_latest_k": 0, **overrides})
 

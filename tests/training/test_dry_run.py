@@ -22,7 +22,7 @@ def _in_fresh_process(fn, *args, timeout=240):
 
 
 def _debug_cfg(*overrides):
-    from training.recipe import load_config
+    from config.recipe import load_config
 
     return load_config(os.path.join(ROOT, "recipes", "debug.toml"), list(overrides))
 

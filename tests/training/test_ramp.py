@@ -5,9 +5,9 @@ import shutil
 import pytest
 
 from tests.trainer_runs import read_metrics, run_train
-from training.errors import RecipeError
+from config import RecipeError
 from training.preflight import preflight_stages
-from training.recipe import load_config
+from config.recipe import load_config
 
 SMALL_RAMP = """
 [job]

@@ -1,8 +1,8 @@
 """Recipes, overrides and their one-line errors."""
 import pytest
 
-from training.recipe import load_config, parse_overrides, to_toml
-from training.errors import RecipeError
+from config.recipe import load_config, parse_overrides, to_toml
+from config import RecipeError
 
 
 def write(tmp_path, text, name="r.toml"):

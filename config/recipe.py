@@ -1,4 +1,4 @@
-"""Recipes: TOML files read into the schema of training/config.py, with `--section.key value` overrides on top.
+"""Recipes: TOML files read into the schema of config/schema.py, with `--section.key value` overrides on top.
 
 Every error a user can make here (missing file, unknown section or key, wrong type, impossible value) raises
 RecipeError with one line that names the key and the file and says what to do, so train.py can refuse bad input
@@ -12,9 +12,8 @@ import os
 import sys
 import typing
 
-from training.config import CHOICES, SECTIONS, Config
-from training.errors import RecipeError
-from training.ramp import parse_ramp
+from config.errors import RecipeError
+from config.schema import CHOICES, MIN_SEQ_LEN, SECTIONS, Config, RampTable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,8 +29,8 @@ def default_recipe() -> str:
     return DEFAULT_RECIPE if os.path.exists(DEFAULT_RECIPE) else os.path.join(REPO_ROOT, DEFAULT_RECIPE)
 
 
-def _nearest(word: str, options) -> str:
-    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
+def _nearest(word: str, options, cutoff: float = 0.5) -> str:
+    match = difflib.get_close_matches(word, list(options), n=1, cutoff=cutoff)
     return f" Did you mean '{match[0]}'?" if match else f" Valid: {', '.join(options)}."
 
 
@@ -43,6 +42,8 @@ def _field_types(section: str) -> dict[str, type]:
 
 def _convert(value, kind, where: str, from_text: bool):
     """Turns a TOML value or a command-line string into the field's type, or says what was expected."""
+    if typing.get_origin(kind) is typing.Literal:  # a choice: read as text, checked against CHOICES by the caller
+        kind = str
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, "a list")
     if typing.get_origin(kind) is list:
         expected = f"a list of {typing.get_args(kind)[0].__name__}"
@@ -111,6 +112,37 @@ def _set(cfg: Config, section: str, key: str, value, origin: str, from_text: boo
     setattr(getattr(cfg, section), key, converted)
 
 
+def parse_ramp(tables, recipe_path: str) -> list[RampTable]:
+    """The `[[ramp]]` array of tables -> typed stages (errors name `ramp[i].key`)."""
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise RecipeError(f"{recipe_path}: 'ramp' must be an array of tables: write each stage as [[ramp]].")
+    fields = {f.name: f.type for f in dataclasses.fields(RampTable)}
+    stages = []
+    for i, table in enumerate(tables):
+        stage = RampTable()
+        for key, value in table.items():
+            if key not in fields:
+                raise RecipeError(f"{recipe_path}: unknown key 'ramp[{i}].{key}'.{_nearest(key, fields, 0.6)}")
+            if key == "source_weights":
+                if not isinstance(value, dict) or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                                                          for w in value.values()):
+                    raise RecipeError(f"{recipe_path}: ramp[{i}].source_weights must be a table of numbers, e.g. "
+                                      f"source_weights = {{books = 0.3, code = 0.7}}.")
+                stage.source_weights = {str(k): float(w) for k, w in value.items()}
+                continue
+            want = int if fields[key] in ("int", int) else float
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (want is int and
+                                                                                 not isinstance(value, int)):
+                raise RecipeError(f"{recipe_path}: ramp[{i}].{key}: expected "
+                                  f"{'an integer' if want is int else 'a number'}, got {value!r}. Fix the value.")
+            setattr(stage, key, want(value))
+        for key in ("start_step", "seq_len"):
+            if key not in table:
+                raise RecipeError(f"{recipe_path}: ramp[{i}] needs '{key}'. Add {key} = ... to that [[ramp]] table.")
+        stages.append(stage)
+    return stages
+
+
 def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
     """`--section.key value` or `--section.key=value` pairs -> [(section, key, text)]."""
     out, i = [], 0
@@ -167,7 +199,7 @@ def validate(cfg: Config) -> None:
     if cfg.parallelism.dp_shard == 0 or cfg.parallelism.dp_shard < -1:
         raise RecipeError(f"{where}: parallelism.dp_shard must be >= 1 or -1 (= the remaining ranks), "
                           f"got {cfg.parallelism.dp_shard}.")
-    if cfg.training.seq_len < 2:
+    if cfg.training.seq_len < MIN_SEQ_LEN:
         raise RecipeError(f"{where}: training.seq_len must be >= 2 (one input and one label token), "
                           f"got {cfg.training.seq_len}. Set e.g. --training.seq_len 512.")
     if cfg.optimizer.lr <= 0:
@@ -200,6 +232,8 @@ def to_toml(cfg: Config) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, list):
             return "[" + ", ".join(fmt(x) for x in v) + "]"
+        if isinstance(v, dict):  # [[data.sources]] entries and ramp source_weights, as inline tables
+            return "{" + ", ".join(f"{k} = {fmt(x)}" for k, x in v.items()) + "}"
         return repr(v)
     lines = []
     for section, values in to_dict(cfg).items():

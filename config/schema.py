@@ -1,13 +1,59 @@
 """The recipe schema: one dataclass per TOML section, a docstring per field, and the allowed values.
 
-Loading a recipe, command-line overrides and their one-line errors live in training/recipe.py.
+A field with a fixed set of values is typed with a `Literal` alias below; `CHOICES` (what the recipe loader checks)
+and the lists the parallelisms check against (`choices(LoadBalancer)`, ...) are derived from those aliases, so every
+allowed value is written once. Loading a recipe, command-line overrides and their one-line errors live in
+config/recipe.py.
 """
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
-from training.ramp import RampStage
+Dtype = Literal["float32", "bfloat16"]
+Dataset = Literal["text", "passkey"]
+OptimizerName = Literal["AdamW"]
+DecayType = Literal["linear", "cosine", "constant"]
+LoadBalancer = Literal["zigzag", "striped", "contiguous"]
+CpImpl = Literal["ring", "allgather", "ulysses", "hybrid", "auto"]
+ReshardPolicy = Literal["default", "always", "never"]
+SingleStageSchedule = Literal["GPipe", "1F1B"]
+MultiStageSchedule = Literal["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]
+PipelineSchedule = Literal[SingleStageSchedule, MultiStageSchedule]
+ActivationCheckpointMode = Literal["none", "full", "selective", "op"]
+AsyncMode = Literal["disabled", "async"]
+ExportDtype = Literal["bfloat16", "float32", "float16"]
+DeviceKind = Literal["auto", "cuda", "cpu"]
+
+
+MIN_SEQ_LEN = 2
+"""The shortest sequence: one input and one label token."""
+
+
+def choices(alias) -> tuple[str, ...]:
+    """The allowed values of a Literal alias, in the order written (nested Literals are flattened by typing)."""
+    return typing.get_args(alias)
+
+
+@dataclass
+class RampTable:
+    """One `[[ramp]]` table (training/ramp.py resolves it into a full Config for its span of steps)."""
+    start_step: int = -1
+    """First optimizer step (0-based, i.e. the number of steps completed) trained with this stage's settings."""
+    seq_len: int = 0
+    """Sequence length of this stage."""
+    cp: int = 0
+    """Context-parallel degree of this stage, traded against dp_shard (0 = the recipe's parallelism.cp)."""
+    rope_theta: float = 0.0
+    """RoPE base from this stage on (0 = keep the previous stage's)."""
+    rope_scaling_factor: float = 0.0
+    """Llama 3.1 RoPE scaling factor from this stage on (0 = keep, -1 = off)."""
+    local_batch_size: int = 0
+    """Rows per data-parallel rank per micro-step (0 = derived from tokens_per_step and the recipe's value)."""
+    source_weights: dict[str, float] = field(default_factory=dict)
+    """Source weights from this stage on, by source name (unnamed sources keep the recipe's weight)."""
 
 
 @dataclass
@@ -41,6 +87,14 @@ class ModelConfig:
     rope_scaling_factor: float = 0.0
     """Llama 3.1 RoPE frequency scaling factor (0 = from the named config; -1 = switch scaling off)."""
 
+    def overrides(self) -> dict:
+        """The fields set in the recipe, as keyword overrides of the named Llama config (models/llama.py)."""
+        names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta")
+        out = {k: getattr(self, k) for k in names if getattr(self, k)}
+        if self.rope_scaling_factor:
+            out["rope_scaling_factor"] = None if self.rope_scaling_factor < 0 else self.rope_scaling_factor
+        return out
+
 
 @dataclass
 class TrainingConfig:
@@ -53,7 +107,7 @@ class TrainingConfig:
     global_batch_size: int = -1
     """Sequences per optimizer step over all data-parallel ranks; a multiple of local_batch_size x dp gives gradient
     accumulation. -1 = local_batch_size x dp (no accumulation)."""
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     """Parameter/compute dtype: float32 or bfloat16 (bf16 parameters keep fp32 gradient reduction under FSDP)."""
     max_norm: float = 1.0
     """Gradient clipping by the global norm over all shards; <= 0 switches clipping off."""
@@ -63,10 +117,18 @@ class TrainingConfig:
     """Global tokens per optimizer step kept constant across [[ramp]] stages (the global batch becomes
     tokens_per_step / seq_len rows); 0 = use local/global_batch_size as given."""
 
+    def global_batch_rows(self, dp: int) -> int:
+        """Rows per optimizer step over all data-parallel ranks."""
+        return self.local_batch_size * dp if self.global_batch_size == -1 else self.global_batch_size
+
+    def grad_accum_steps(self, dp: int) -> int:
+        """Micro-steps per optimizer step: the global batch over the rows dp ranks take in one micro-step."""
+        return 1 if self.global_batch_size == -1 else self.global_batch_size // (self.local_batch_size * dp)
+
 
 @dataclass
 class OptimizerConfig:
-    name: str = "AdamW"
+    name: OptimizerName = "AdamW"
     """Only AdamW is offered."""
     lr: float = 8e-4
     """Peak learning rate (reached at the end of warmup)."""
@@ -84,7 +146,7 @@ class OptimizerConfig:
 class LRSchedulerConfig:
     warmup_steps: int = 2
     """Linear warmup from ~0 to the peak learning rate over this many steps."""
-    decay_type: str = "linear"
+    decay_type: DecayType = "linear"
     """Decay after warmup: linear | cosine | constant."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of the peak."""
@@ -127,7 +189,7 @@ class DataConfig:
     """Attention stays inside each packed document and positions restart per document."""
     num_workers: int = 0
     """Data-loader worker processes per rank."""
-    dataset: str = "text"
+    dataset: Dataset = "text"
     """text: packed documents of `corpus`; passkey: synthetic passkey retrieval rows with `corpus` as filler text."""
 
 
@@ -164,16 +226,22 @@ class ParallelismConfig:
     """Context-parallel degree: each sequence is split over this many ranks (ring attention)."""
     tp: int = 1
     """Tensor-parallel degree (with sequence parallelism)."""
-    cp_load_balancer: str = "zigzag"
+    cp_load_balancer: LoadBalancer = "zigzag"
     """How sequence chunks are laid out on CP ranks: zigzag | striped | contiguous."""
-    cp_impl: str = "ring"
+    cp_impl: CpImpl = "ring"
     """CP attention: ring | allgather (one K/V all-gather) | ulysses (all-to-all over heads) | hybrid (Ulysses in-node,
     ring across nodes) | auto (chosen from heads, degree and topology, and logged). All exact; docs/cp_variants.md."""
-    fsdp_reshard_after_forward: str = "default"
+    fsdp_reshard_after_forward: ReshardPolicy = "default"
     """Free gathered parameters after forward: default (yes, but no under PP) | always | never."""
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP frees gathered parameters after forward: by default yes, but not under PP (each microbatch would
+        gather them again)."""
+        return {"always": True, "never": False, "default": self.pp == 1}[self.fsdp_reshard_after_forward]
     loss_parallel: bool = True
     """With tp > 1: compute the cross entropy on vocabulary-sharded logits instead of gathering them first."""
-    pp_schedule: str = "1F1B"
+    pp_schedule: PipelineSchedule = "1F1B"
     """Pipeline schedule: GPipe | 1F1B (one stage per rank) | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble |
     ZBVZeroBubble (several stages per rank; ZBV holds exactly two, V-shaped)."""
     pp_microbatches: int = 0
@@ -185,7 +253,7 @@ class ParallelismConfig:
 
 @dataclass
 class ActivationCheckpointConfig:
-    mode: str = "none"
+    mode: ActivationCheckpointMode = "none"
     """none | full (every block) | selective (every `every`-th block) | op (inside every block: save the attention
     kernels' outputs and every other matmul's, recompute the rest, so no attention call runs twice)."""
     every: int = 2
@@ -210,7 +278,7 @@ class CheckpointConfig:
     """Sub-folder of dump_folder holding step-<N>/ checkpoints."""
     keep_latest_k: int = 3
     """Keep the newest k complete checkpoints, deleting older ones after each save; 0 keeps them all."""
-    async_mode: str = "disabled"
+    async_mode: AsyncMode = "disabled"
     """disabled: training waits while a checkpoint is written. async: the state is copied to CPU memory and written
     by a background thread while training goes on (one save in flight at a time)."""
     load_step: int = -1
@@ -222,7 +290,7 @@ class CheckpointConfig:
     hf_export_folder: str = ""
     """Sub-folder of dump_folder that receives Hugging Face exports (step-<N>/, loadable by transformers'
     LlamaForCausalLM.from_pretrained); empty = no export."""
-    hf_export_dtype: str = "bfloat16"
+    hf_export_dtype: ExportDtype = "bfloat16"
     """dtype of exported weights: bfloat16 | float32 | float16."""
     hf_export_interval: int = 0
     """Export every this many steps as well as at the end of training; 0 = only at the end."""
@@ -232,7 +300,7 @@ class CheckpointConfig:
 class HardwareConfig:
     """The machines a recipe is meant for: the launch check and the dry run read these (training itself picks CUDA or
     CPU at run time)."""
-    device: str = "auto"
+    device: DeviceKind = "auto"
     """auto: CUDA when visible, else CPU | cuda: a GPU-sized recipe; without enough GPUs the launcher refuses in one
     line (and suggests --dry-run) instead of starting | cpu: never look for GPUs."""
     gpus_per_node: int = 8
@@ -255,25 +323,24 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
-    ramp: list[RampStage] = field(default_factory=list)
+    ramp: list[RampTable] = field(default_factory=list)
     """Context-length ramp stages ([[ramp]] tables, training/ramp.py); empty = one stage, the recipe itself."""
     recipe_path: str = ""
     """The TOML file this config came from (for error messages)."""
 
 
 SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name not in ("ramp", "recipe_path")]
-CHOICES = {
-    ("training", "dtype"): ("float32", "bfloat16"),
-    ("data", "dataset"): ("text", "passkey"),
-    ("optimizer", "name"): ("AdamW",),
-    ("lr_scheduler", "decay_type"): ("linear", "cosine", "constant"),
-    ("parallelism", "cp_load_balancer"): ("zigzag", "striped", "contiguous"),
-    ("parallelism", "cp_impl"): ("ring", "allgather", "ulysses", "hybrid", "auto"),
-    ("parallelism", "fsdp_reshard_after_forward"): ("default", "always", "never"),
-    ("parallelism", "pp_schedule"): ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                                     "ZBVZeroBubble"),
-    ("activation_checkpoint", "mode"): ("none", "full", "selective", "op"),
-    ("checkpoint", "async_mode"): ("disabled", "async"),
-    ("checkpoint", "hf_export_dtype"): ("bfloat16", "float32", "float16"),
-    ("hardware", "device"): ("auto", "cuda", "cpu"),
-}
+
+
+def _choice_fields() -> dict[tuple[str, str], tuple[str, ...]]:
+    out = {}
+    for section in SECTIONS:
+        cls = type(getattr(Config(), section))
+        for name, hint in typing.get_type_hints(cls).items():
+            if typing.get_origin(hint) is Literal:
+                out[(section, name)] = choices(hint)
+    return out
+
+
+CHOICES = _choice_fields()
+"""{(section, key): allowed values} for every Literal-typed field (what the recipe loader checks)."""

@@ -1,0 +1,109 @@
+"""Building a run, one function per part, in the order the trainer calls them: the process group and device, the
+tokenizer, the model (pipeline stages or one module, parallelized and materialised), the optimizer with its learning
+rate schedule, and the data of a ramp stage."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from config.schema import Config
+from data.loader import PackedRowLoader, build_dataloader
+from data.sources import build_run_tokenizer, describe_stores, open_stores, stage_rows
+from models.llama import Llama, LlamaConfig
+from parallelisms.comm import Collectives
+from parallelisms.parallel_dims import TrainingMesh
+from parallelisms.parallelize import materialize, parallelize
+from parallelisms.pipeline_parallel import Pipeline, build_pipeline, plan_pipeline
+from training.hardware import Device, pick_device
+from training.loss import token_loss_sum
+from training.lr_schedule import build_lr_scheduler
+
+
+@dataclass
+class Distributed:
+    """This rank's place in the job: its device, its process group's rank, and the bookkeeping collectives."""
+    device: Device
+    rank: int
+    comm: Collectives
+
+
+def init_distributed(cfg: Config) -> Distributed:
+    """Picks the device from torchrun's environment and joins the process group (NCCL on GPUs, gloo on CPUs)."""
+    device = pick_device(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    timeout = datetime.timedelta(seconds=cfg.job.collective_timeout_s)
+    # NCCL binds the communicator to this rank's GPU up front (and barriers use it); gloo needs no device.
+    dist.init_process_group(device.backend, timeout=timeout,
+                            device_id=device.torch_device if device.type == "cuda" else None)
+    return Distributed(device, dist.get_rank(), Collectives(device.torch_device))
+
+
+def build_shared_tokenizer(cfg: Config, vocab_size: int, rank: int):
+    """Rank 0 trains (or loads) the tokenizer first, so the other ranks hit its cache instead of training it too."""
+    if rank == 0:
+        build_run_tokenizer(cfg, vocab_size)
+    dist.barrier()
+    return build_run_tokenizer(cfg, vocab_size)
+
+
+def build_stores(cfg: Config, tokenizer, rank: int) -> dict:
+    """{source name: memory-mapped TokenStore} (none for synthetic passkey rows); a missing store is prepared once,
+    under a file lock, while the other ranks wait (run_train.sh's check process normally did it already)."""
+    if cfg.data.dataset != "text":
+        return {}
+    stores = open_stores(cfg, tokenizer)
+    if rank == 0:
+        print(describe_stores(stores), flush=True)
+    return stores
+
+
+@dataclass
+class BuiltModel:
+    parts: list[nn.Module]
+    """The modules this rank holds: the whole model, or its pipeline stages."""
+    pipeline: Pipeline | None
+
+
+def build_model(cfg: Config, model_cfg: LlamaConfig, mesh: TrainingMesh, device: torch.device) -> BuiltModel:
+    """Built on the meta device, split into pipeline stages when pp > 1, parallelized by the composer, then
+    materialised and initialised identically on any mesh."""
+    with torch.device("meta"):
+        model = Llama(model_cfg)
+    p, t = cfg.parallelism, cfg.training
+    if p.pp == 1:
+        model = parallelize(model, mesh, cfg)
+        materialize(model, device, cfg, mesh)
+        return BuiltModel([model], None)
+    plan = plan_pipeline(model_cfg.n_layers, p.pp, p.pp_schedule, p.pp_layers_per_stage, p.pp_microbatches,
+                         t.local_batch_size, cfg.recipe_path)
+    pipeline = build_pipeline(model, plan, mesh.pp_mesh.get_local_rank(), mesh.pp_mesh.get_group(), device,
+                              parallelize_stage=lambda m: parallelize(m, mesh, cfg),
+                              materialize=lambda m: materialize(m, device, cfg, mesh), loss_fn=token_loss_sum)
+    return BuiltModel(pipeline.modules, pipeline)
+
+
+def build_optimizer(cfg: Config, parts: list[nn.Module]):
+    """(AdamW over every parameter this rank holds, its learning-rate schedule)."""
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    params = [p for part in parts for p in part.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay, foreach=True)
+    return optimizer, build_lr_scheduler(optimizer, s.warmup_steps, cfg.training.steps, s.decay_type, s.min_lr_ratio)
+
+
+def build_stage_data(cfg: Config, tokenizer, stores: dict, mesh: TrainingMesh,
+                     rows_consumed: int = 0) -> PackedRowLoader:
+    """This rank's loader for one ramp stage (its seq_len, batch split and source weights), continuing at
+    `rows_consumed` rows of that stage's row stream."""
+    t = cfg.training
+    loader = build_dataloader(
+        tokenizer, None, seq_len=t.seq_len, local_batch_size=t.local_batch_size, dp_rank=mesh.dp_rank,
+        dp_size=mesh.dims.dp, seed=cfg.job.seed, document_masking=cfg.data.document_masking,
+        num_workers=cfg.data.num_workers, dataset=cfg.data.dataset, rows=stage_rows(cfg, stores) if stores else None)
+    if rows_consumed:
+        loader.load_state_dict({"global_rows_consumed": rows_consumed})
+    return loader

@@ -1,0 +1,97 @@
+"""One training step, written once: the micro-step (forward under the CP and loss contexts, loss, backward) and
+gradient clipping by the global norm.
+
+`Trainer.train_step` (training/trainer.py), the dry run's memory probe (training/memory_probe.py) and the passkey
+evaluation (its CP context) call these functions, so a change to the step (a new loss, offloading) reaches the
+planner's measurement too instead of leaving it measuring a copy.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from config.schema import ParallelismConfig
+from parallelisms.comm import all_reduce_
+from parallelisms.context_parallel import CommStats, context_parallel
+from parallelisms.parallel_dims import TrainingMesh
+from parallelisms.pipeline_parallel import Pipeline
+from training.loss import loss_context, token_loss_sum
+
+SEQUENCE_BUFFERS = ("input_ids", "labels", "position_ids")
+"""The batch fields every micro-step shards over the CP ranks (all the same way, so RoPE sees true positions)."""
+
+
+@dataclass
+class StepSetup:
+    """What every micro-step of a ramp stage shares."""
+    model: nn.Module
+    """The model this rank runs (unused under a pipeline, whose schedule holds the stages)."""
+    mesh: TrainingMesh
+    parallelism: ParallelismConfig
+    document_masking: bool
+    """Attention stays inside each packed document (the ring then also runs at cp = 1)."""
+    loss_parallel: bool
+    """The logits are vocabulary-sharded DTensors: compute the loss under torch's loss_parallel."""
+    stats: CommStats | None = None
+    """Counters the CP attention adds its bytes to."""
+    pipeline: Pipeline | None = None
+
+    @property
+    def shards_sequence(self) -> bool:
+        return self.parallelism.cp > 1 or self.document_masking
+
+
+def cp_context(setup: StepSetup, batch: dict):
+    """Shards the batch's sequence buffers over the CP ranks in place and routes attention to the CP variant until
+    exit (at cp = 1 too when document masking is on); nothing without context parallelism."""
+    if not setup.shards_sequence:
+        return contextlib.nullcontext()
+    names = SEQUENCE_BUFFERS + (("document_ids",) if setup.document_masking else ())
+    p = setup.parallelism
+    return context_parallel(
+        setup.mesh.cp_mesh, buffers=[batch[n] for n in names], buffer_seq_dims=[1] * len(names),
+        no_restore_buffers={batch[n] for n in names}, load_balancer=p.cp_load_balancer, cp_impl=p.cp_impl,
+        document_ids=batch["document_ids"] if setup.document_masking else None, stats=setup.stats)
+
+
+def micro_step(setup: StepSetup, batch: dict, global_tokens: int) -> torch.Tensor:
+    """Forward and backward of one local batch; returns its loss (local token sum / `global_tokens`), detached.
+
+    The backward runs inside the CP context: autograd refuses tensors that changed after it saved them, and the
+    context restores nothing it was told to keep sharded."""
+    with cp_context(setup, batch), loss_context(setup.loss_parallel):
+        if setup.pipeline is not None:
+            return setup.pipeline.step(batch, loss_divisor=global_tokens)
+        logits = setup.model(batch["input_ids"], batch["position_ids"])
+        scaled = token_loss_sum(logits, batch["labels"]) / global_tokens
+        scaled.backward()
+    return scaled.detach()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Clips by the global 2-norm over every shard (FSDP/TP DTensors are reduced over their meshes) and, with
+    `pp_group`, over every pipeline stage; returns that norm. max_norm <= 0 only measures.
+
+    Accumulated in float64: a float32 CPU norm of one large gradient is off by ~1e-5 relative, which would show up as
+    a mesh-dependent grad norm (every mesh shards the tensors differently)."""
+    params = [p for p in parameters if p.grad is not None]
+    per_tensor = torch._foreach_norm([p.grad for p in params], 2.0, dtype=torch.float64)
+    norm = torch.linalg.vector_norm(torch.stack(per_tensor))
+    if isinstance(norm, DTensor):  # a partial norm over the sharded mesh dims: sum the squares over each of them
+        squared = norm.to_local() ** 2
+        for dim, placement in enumerate(norm.placements):
+            if placement.is_partial():
+                all_reduce_(squared, group=norm.device_mesh.get_group(dim))
+    else:
+        squared = norm**2
+    if pp_group is not None:
+        all_reduce_(squared, group=pp_group)
+    norm = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float(), foreach=True)
+    return norm

@@ -1,0 +1,167 @@
+"""The training loop: builds a run (training/build.py), then steps it through its ramp stages, logging, saving
+checkpoints and, at the end, evaluating. Each optimizer step runs `grad_accum_steps` micro-steps of training/step.py.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from config.schema import Config
+from parallelisms.context_parallel import CommStats
+from parallelisms.parallelize import uses_loss_parallel
+from training import step
+from training.build import (build_model, build_optimizer, build_shared_tokenizer, build_stage_data, build_stores,
+                            init_distributed)
+from training.checkpoint import Checkpointer
+from training.evaluation import run_long_doc_eval, run_passkey_eval
+from training.hardware import peak_flops
+from training.loss import global_label_tokens
+from training.metrics import MetricsLogger, StepMetrics
+from training.preflight import preflight_stages
+from training.ramp import RampStage, source_tokens_seen, stage_at, tokens_seen
+from training.step import StepSetup, clip_grad_norm_
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.stages = preflight_stages(cfg, world)
+        # The model is built on the first stage's mesh; later stages only trade dp_shard for cp, so its FSDP, TP and
+        # PP groups hold the same ranks in every stage.
+        first = self.stage = self.stages[0]
+        cfg = first.cfg
+        self.dist = init_distributed(cfg)
+        self.device = self.dist.device
+        self.rank = self.dist.rank
+        self.mesh = first.dims.build_mesh(self.device.type)
+        torch.manual_seed(cfg.job.seed)
+        self.tokenizer = build_shared_tokenizer(cfg, first.model.vocab_size, self.rank)
+        self.stores = build_stores(cfg, self.tokenizer, self.rank)  # memory-mapped: no rank holds the corpus
+        built = build_model(cfg, first.model, self.mesh, self.device.torch_device)
+        self.model_parts, self.pipeline = built.parts, built.pipeline
+        self.model = self.model_parts[0]
+        self.optimizer, self.scheduler = build_optimizer(cfg, self.model_parts)
+        self.comm_stats = CommStats()
+        self.dataloader = self._enter_stage(first)
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizer,
+                                         self.scheduler, self.dataloader, first.model, vars(first.dims))
+        self.step = self.checkpointer.load()  # 0, or the step of the checkpoint resumed
+        resumed = stage_at(self.stages, self.step)
+        if resumed is not self.stage:  # the data position carries over only inside the stage that saved it
+            same_stage = self.step > 0 and stage_at(self.stages, self.step - 1) is resumed
+            self._switch_stage(resumed, self.dataloader.global_rows_consumed if same_stage else 0)
+        dist.barrier()  # every rank measures its peak at the same time, sharing the cores as in training
+        self.peak_flops, self.peak_source = peak_flops(self.device, getattr(torch, cfg.training.dtype))
+        self.metrics = StepMetrics(self.dist.comm, self.comm_stats, self.device, self.peak_flops, self.peak_source,
+                                   self.step)
+        self.logger = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
+                                    is_writer=self.rank == 0, start_step=self.step)
+
+    @property
+    def cfg(self) -> Config:
+        return self.stage.cfg
+
+    def _enter_stage(self, stage: RampStage, rows_consumed: int = 0):
+        """Switches to a ramp stage: its mesh (cp traded against dp_shard), its step setup and RoPE; returns the
+        data loader at its sequence length (continuing at `rows_consumed` of that stage's row stream)."""
+        if stage.dims != self.stage.dims:
+            self.mesh = stage.dims.build_mesh(self.device.type)
+        self.stage, cfg = stage, stage.cfg
+        self.setup = StepSetup(self.model, self.mesh, cfg.parallelism, cfg.data.document_masking,
+                               uses_loss_parallel(cfg, self.mesh), self.comm_stats, self.pipeline)
+        m = stage.model
+        for part in self.model_parts:
+            part.set_rope(m.rope_theta, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
+                          m.rope_original_max_position)
+        return build_stage_data(cfg, self.tokenizer, self.stores, self.mesh, rows_consumed)
+
+    def _switch_stage(self, stage: RampStage, rows_consumed: int = 0) -> None:
+        self.dataloader = self.checkpointer.dataloader = self._enter_stage(stage, rows_consumed)
+
+    def train_step(self, batches: list[dict]) -> tuple[float, float]:
+        """One optimizer step over `grad_accum_steps` micro-batches; returns (global mean loss, grad norm).
+
+        The loss is the true global mean: local token sums / global token count, summed over the loss mesh
+        (dp x cp; TP ranks already hold the same value) and, under PP, taken from the rank holding the last stage.
+        """
+        cfg, device = self.cfg, self.device.torch_device
+        global_tokens = global_label_tokens(
+            batches, every_token_labelled=cfg.data.dataset == "text", rows_per_step=self.stage.global_batch_rows,
+            seq_len=cfg.training.seq_len, comm=self.dist.comm, data_group=self.mesh.data.get_group())
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+        for batch in batches:
+            loss += step.micro_step(self.setup, {k: v.to(device) for k, v in batch.items()}, global_tokens)
+        pp_group = self.mesh.pp_mesh.get_group() if self.stage.dims.pp > 1 else None
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.stage.dims.world_size > 1:
+            self.dist.comm.all_reduce_(loss, group=self.mesh.loss.get_group())
+        if pp_group is not None:  # only the ranks holding the last stage have a non-zero loss
+            self.dist.comm.all_reduce_(loss, group=pp_group)
+        return loss.item(), float(grad_norm)
+
+    def run(self) -> None:
+        self._announce()
+        data_iter = iter(self.dataloader)
+        while self.step < self.cfg.training.steps:
+            stage = stage_at(self.stages, self.step)
+            if stage is not self.stage:
+                if self.cfg.checkpoint.enable and self.step % self.cfg.checkpoint.interval:
+                    self.checkpointer.save(self.step)  # a stage boundary is always a checkpoint
+                self._switch_stage(stage)
+                self._announce()
+                data_iter = iter(self.dataloader)
+            start = time.perf_counter()
+            batches = [next(data_iter) for _ in range(self.stage.grad_accum_steps)]
+            data_time = time.perf_counter() - start
+            lr = self.scheduler.get_last_lr()[0]
+            loss, grad_norm = self.train_step(batches)
+            self.step += 1
+            step_time = time.perf_counter() - start
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss became {loss} at step {self.step}; lower optimizer.lr or check data.")
+            last = self.step == self.cfg.training.steps
+            self.checkpointer.maybe_save(self.step, last=last)
+            evaluation = self._long_doc_eval() if self._long_doc_eval_due(last) else {}
+            if self.step % self.cfg.metrics.log_freq == 0 or last or evaluation:
+                record = self.metrics.record(
+                    self.stage, self.step, loss=loss, lr=lr, grad_norm=grad_norm, step_time=step_time,
+                    data_time=data_time, tokens_seen=tokens_seen(self.stages, self.step))
+                if self.stores:
+                    record["source_tokens"] = source_tokens_seen(self.stages, self.step)
+                self.logger.log(self.step, {**record, **evaluation})
+        if self.cfg.eval.passkey:
+            run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0)
+
+    def _long_doc_eval_due(self, last: bool) -> bool:
+        e = self.cfg.eval
+        return e.long_doc_loss and (last or (e.long_doc_interval > 0 and self.step % e.long_doc_interval == 0))
+
+    def _long_doc_eval(self) -> dict:
+        return run_long_doc_eval(self.cfg, self.setup, self.stores, self.device.torch_device, self.dist.comm,
+                                 self.rank == 0)
+
+    def _announce(self) -> None:
+        if self.rank != 0:
+            return
+        s, d, m = self.stage, self.stage.dims, self.stage.model
+        where = f"{s.name} from step {s.start_step}: " if s.index >= 0 else ""
+        print(f"{where}training {m.n_layers}-layer dim-{m.dim} Llama on {d.world_size} rank(s) "
+              f"({self.device.type}/{self.device.backend}); mesh pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard "
+              f"{d.dp_shard} x cp {d.cp} x tp {d.tp}; seq {s.cfg.training.seq_len}, global batch "
+              f"{s.global_batch_rows} ({s.grad_accum_steps} micro-step(s)), rope theta {m.rope_theta:g}, peak "
+              f"{self.peak_flops / 1e9:.0f} GFLOP/s per rank ({self.peak_source})", flush=True)
+
+    def close(self) -> None:
+        self.checkpointer.close()  # waits for an async save in flight
+        self.logger.close()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
