@@ -200,6 +200,8 @@ def to_toml(cfg: Config) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, list):
             return "[" + ", ".join(fmt(x) for x in v) + "]"
+        if isinstance(v, dict):  # [[data.sources]] entries and ramp source_weights, as inline tables
+            return "{" + ", ".join(f"{k} = {fmt(x)}" for k, x in v.items()) + "}"
         return repr(v)
     lines = []
     for section, values in to_dict(cfg).items():
