@@ -108,8 +108,10 @@ def trainer_run(recipe: str, out: str) -> tuple[float, float]:
     return first_step, memory
 
 
-def write_recipe(path: str, entries: list[str], model: str, cache: str) -> str:
-    sources = "".join(f"[[data.sources]]\nname = \"s{i}\"\npath = \"{e}\"\n" for i, e in enumerate(entries))
+def write_recipe(path: str, name: str, entries: list[str], model: str, cache: str) -> str:
+    """One source named `name` with `entries`: the store `prepare` made under that name is the one the run opens."""
+    paths = ", ".join(f"\"{e}\"" for e in entries)
+    sources = f"[[data.sources]]\nname = \"{name}\"\npath = [{paths}]\n"
     with open(path, "w") as f:
         f.write(f"[training]\nsteps = 3\nseq_len = 512\nlocal_batch_size = 4\n[parallelism]\ndp_shard = 2\n"
                 f"[metrics]\nenable_tensorboard = false\n[data]\ntokenizer_path = \"{model}\"\ncache_dir = "
@@ -153,10 +155,13 @@ def main() -> int:
                 chars += len(line)
                 if chars >= CHARS_PER_TOKEN * 1_000_000:
                     break
-        big_recipe = write_recipe(os.path.join(work, "big.toml"), entries, model, os.path.join(work, "cache2"))
-        small_recipe = write_recipe(os.path.join(work, "small.toml"), [small], model, os.path.join(work, "cache2"))
-        subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), small_recipe, "--prepare-data"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=ROOT))
+        big_recipe = write_recipe(os.path.join(work, "big.toml"), "bench", entries, model, os.path.join(work, "cache2"))
+        small_recipe = write_recipe(os.path.join(work, "small.toml"), "small", [small], model,
+                                    os.path.join(work, "cache2"))
+        for recipe in (small_recipe, big_recipe):  # the big one must find its store ready: nothing is prepared twice
+            done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), recipe, "--prepare-data"],
+                                  check=True, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+            assert recipe == small_recipe or "already prepared" in done.stdout, done.stdout + done.stderr
         best = {"big": (1e9, 1e9), "small": (1e9, 1e9)}
         for r in range(args.rounds):
             for name in (("big", "small") if r % 2 == 0 else ("small", "big")):

@@ -185,6 +185,9 @@ def _tokenizer_recipe(tokenizer) -> tuple:
 
 
 def _init_worker(recipe: tuple) -> None:
+    # One core per worker: data.prepare_workers is the one knob for parallelism (the Rust tokenizer reads this
+    # before its thread pool starts, which is later, in this fresh process).
+    os.environ["RAYON_NUM_THREADS"] = "1"
     kind, value = recipe
     if kind == "spm":
         from data.tokenizer import Tokenizer
@@ -201,7 +204,7 @@ def _prepare_part(job) -> dict:
     documents, batch = [], []
 
     def encode_pending():
-        for ids in tokenizer.encode_batch(batch):
+        for ids in tokenizer.encode_batch(batch, threads=1):
             if ids:
                 documents.append(np.asarray(prefix + ids, dtype=dtype))
         batch.clear()

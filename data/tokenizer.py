@@ -95,8 +95,9 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._processor.encode(text, out_type=int)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._processor.encode(list(texts), out_type=int)
+    def encode_batch(self, texts: list[str], threads: int | None = None) -> list[list[int]]:
+        """`threads` None: SentencePiece's own choice (every core); the store's workers pass 1 (one core each)."""
+        return self._processor.encode(list(texts), out_type=int, num_threads=threads)
 
     def decode(self, ids) -> str:
         return self._processor.decode([int(i) for i in ids])

@@ -54,3 +54,14 @@ def test_override_syntax():
     assert parse_overrides(["--a.b", "1", "--c.d=x"]) == [("a", "b", "1"), ("c", "d", "x")]
     with pytest.raises(RecipeError):
         parse_overrides(["steps=3"])
+
+
+def test_print_config_round_trips_sources_and_ramp_source_weights(tmp_path):
+    cfg = load_config(write(tmp_path, '[training]\nsteps = 4\n[[data.sources]]\nname = "a"\npath = "pydoc"\nweight = 2\n'
+                                      '[[data.sources]]\nname = "b"\npath = ["pydoc"]\ntext_field = "body"\n'
+                                      '[[ramp]]\nstart_step = 0\nseq_len = 128\nsource_weights = {a = 0.5}\n'))
+    assert [(s.name, s.path, s.weight, s.text_field) for s in cfg.data.sources] == [
+        ("a", ["pydoc"], 2.0, "text"), ("b", ["pydoc"], 1.0, "body")]
+    assert cfg.ramp[0].source_weights == {"a": 0.5}
+    again = load_config(write(tmp_path, to_toml(cfg)))
+    assert to_toml(again) == to_toml(cfg) and again.data.sources == cfg.data.sources
