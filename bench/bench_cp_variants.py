@@ -100,49 +100,54 @@ def variants(rank, size, shapes, reps):
 
 
 class _LocalLinks:
-    """Stands in for the ring's point-to-point links: the received block is a local copy, no transfer happens."""
+    """Stands in for the ring's point-to-point links: each received buffer is a local copy of the matching sent one
+    (what a neighbour would send), so the ring computes exactly as usual and nothing is transferred."""
 
     def __init__(self, group):
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
-    def post(self, send, recv, tag):
-        if recv is not None:
-            recv.copy_(send) if send is not None else recv.zero_()
+    def exchange(self, send_next, recv_prev, tag=0):
+        for send, recv in zip(send_next, recv_prev):
+            recv.copy_(send)
         return []
 
 
 def _ring_comm_only(k, v, group):
-    """The ring's transfers for one fwd+bwd, nothing computed: P-1 K/V hops forward; backward P-1 K/V hops, a
-    float32 dK/dV accumulator hop at every step after the first and the final return hop (ring_attention.py)."""
-    from parallelisms.ring_attention import DKV_TAG, KV_TAG, _pack, _RingLinks, _wait
-    links = _RingLinks(group)
+    """The ring's transfers for one fwd+bwd, nothing computed, posted as ring_attention.py posts them: P-1 K/V hops
+    forward; backward, one exchange per step (the float32 dK/dV accumulator after the first step, the K/V hop before
+    the last) and the final return hop."""
+    from parallelisms.comm import RingLinks, wait_all
+    from parallelisms.cp_toolkit import pack_kv
+    links = RingLinks(group)
     size = links.size
-    kv = _pack(k, v)
+    kv = pack_kv(k, v)
     dkv = torch.zeros(kv.numel(), dtype=torch.float32)
     for _ in range(size - 1):
-        _wait(links.post(kv, torch.empty_like(kv), KV_TAG))
+        wait_all(links.exchange([kv], [torch.empty_like(kv)]))
     for step in range(size):
-        works = []
+        sends, receives = [], []
         if step > 0:
-            works += links.post(dkv, torch.empty_like(dkv), DKV_TAG)
+            sends.append(dkv)
+            receives.append(torch.empty_like(dkv))
         if step < size - 1:
-            works += links.post(kv, torch.empty_like(kv), KV_TAG)
-        _wait(works)
-    _wait(links.post(dkv, torch.empty_like(dkv), DKV_TAG))
+            sends.append(kv)
+            receives.append(torch.empty_like(kv))
+        wait_all(links.exchange(sends, receives))
+    wait_all(links.exchange([dkv], [torch.empty_like(dkv)]))
 
 
 def ring_overlap(rank, size, shape, reps):
     import parallelisms.ring_attention as ring_module
     step = _ours_step(shape, "ring")
     _, k, v, _ = _inputs(shape, size)
-    real_links = ring_module._RingLinks
+    real_links = ring_module.RingLinks
 
     def compute_only():
-        ring_module._RingLinks = _LocalLinks
+        ring_module.RingLinks = _LocalLinks
         try:
             step()
         finally:
-            ring_module._RingLinks = real_links
+            ring_module.RingLinks = real_links
     return time_variants(rank, size, {"step": step, "compute": compute_only,
                                       "comm": lambda: _ring_comm_only(k.detach(), v.detach(), dist.group.WORLD)},
                          reps)
