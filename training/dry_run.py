@@ -61,7 +61,7 @@ def ranks_that_matter(dims) -> list[int]:
 
 def measure_row(row: PlanRow, world: int, gpus_per_node: int) -> RowResult:
     cfg = row.cfg
-    dims = preflight(cfg, world, check_data=False)  # the data lives where the recipe will run
+    dims = preflight(cfg, world)  # no data check: the data lives where the recipe will run
     if dims.pp > 1:  # a schedule's stages exchange tensor shapes at run time, which a fake process group cannot answer
         raise RecipeError(f"{cfg.recipe_path}: the dry run measures plans with parallelism.pp = 1 only; check this "
                           f"one with --parallelism.pp 1 and dp_shard x {dims.pp} (the same GPUs) as an approximation.")

@@ -18,12 +18,15 @@ from training.ramp import RampStage, resolve_stages
 
 
 def preflight_stages(cfg: Config, world_size: int, check_data: bool = True) -> list[RampStage]:
-    """The recipe's stages (one without [[ramp]]), each checked; errors name the stage. `check_data=False` leaves out
-    the data paths (the dry run plans a recipe whose data lives on the cluster)."""
+    """The recipe's stages (one without [[ramp]]), each checked; errors name the stage. The data (the same sources in
+    every stage; a stage's own weights are checked as it is resolved) is checked once; `check_data=False` leaves it
+    out (the dry run plans a recipe whose data lives on the cluster)."""
+    if check_data:
+        check_sources(cfg)  # names, weights and paths of the sources and the tokenizer; reads no file
     stages = resolve_stages(cfg, world_size)
     for stage in stages:
         try:
-            preflight(stage.cfg, world_size, check_data)
+            preflight(stage.cfg, world_size)
         except RecipeError as e:
             if stage.index < 0:
                 raise
@@ -38,13 +41,12 @@ def required_ranks(cfg: Config) -> int:
     return p.pp * p.dp_replicate * max(1, p.dp_shard) * p.cp * p.tp
 
 
-def preflight(cfg: Config, world_size: int, check_data: bool = True):
-    """Every check that needs no process group; returns the resolved parallel degrees."""
+def preflight(cfg: Config, world_size: int):
+    """Every check of one stage that needs no process group (data aside: preflight_stages checks it once); returns
+    the resolved parallel degrees."""
     p = cfg.parallelism
     dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
     mcfg = recipe_model_config(cfg)
-    if check_data:
-        check_sources(cfg)  # names, weights and paths of the sources and the tokenizer; reads no file
     rows_per_step = cfg.training.local_batch_size * dims.dp
     gbs = cfg.training.global_batch_size
     if gbs != -1 and (gbs <= 0 or gbs % rows_per_step):
