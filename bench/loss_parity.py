@@ -24,6 +24,7 @@ GLOBAL_BATCH = 4
 
 # name -> degrees (dp_shard explicit) and extra overrides; the acceptance lists of issues 4 and 14.
 MESHES: dict[str, dict] = {
+    "1 rank": dict(dp_shard=1),
     "dp_shard2": dict(dp_shard=2),
     "dp_replicate2": dict(dp_replicate=2, dp_shard=1),
     "dp_replicate2 x dp_shard2": dict(dp_replicate=2, dp_shard=2),  # 2-D HSDP

@@ -86,10 +86,13 @@ class ModelConfig:
     """RoPE base frequency (0 = from the named config)."""
     rope_scaling_factor: float = 0.0
     """Llama 3.1 RoPE frequency scaling factor (0 = from the named config; -1 = switch scaling off)."""
+    mlp_chunk_tokens: int = 0
+    """The SwiGLU feed-forward computed over tiles of this many tokens, each recomputed in backward
+    (models/tiled_mlp.py): its (tokens x ffn_dim) intermediates exist one tile at a time. 0 = untiled."""
 
     def overrides(self) -> dict:
         """The fields set in the recipe, as keyword overrides of the named Llama config (models/llama.py)."""
-        names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta")
+        names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta", "mlp_chunk_tokens")
         out = {k: getattr(self, k) for k in names if getattr(self, k)}
         if self.rope_scaling_factor:
             out["rope_scaling_factor"] = None if self.rope_scaling_factor < 0 else self.rope_scaling_factor
@@ -116,6 +119,9 @@ class TrainingConfig:
     tokens_per_step: int = 0
     """Global tokens per optimizer step kept constant across [[ramp]] stages (the global batch becomes
     tokens_per_step / seq_len rows); 0 = use local/global_batch_size as given."""
+    loss_chunk_tokens: int = 2048
+    """The output projection and the loss computed this many tokens at a time, gradients included
+    (models/chunked_loss.py), so the (tokens x vocab) logits never exist whole; 0 = project all tokens at once."""
 
     def global_batch_rows(self, dp: int) -> int:
         """Rows per optimizer step over all data-parallel ranks."""

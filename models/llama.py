@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from models.chunked_loss import chunked_linear_cross_entropy
 from models.rope import RotaryEmbedding, apply_rotary
+from models.tiled_mlp import tiled_swiglu
 from config import Config, RecipeError
 
 
@@ -68,8 +70,13 @@ class LlamaConfig:
     """Longest sequence the model is meant for; informational, as RoPE is computed on the fly and sizes nothing."""
     depth_init: bool = True
     """Output projections (wo, w2, w3) get std 0.02/sqrt(2*(layer_id+1)) if True, else 0.02/sqrt(2*n_layers)."""
+    mlp_chunk_tokens: int = 0
+    """SwiGLU computed over tiles of this many tokens, each recomputed in backward (models/tiled_mlp.py), so the
+    (tokens x ffn_hidden_dim) intermediates exist for one tile at a time; 0 = the whole sequence at once."""
 
     def __post_init__(self):
+        if self.mlp_chunk_tokens < 0:
+            raise RecipeError(f"[model] mlp_chunk_tokens = {self.mlp_chunk_tokens} must be >= 0 (0 = untiled)")
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "rope_original_max_position",
                      "max_seq_len"):
             if getattr(self, name) < 1:
@@ -201,13 +208,16 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x), with w1 the gate, w3 the up and w2 the down projection."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, tile_tokens: int = 0):
         super().__init__()
+        self.tile_tokens = tile_tokens
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_tokens:  # the weights directly: under TP, tiled_swiglu does the plan's layouts itself
+            return tiled_swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight, self.tile_tokens)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -219,7 +229,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
+        self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim, config.mlp_chunk_tokens)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = h + self.attention(self.attention_norm(h), cos, sin)
@@ -269,9 +279,12 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, *,
+                labels: torch.Tensor | None = None, loss_chunk_tokens: int = 0) -> torch.Tensor:
         """tokens (B, S) ids, or (B, S, dim) hidden states when `tok_embeddings` is None -> logits (B, S, vocab),
-        or hidden states when `output` is None. position_ids (B, S) ints, default 0..S-1 for every row."""
+        or hidden states when `output` is None. position_ids (B, S) ints, default 0..S-1 for every row.
+        With `labels` (B, S) and `loss_chunk_tokens` > 0 (and the output layer held): the summed cross entropy
+        instead of the logits, computed that many tokens at a time (models/chunked_loss.py); elsewhere ignored."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if position_ids is None:
             bsz, seqlen = tokens.shape[:2]
@@ -281,6 +294,8 @@ class Llama(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
+        if self.output is not None and labels is not None and loss_chunk_tokens > 0:
+            return chunked_linear_cross_entropy(h, self.output.weight, labels, loss_chunk_tokens)
         if self.output is not None:
             h = self.output(h)
         return h

@@ -134,7 +134,7 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
     model = parallelize(model, mesh, cfg)
     global_tokens = t.global_batch_rows(dims.dp) * t.seq_len
     setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
-                      stats=CommStats())
+                      stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")  # without FSDP the dtype is float32 (bf16 always goes through FSDP)
         params = list(model.parameters())

@@ -39,6 +39,9 @@ class StepSetup:
     stats: CommStats | None = None
     """Counters the CP attention adds its bytes to."""
     pipeline: Pipeline | None = None
+    loss_chunk_tokens: int = 0
+    """> 0: the model returns the summed loss, projecting and scoring this many tokens at a time
+    (models/chunked_loss.py) instead of returning whole logits."""
 
     @property
     def shards_sequence(self) -> bool:
@@ -58,6 +61,15 @@ def cp_context(setup: StepSetup, batch: dict):
         document_ids=batch["document_ids"] if setup.document_masking else None, stats=setup.stats)
 
 
+def local_loss_sum(setup: StepSetup, batch: dict) -> torch.Tensor:
+    """This rank's summed token loss (float32 scalar): fused and chunked with the output projection, or from whole
+    logits."""
+    if setup.loss_chunk_tokens:
+        return setup.model(batch["input_ids"], batch["position_ids"], labels=batch["labels"],
+                           loss_chunk_tokens=setup.loss_chunk_tokens)
+    return token_loss_sum(setup.model(batch["input_ids"], batch["position_ids"]), batch["labels"])
+
+
 def micro_step(setup: StepSetup, batch: dict, global_tokens: int) -> torch.Tensor:
     """Forward and backward of one local batch; returns its loss (local token sum / `global_tokens`), detached.
 
@@ -65,9 +77,8 @@ def micro_step(setup: StepSetup, batch: dict, global_tokens: int) -> torch.Tenso
     context restores nothing it was told to keep sharded."""
     with cp_context(setup, batch), loss_context(setup.loss_parallel):
         if setup.pipeline is not None:
-            return setup.pipeline.step(batch, loss_divisor=global_tokens)
-        logits = setup.model(batch["input_ids"], batch["position_ids"])
-        scaled = token_loss_sum(logits, batch["labels"]) / global_tokens
+            return setup.pipeline.step(batch, loss_divisor=global_tokens, loss_chunk_tokens=setup.loss_chunk_tokens)
+        scaled = local_loss_sum(setup, batch) / global_tokens
         scaled.backward()
     return scaled.detach()
 

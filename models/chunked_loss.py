@@ -1,0 +1,120 @@
+"""The output projection and the cross entropy fused and computed a chunk of tokens at a time.
+
+At long context the (tokens x vocab) logits, their float32 copy and their gradient dominate activation memory (Llama
+3's vocabulary is 128,256 wide: 1M tokens would need ~0.5 TiB of logits). `chunked_linear_cross_entropy` never holds
+more than one chunk of them: the forward projects `chunk_tokens` hidden states, takes their loss, and computes the
+chunk's gradients right away (softmax minus one-hot times the weight for the hidden states, accumulated in float32 for
+the weight), so the backward only scales the stored gradients by the incoming one. Nothing is recomputed, and the
+result is the same loss and gradients as projecting everything and calling `F.cross_entropy(reduction="sum")`,
+within float32 rounding.
+
+Vocabulary-sharded weights (tensor parallelism with loss parallelism) compute each chunk's log-sum-exp and target
+logit with three small all-reduces over the TP group; the hidden states' gradient is then partial per rank and reduced
+by the DTensor layout it came from. Labels equal to `ignore_index` count nothing and get no gradient.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+IGNORE_INDEX = -100  # what `F.cross_entropy` ignores by default, and what the data marks unlabelled tokens with
+
+
+def _chunk_loss_and_grad(h, weight, labels, vocab_start: int, group, with_grad: bool):
+    """One chunk: (summed loss, float32 gradient of the logits or None). h (n, D), weight (V_local, D), labels (n,)."""
+    logits = (h @ weight.t()).float()  # (n, V_local)
+    valid = labels != IGNORE_INDEX
+    local_label = labels - vocab_start
+    mine = valid & (local_label >= 0) & (local_label < weight.size(0))
+    index = local_label.clamp(0, weight.size(0) - 1)[:, None]
+    target = logits.gather(1, index).squeeze(1) * mine  # the label's logit where this rank holds it, else 0
+    row_max = logits.amax(dim=1)
+    if group is not None:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    logits -= row_max[:, None]
+    if with_grad:
+        probs = logits.exp_()  # in place: the chunk's logits are not needed again
+        sum_exp = probs.sum(dim=1)
+    else:
+        sum_exp = logits.exp().sum(dim=1)
+    if group is not None:
+        dist.all_reduce(sum_exp, group=group)
+        dist.all_reduce(target, group=group)
+    lse = row_max + sum_exp.log()
+    loss = ((lse - target) * valid).sum()
+    if not with_grad:
+        return loss, None
+    probs /= sum_exp[:, None]  # softmax
+    rows = torch.nonzero(mine).squeeze(1)
+    probs[rows, local_label[rows]] -= 1.0
+    probs *= valid[:, None]
+    return loss, probs
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens: int, vocab_start: int, group, with_grad: bool):
+        n = hidden.size(0)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if with_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
+        for start in range(0, n, chunk_tokens):
+            h, y = hidden[start:start + chunk_tokens], labels[start:start + chunk_tokens]
+            chunk_loss, grad_logits = _chunk_loss_and_grad(h, weight, y, vocab_start, group, with_grad)
+            loss += chunk_loss
+            if with_grad:
+                g = grad_logits.to(hidden.dtype)
+                del grad_logits
+                torch.mm(g, weight, out=grad_hidden[start:start + chunk_tokens])
+                grad_weight += (g.t() @ h).float()
+        ctx.grads = (grad_hidden, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.grads
+        del ctx.grads
+        if grad_hidden is None:
+            raise RuntimeError("chunked_linear_cross_entropy ran without gradients (with_grad=False) and cannot be "
+                               "back-propagated; call it with gradients enabled")
+        grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        grad_weight = grad_weight.mul_(grad_loss).to(grad_hidden.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _vocab_shard(weight: DTensor) -> tuple[torch.Tensor, int, object]:
+    """(local rows of a vocabulary-sharded weight, the first vocabulary id they hold, the TP process group)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if len(weight.placements) != 1 or weight.placements[0] != Shard(0):
+        raise ValueError(f"chunked loss expects the output weight sharded on the vocabulary over one mesh dim, got "
+                         f"{weight.placements}")
+    _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    return weight.to_local(), int(offset[0]), weight.device_mesh.get_group()
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                 chunk_tokens: int) -> torch.Tensor:
+    """Summed cross entropy of `hidden @ weight.T` against `labels` (float32 scalar), `chunk_tokens` at a time.
+
+    hidden (..., D) plain or a DTensor over the TP mesh (e.g. sequence-sharded by sequence parallelism); weight
+    (V, D) plain or a DTensor sharded on the vocabulary (Shard(0)); labels (...) matching hidden's (full) leading
+    shape. Returns a plain tensor, equal on every TP rank."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    group, vocab_start = None, 0
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        weight, vocab_start, group = _vocab_shard(weight)
+        if isinstance(hidden, DTensor):  # every TP rank needs all tokens; its gradient is partial per rank
+            hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    elif isinstance(hidden, DTensor):
+        hidden = hidden.full_tensor()
+    flat_hidden = hidden.reshape(-1, hidden.size(-1))
+    flat_labels = labels.reshape(-1)
+    if flat_labels.numel() != flat_hidden.size(0):
+        raise ValueError(f"labels {tuple(labels.shape)} do not match the hidden states {tuple(hidden.shape)}")
+    with_grad = torch.is_grad_enabled() and (flat_hidden.requires_grad or weight.requires_grad)
+    return _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, flat_labels, chunk_tokens, vocab_start, group,
+                                            with_grad)

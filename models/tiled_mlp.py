@@ -1,0 +1,74 @@
+"""SwiGLU computed over tiles of tokens, each tile's intermediates recomputed in the backward.
+
+The feed-forward's (tokens x ffn_dim) intermediates (gate, up, their product: 3.5x the hidden size each for Llama 3)
+are the largest tensors of a block after attention has gone flash. `tiled_swiglu` keeps only the block input for the
+backward and never holds more than one tile of intermediates: the forward computes tile by tile without saving
+anything, the backward recomputes one tile, takes its gradients and moves on. Exact: every tile computes the same
+rows as the untiled matmuls; weight gradients are accumulated over tiles in float32.
+
+Tensor parallelism (column-wise w1/w3, row-wise w2 with a sequence-sharded output) is handled on local shards: the
+caller passes the gathered input and the local weights, and turns the partial output into its sequence shard.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+
+def _tile_forward(x, w1, w3, w2):
+    gate, up = x @ w1.t(), x @ w3.t()
+    return (F.silu(gate) * up) @ w2.t()
+
+
+class _TiledSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w3, w2, tile_tokens: int):
+        ctx.save_for_backward(x, w1, w3, w2)
+        ctx.tile_tokens = tile_tokens
+        out = x.new_empty(x.size(0), w2.size(0))
+        for start in range(0, x.size(0), tile_tokens):
+            out[start:start + tile_tokens] = _tile_forward(x[start:start + tile_tokens], w1, w3, w2)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w1, w3, w2 = ctx.saved_tensors
+        grad_x = torch.empty_like(x)
+        grad_w1, grad_w3, grad_w2 = (torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in (w1, w3, w2))
+        for start in range(0, x.size(0), ctx.tile_tokens):
+            rows = slice(start, start + ctx.tile_tokens)
+            xt, dout = x[rows], grad_out[rows]
+            gate, up = (xt @ w1.t()).float(), (xt @ w3.t()).float()
+            sig = torch.sigmoid(gate)
+            act = gate * sig  # silu(gate)
+            grad_w2 += (dout.t() @ (act * up).to(x.dtype)).float()
+            grad_h = (dout @ w2).float()
+            grad_up = (grad_h * act).to(x.dtype)
+            grad_gate = (grad_h * up * sig * (1 + gate * (1 - sig))).to(x.dtype)  # silu'(g) = s (1 + g (1 - s))
+            del gate, up, sig, act, grad_h
+            torch.mm(grad_gate, w1, out=grad_x[rows]).addmm_(grad_up, w3)
+            grad_w1 += (grad_gate.t() @ xt).float()
+            grad_w3 += (grad_up.t() @ xt).float()
+        return grad_x, grad_w1.to(w1.dtype), grad_w3.to(w3.dtype), grad_w2.to(w2.dtype), None
+
+
+def tiled_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                 tile_tokens: int) -> torch.Tensor:
+    """w2(silu(w1 x) * w3 x) over tiles of `tile_tokens` tokens. x (..., D); weights as nn.Linear holds them, plain
+    or (tensor parallelism) DTensors sharded column-wise (w1, w3: Shard(0)) and row-wise (w2: Shard(1)), with x then
+    a DTensor on the same mesh. Returns a plain tensor: the output itself, or under TP this rank's sequence shard
+    (Shard(1), what the row-wise w2 of the TP plan returns)."""
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be positive, got {tile_tokens}")
+    mesh = w1.device_mesh if isinstance(w1, DTensor) else None
+    if mesh is not None:
+        if not isinstance(x, DTensor):
+            raise ValueError("tiled_swiglu under tensor parallelism needs its input as a DTensor on the TP mesh")
+        x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        w1, w3, w2 = w1.to_local(), w3.to_local(), w2.to_local()
+    shape = x.shape
+    out = _TiledSwiGLU.apply(x.reshape(-1, shape[-1]), w1, w3, w2, tile_tokens).view(*shape[:-1], -1)
+    if mesh is not None:  # each rank holds a partial sum over its slice of the hidden dim: reduce-scatter tokens
+        out = DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Shard(1)]).to_local()
+    return out
