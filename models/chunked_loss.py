@@ -46,8 +46,7 @@ def _chunk_loss_and_grad(h, weight, labels, vocab_start: int, group, with_grad: 
     if not with_grad:
         return loss, None
     probs /= sum_exp[:, None]  # softmax
-    rows = torch.nonzero(mine).squeeze(1)
-    probs[rows, local_label[rows]] -= 1.0
+    probs.scatter_add_(1, index, -mine[:, None].to(probs.dtype))  # minus one-hot; no data-dependent shapes
     probs *= valid[:, None]
     return loss, probs
 

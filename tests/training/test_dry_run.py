@@ -187,6 +187,17 @@ def test_1m_recipe_dry_run_fits():
 
 
 @pytest.mark.slow
+def test_1m_tokens_fit_one_8_gpu_node():
+    """Issue 15: Llama 3.1 8B at 1,048,576 tokens on 8 H100-80GB (cp 8, bf16, full AC) peaks <= 75 GiB per rank."""
+    done, _ = _run_train("recipes/llama3_8b_1m_8gpu.toml", "--dry-run")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    rows = table_rows(done.stdout)
+    (last,) = [r for r in rows if r["seq_len"] == "1,048,576"]
+    assert last["cp"] == "8" and float(last["peak GiB"]) <= 75, rows
+    print(done.stdout)
+
+
+@pytest.mark.slow
 def test_dry_run_lands_within_20_percent_of_torchtitans_measured_peak():
     """TorchTitan reported 84.5 GiB for Llama 3.1 8B, seq 262,144, CP 8 on 8 H100, full AC, bf16."""
     done, _ = _run_train("recipes/llama3_8b_256k_torchtitan.toml", "--dry-run")
