@@ -153,10 +153,10 @@ def table_rows(stdout: str) -> list[dict]:
 
 
 def test_dry_run_names_the_stage_that_does_not_fit_and_checks_the_fix():
-    done, _ = _run_train("--dry-run", "--hardware.device_memory_gib", "2.15", "--model.n_layers", "2")
+    done, _ = _run_train("--dry-run", "--hardware.device_memory_gib", "2.12", "--model.n_layers", "2")
     assert done.returncode == 1, done.stdout + done.stderr[-2000:]
     (row,) = table_rows(done.stdout)
-    assert row["fits"] == "NO" and row["seq_len"] == "512" and float(row["peak GiB"]) > 0.15
+    assert row["fits"] == "NO" and row["seq_len"] == "512" and float(row["peak GiB"]) > 0.12
     assert "stage 1 (recipe, seq_len 512) does NOT fit" in done.stdout
     assert 'activation_checkpoint.mode = "full"' in done.stdout
     assert "checked with the same measurement: peak" in done.stdout
