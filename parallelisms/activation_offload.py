@@ -53,8 +53,10 @@ class ActivationOffloader:
         self.peak_host_bytes = self.host_bytes
 
     def hooks(self, hidden: torch.Tensor, layer: int):
-        """The context to run one block's checkpoint call in: offloads `hidden` (the block input) when it is saved."""
-        return torch.autograd.graph.saved_tensors_hooks(lambda x: self._pack(x, hidden, layer), self._unpack)
+        """The context to run one block's checkpoint call in: offloads `hidden` (the block input) when it is saved.
+        Autograd keeps the pack hook with every tensor saved under it, so the hook holds `hidden` weakly."""
+        target = weakref.ref(hidden)
+        return torch.autograd.graph.saved_tensors_hooks(lambda x: self._pack(x, target(), layer), self._unpack)
 
     # ---- forward: device -> host
     def _pack(self, x: torch.Tensor, hidden: torch.Tensor, layer: int):
