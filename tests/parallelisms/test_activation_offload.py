@@ -119,8 +119,8 @@ def test_offload_without_a_checkpoint_mode_is_refused():
         load_config(os.path.join(ROOT, "recipes", "debug.toml"), ["--activation_checkpoint.offload", "true"])
 
 
-SHORT = ["--training.steps", "5", "--training.seq_len", "128", "--training.local_batch_size", "2",
-         "--model.n_layers", "3", "--activation_checkpoint.mode", "full", "--metrics.enable_tensorboard", "false",
+SHORT = ["--training.steps", "5", "--training.seq_len", "64", "--training.local_batch_size", "1",
+         "--model.n_layers", "2", "--activation_checkpoint.mode", "full", "--metrics.enable_tensorboard", "false",
          "--training.dtype", "float32"]
 MESHES = {"1 rank": (1, ["--parallelism.dp_shard", "1"]),
           "cp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2"]),
