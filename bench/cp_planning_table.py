@@ -13,7 +13,7 @@ with offload. Two facts of the step turn these into every cell:
 - its T-independent part and the optimizer-step peak are persistent state (FSDP shards over all G GPUs, so ~1/G)
   plus G-independent buffers (gathered blocks): a + b/G, fitted from 8 and 64 GPUs.
 Offload changes the slope only (it moves T-proportional bytes). The probes run the ring (cp 8), so a cp-1 cell
-is an upper bound by the ring's blocks. `--check` re-measures the longest 8-GPU plans directly and prints predicted
+is an upper bound by the ring's blocks. `--check` re-measures the longest 8- and 32-GPU plans directly and prints predicted
 vs measured.
 """
 from __future__ import annotations
@@ -138,13 +138,13 @@ def print_table(name: str, model: MemoryModel, usable: float) -> dict:
 
 
 def check(cfg, model: MemoryModel, longest: dict, log) -> None:
-    """Re-measures the longest 8-GPU plans directly: the interpolation against the probe it stands for."""
-    for offload in (False, True):
-        if (8, offload) not in longest:
+    """Re-measures the longest 8- and 32-GPU plans directly: the interpolation against the probe it stands for."""
+    for gpus, offload in ((g, off) for g in (8, 32) for off in (False, True)):
+        if (gpus, offload) not in longest:
             continue
-        seq_len, (cp, predicted, _) = longest[8, offload]
-        m = probe(cfg, seq_len // cp, 8, offload, cp=cp)
-        log(f"  check {cfg.model.name} {_k(seq_len)} on 8 GPUs, cp {cp}, offload {'on' if offload else 'off'}: "
+        seq_len, (cp, predicted, _) = longest[gpus, offload]
+        m = probe(cfg, seq_len // cp, gpus, offload, cp=cp)
+        log(f"  check {cfg.model.name} {_k(seq_len)} on {gpus} GPUs, cp {cp}, offload {'on' if offload else 'off'}: "
             f"predicted {predicted:.2f} GiB, measured {m.peak / GIB:.2f} GiB (host {m.host / GIB:.2f} GiB)")
 
 
@@ -152,7 +152,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe", nargs="?", default="recipes/llama3_8b_1m.toml")
     parser.add_argument("--models", default="llama3_8b,llama3_70b")
-    parser.add_argument("--check", action="store_true", help="re-measure the longest 8-GPU plans directly")
+    parser.add_argument("--check", action="store_true", help="re-measure the longest 8- and 32-GPU plans directly")
     args = parser.parse_args()
     start = time.perf_counter()
     for name in args.models.split(","):
