@@ -128,7 +128,8 @@ MESHES = {"1 rank": (1, ["--parallelism.dp_shard", "1"]),
 
 
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("mesh", [pytest.param("1 rank", marks=pytest.mark.slow),  # in-process: test above
+                                  pytest.param("cp2", marks=pytest.mark.slow), "tp2"])  # tp2: DTensor inputs
 def test_trainer_losses_and_grad_norms_equal_with_offload(tmp_path, mesh):
     """The real trainer (run_train.sh -> torchrun), offload off and on launched side by side: fp32, 5 steps."""
     nproc, degrees = MESHES[mesh]
