@@ -16,6 +16,10 @@ stream's work so far, and the device tensor is kept referenced until its copy's 
 unpacks block i's input, block i-1's input is brought back on the side stream at once (backward visits blocks in
 reverse), and the compute stream waits on that copy's event before using it.
 
+Under tensor parallelism the plan hands blocks the local (B, S/tp, dim) residual shard (a plain tensor, or the
+lazy AsyncCollectiveTensor of the reduce-scatter, waited for before the copy and returned as a plain tensor); a
+DTensor input is rebuilt with its mesh, placements, shape and stride.
+
 Under fake tensors (the dry run, training/memory_probe.py) nothing is copied: the record keeps shapes and a byte
 count, which `host_bytes` / `peak_host_bytes` report, so the memory tracker sees the device tensor freed and a new
 one allocated when backward needs it, and host memory is reported separately.
@@ -27,6 +31,7 @@ from collections import defaultdict
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 
@@ -63,6 +68,8 @@ class ActivationOffloader:
         if x is not hidden:
             return x  # the RoPE tables: shared by every block, kept where they are
         local = x._local_tensor if isinstance(x, DTensor) else x
+        if isinstance(local, AsyncCollectiveTensor):  # TP's reduce-scattered residual: wait on the compute stream
+            local = local.wait()
         rec = _Record()
         rec.size, rec.stride, rec.dtype, rec.device = local.size(), local.stride(), local.dtype, local.device
         rec.nbytes = local.numel() * local.element_size()

@@ -149,3 +149,42 @@ def test_trainer_losses_and_grad_norms_equal_with_offload(tmp_path, mesh):
         diffs = [abs(a[key] - b[key]) / abs(a[key]) for a, b in zip(off, on)]
         print(mesh, key, "max relative difference", max(diffs))
         assert max(diffs) <= 1e-6, (key, off, on)
+
+
+def _tp_body(rank, world_size):
+    """TP 2 with sequence parallelism: what reaches the offloader, and a DTensor through pack/unpack."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from parallelisms.tensor_parallel import apply_tp
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = Llama(LlamaConfig(**TINY))
+    apply_tp(model, mesh, loss_parallel_enabled=False)
+    apply_activation_checkpointing(model, "full", 1, offload=True)
+    model.init_weights(0)
+    types = []
+    pack = model.activation_offloader._pack
+    model.activation_offloader._pack = lambda x, hidden, layer: (types.append(type(x).__name__), pack(x, hidden,
+                                                                                                        layer))[1]
+    tokens = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+    out = model(tokens)
+    host = model.activation_offloader.host_bytes
+    out.float().sum().backward()
+    offloader = activation_offload.ActivationOffloader()
+    x = distribute_tensor(torch.arange(24.0).reshape(2, 4, 3), mesh, [Shard(1)])
+    back = offloader._unpack(offloader._pack(x, x, 0))
+    same = isinstance(back, DTensor) and back.placements == x.placements and torch.equal(back.full_tensor(),
+                                                                                         x.full_tensor())
+    return host, types, same
+
+
+def test_tensor_parallel_block_inputs_are_the_local_sequence_shard():
+    """Between blocks the TP residual is this rank's (B, S/tp, dim) shard (the plan returns local tensors): that is
+    what goes to host. A DTensor block input (another plan) round-trips with its mesh and placements."""
+    from tests.distributed import run_ranks
+
+    for host, types, same in run_ranks(_tp_body, 2, timeout=120):
+        assert host == TINY["n_layers"] * BATCH * (SEQ // 2) * TINY["dim"] * 4
+        assert same
+        print("block input types under TP:", sorted(set(types)))
