@@ -188,3 +188,16 @@ def test_tensor_parallel_block_inputs_are_the_local_sequence_shard():
         assert host == TINY["n_layers"] * BATCH * (SEQ // 2) * TINY["dim"] * 4
         assert same
         print("block input types under TP:", sorted(set(types)))
+
+
+def test_recompute_with_offload_still_enters_the_forward_modes():
+    """The CP ring is a torch-function mode: with offload, the recompute of every block still goes through it."""
+    from tests.parallelisms.test_activation_checkpoint import SdpaCalls
+
+    model = Llama(LlamaConfig(**TINY))
+    apply_activation_checkpointing(model, "full", 1, offload=True)
+    model.init_weights(0)
+    calls = SdpaCalls()
+    with calls:
+        model(torch.randint(0, TINY["vocab_size"], (BATCH, SEQ))).sum().backward()
+    assert calls.count == 2 * TINY["n_layers"]
