@@ -3,7 +3,7 @@ sequence length and the longest sequence that fits, with and without activation 
 
     .venv/bin/python bench/cp_planning_table.py [RECIPE] [--models llama3_8b,llama3_70b] [--check]
 
-Method (measured, then interpolated, because a full search would take ~100 dry-run probes of ~1 min each): one rank's
+Method (measured, then interpolated: a full search would take ~100 dry-run probes of ~15-60 s each): one rank's
 peak is measured by the dry run's own probe (training/memory_probe.py: real model and composer on fake tensors, one
 optimizer step under FSDPMemTracker, 3 and 4 blocks extrapolated to the full depth) at four points per model, all
 with cp 8: (16K tokens per rank, 8 and 64 GPUs) and (64K tokens per rank, 64 GPUs) without offload, (64K, 64 GPUs)
@@ -13,8 +13,8 @@ with offload. Two facts of the step turn these into every cell:
 - its T-independent part and the optimizer-step peak are persistent state (FSDP shards over all G GPUs, so ~1/G)
   plus G-independent buffers (gathered blocks): a + b/G, fitted from 8 and 64 GPUs.
 Offload changes the slope only (it moves T-proportional bytes). The probes run the ring (cp 8), so a cp-1 cell
-is an upper bound by the ring's blocks. `--check` re-measures the longest 8- and 32-GPU plans directly and prints predicted
-vs measured.
+is an upper bound by the ring's blocks. `--check` re-measures the longest 8- and 32-GPU plans directly and prints
+predicted vs measured.
 """
 from __future__ import annotations
 

@@ -74,7 +74,8 @@ class ActivationOffloader:
         rec.size, rec.stride, rec.dtype, rec.device = local.size(), local.stride(), local.dtype, local.device
         rec.nbytes = local.numel() * local.element_size()
         rec.dtensor = (x.device_mesh, x.placements, x.size(), x.stride()) if isinstance(x, DTensor) else None
-        rec.fake, rec.layer, rec.prefetched, rec.ready, rec.done, rec.host = is_fake(local), layer, None, None, False, None
+        rec.fake, rec.layer, rec.done = is_fake(local), layer, False
+        rec.prefetched = rec.ready = rec.host = None
         previous = self._last() if self._last is not None else None
         rec.prev = weakref.ref(previous) if previous is not None and previous.layer < layer else None
         self._last = weakref.ref(rec)

@@ -72,7 +72,8 @@ class RankMemory:
         return self.peak - self.state
 
     def agrees_with(self, other: "RankMemory", rel: float = 1e-6) -> bool:
-        names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes", "host")
+        names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes",
+                 "host")
         pairs = [(getattr(self, n), getattr(other, n)) for n in names]
         return all(a == b or abs(a - b) <= rel * max(abs(a), abs(b)) for a, b in pairs if a is not None)
 
@@ -80,7 +81,8 @@ class RankMemory:
         """self measured at d blocks, `deeper` at d + 1: every number is affine in the depth."""
         def line(a, b):
             return None if a is None else a + extra_blocks * (b - a)
-        names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes", "host")
+        names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes",
+                 "host")
         values = {n: line(getattr(self, n), getattr(deeper, n)) for n in names}
         return RankMemory(**values, blocks_measured=self.blocks_measured + deeper.blocks_measured)
 
