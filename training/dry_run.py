@@ -151,9 +151,8 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
     return lines
 
 
-COLUMNS = ("stage", "seq_len", "cp", "dp_shard", "tp", "pp", "params", "grads", "optim", "activ", "peak GiB", "host GiB",
-           "fits",
-           "step s overlap..serial", "MFU", "tok/s/GPU", "comm GiB")
+COLUMNS = ("stage", "seq_len", "cp", "dp_shard", "tp", "pp", "params", "grads", "optim", "activ", "peak GiB",
+           "host GiB", "fits", "step s overlap..serial", "MFU", "tok/s/GPU", "comm GiB")
 
 
 def _gib(nbytes: float) -> str:
