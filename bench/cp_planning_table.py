@@ -1,7 +1,7 @@
 """Planning table: for Llama 3 8B and 70B on 8, 16, 32 and 64 H100-80GB, the smallest context-parallel degree per
 sequence length and the longest sequence that fits, with and without activation offload.
 
-    .venv/bin/python bench/cp_planning_table.py [RECIPE] [--models llama3_8b,llama3_70b] [--check]
+    .venv/bin/python bench/cp_planning_table.py [RECIPE] [--models llama3_8b,llama3_70b]
 
 Method (measured, then interpolated: a full search would take ~100 dry-run probes of ~15-60 s each): one rank's
 peak is measured by the dry run's own probe (training/memory_probe.py: real model and composer on fake tensors, one
@@ -12,9 +12,10 @@ with offload. Two facts of the step turn these into every cell:
   blocks are all T x width) with a slope that does not depend on the number of GPUs G;
 - its T-independent part and the optimizer-step peak are persistent state (FSDP shards over all G GPUs, so ~1/G)
   plus G-independent buffers (gathered blocks): a + b/G, fitted from 8 and 64 GPUs.
-Offload changes the slope only (it moves T-proportional bytes). The probes run the ring (cp 8), so a cp-1 cell
-is an upper bound by the ring's blocks. `--check` re-measures the longest 8- and 32-GPU plans directly and prints
-predicted vs measured.
+Offload changes the slope only (it moves T-proportional bytes). The line proposes, a probe decides: for every GPU
+count, with and without offload, the largest power-of-two tokens per rank the line allows is measured directly at
+cp = GPUs and halved until it fits; that verified limit sets every cell of the column (cells at the limit show the
+measured peak, marked *, the others the line's, at least a factor 2 in tokens below the limit).
 """
 from __future__ import annotations
 
@@ -95,14 +96,33 @@ def fit(cfg, log) -> MemoryModel:
                        opt[T_SMALL, 64, False] - d / 64, d, points[T_LARGE, 64, True].host / GIB / T_LARGE)
 
 
-def smallest_cp(model: MemoryModel, seq_len: int, gpus: int, offload: bool, usable: float):
-    """(cp, device GiB, host GiB) of the smallest power-of-two CP (seq_len splitting into 2*cp zigzag chunks) that
-    fits, or None."""
+def verify(cfg, model: MemoryModel, gpus: int, offload: bool, usable: float, log) -> tuple[int, float]:
+    """The largest power-of-two tokens per rank that fits, MEASURED: the line's candidate is probed directly at
+    cp = gpus (the longest sequence) and halved until the probe fits. Returns (tokens, measured GiB), (0, 0) if none.
+    The line alone is not enough near the limit: with a chunked loss the peak moves between phases and it was off
+    by up to 2.3 GiB."""
+    line_limit = int(model.max_tokens_per_rank(gpus, offload, usable))
+    tokens = 1 << (line_limit.bit_length() - 1) if line_limit >= 1024 else 0
+    while tokens >= 1024:
+        m = probe(cfg, tokens, gpus, offload, cp=gpus)
+        log(f"  verify {cfg.model.name} {gpus} GPUs, offload {'on ' if offload else 'off'}: {_k(tokens)} tokens/rank "
+            f"(cp {gpus}): line {model.peak(tokens, gpus, offload):.2f} GiB, measured {m.peak / GIB:.2f} GiB")
+        if m.peak / GIB <= usable:
+            return tokens, m.peak / GIB
+        tokens //= 2
+    return 0, 0.0
+
+
+def smallest_cp(model: MemoryModel, limit: tuple[int, float], seq_len: int, gpus: int, offload: bool):
+    """(cp, device GiB, host GiB, measured?) of the smallest power-of-two CP (seq_len splitting into 2*cp zigzag
+    chunks) whose tokens per rank are within the verified limit, or None."""
     cp = 1
     while cp <= gpus:
-        tokens = seq_len / cp
-        if seq_len % (2 * cp) == 0 and model.peak(tokens, gpus, offload) <= usable:
-            return cp, model.peak(tokens, gpus, offload), model.host(tokens, offload)
+        tokens = seq_len // cp
+        if seq_len % (2 * cp) == 0 and tokens <= limit[0]:
+            measured = tokens == limit[0]
+            peak = limit[1] if measured else model.peak(tokens, gpus, offload)
+            return cp, peak, model.host(tokens, offload), measured
         cp *= 2
     return None
 
@@ -113,55 +133,43 @@ def _k(tokens: float) -> str:
     return f"{tokens / 1024:.0f}K"
 
 
-def print_table(name: str, model: MemoryModel, usable: float) -> dict:
-    """One markdown table per model; returns the longest power-of-two plan per (gpus, offload)."""
+def print_table(name: str, model: MemoryModel, limits: dict, usable: float) -> None:
+    """One markdown table per model."""
     columns = [(g, off) for g in GPUS for off in (False, True)]
-    print(f"\n{name}: smallest CP (device GiB per rank / host GiB per rank), bf16, full AC, one sequence per "
-          f"data-parallel rank, {usable:g} GiB usable per GPU")
+    print(f"\n{name}: smallest CP (device GiB per rank / host GiB per rank; * = measured at cp = GPUs, else the "
+          f"line), bf16, full AC, one sequence per data-parallel rank, {usable:g} GiB usable per GPU")
     print("| seq len | " + " | ".join(f"{g} GPUs{' + offload' if off else ''}" for g, off in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     longest = {}
     for seq_len in SEQ_LENS:
         cells = []
         for gpus, off in columns:
-            plan = smallest_cp(model, seq_len, gpus, off, usable)
+            plan = smallest_cp(model, limits[gpus, off], seq_len, gpus, off)
             if plan is None:
                 cells.append("-")
                 continue
-            longest[gpus, off] = (seq_len, plan)
-            cells.append(f"cp {plan[0]} ({plan[1]:.1f}" + (f" / {plan[2]:.1f})" if off else ")"))
+            longest[gpus, off] = seq_len
+            star = "*" if plan[3] else ""
+            cells.append(f"cp {plan[0]} ({plan[1]:.1f}{star}" + (f" / {plan[2]:.1f})" if off else ")"))
         print(f"| {_k(seq_len)} | " + " | ".join(cells) + " |")
-    print("| **longest** | " + " | ".join(_k(longest[c][0]) if c in longest else "none" for c in columns) + " |")
-    print("| max tokens at cp = GPUs | " + " | ".join(
-        _k(int(g * model.max_tokens_per_rank(g, off, usable)) // 1024 * 1024) for g, off in columns) + " |")
-    return longest
-
-
-def check(cfg, model: MemoryModel, longest: dict, log) -> None:
-    """Re-measures the longest 8- and 32-GPU plans directly: the interpolation against the probe it stands for."""
-    for gpus, offload in ((g, off) for g in (8, 32) for off in (False, True)):
-        if (gpus, offload) not in longest:
-            continue
-        seq_len, (cp, predicted, _) = longest[gpus, offload]
-        m = probe(cfg, seq_len // cp, gpus, offload, cp=cp)
-        log(f"  check {cfg.model.name} {_k(seq_len)} on {gpus} GPUs, cp {cp}, offload {'on' if offload else 'off'}: "
-            f"predicted {predicted:.2f} GiB, measured {m.peak / GIB:.2f} GiB (host {m.host / GIB:.2f} GiB)")
+    print("| **longest** | " + " | ".join(_k(longest[c]) if c in longest else "none" for c in columns) + " |")
+    print("| tokens per rank (measured) | " + " | ".join(_k(limits[c][0]) if limits[c][0] else "-" for c in columns)
+          + " |")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe", nargs="?", default="recipes/llama3_8b_1m.toml")
     parser.add_argument("--models", default="llama3_8b,llama3_70b")
-    parser.add_argument("--check", action="store_true", help="re-measure the longest 8- and 32-GPU plans directly")
     args = parser.parse_args()
     start = time.perf_counter()
+    log = lambda line: print(line, flush=True)  # noqa: E731
     for name in args.models.split(","):
         cfg = load_config(args.recipe, ["--model.name", name])
         usable = cfg.hardware.device_memory_gib - RUNTIME_RESERVE_GIB
-        model = fit(cfg, lambda line: print(line, flush=True))
-        longest = print_table(name, model, usable)
-        if args.check:
-            check(cfg, model, longest, lambda line: print(line, flush=True))
+        model = fit(cfg, log)
+        limits = {(g, off): verify(cfg, model, g, off, usable, log) for g in GPUS for off in (False, True)}
+        print_table(name, model, limits, usable)
     print(f"\n({time.perf_counter() - start:.0f}s; probes on a fake process group, see the module docstring)")
     return 0
 
