@@ -219,8 +219,16 @@ def validate(cfg: Config) -> None:
                           f"got {ck.load_step}.")
     if ck.load_step > 0 and not ck.enable:
         raise RecipeError(f"{where}: checkpoint.load_step = {ck.load_step} needs checkpoint.enable = true.")
+    check_offload(cfg)
     if not cfg.data.corpus:
         raise RecipeError(f"{where}: data.corpus is empty. Use [\"pydoc\"] or local .txt/.jsonl paths.")
+
+
+def check_offload(cfg: Config) -> None:
+    """Offload moves what activation checkpointing keeps: without checkpointing there is nothing to move."""
+    if cfg.activation_checkpoint.offload and cfg.activation_checkpoint.mode == "none":
+        raise RecipeError(f"{cfg.recipe_path}: activation_checkpoint.offload = true needs activation_checkpoint.mode "
+                          f"full, selective or op (it is \"none\"). Set a mode or offload = false.")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -264,6 +264,9 @@ class ActivationCheckpointConfig:
     kernels' outputs and every other matmul's, recompute the rest, so no attention call runs twice)."""
     every: int = 2
     """With mode = selective: checkpoint every k-th block."""
+    offload: bool = False
+    """Move each checkpointed block's input to host memory after its forward and back before its recompute (CUDA:
+    pinned buffers, copies on a side stream overlapping compute). Needs a mode other than none. Exact."""
 
 
 @dataclass

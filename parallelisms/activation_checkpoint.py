@@ -9,19 +9,25 @@
 Recompute runs inside backward, where torch-function modes are not active (autograd does not carry them over).
 Context parallelism routes attention to the ring through such a mode, so every mode re-enters, during recompute,
 the torch-function modes that were active in the block's forward: the recomputed block computes what it computed.
+
+offload: each checkpointed block's input (what checkpointing keeps for its recompute) is moved to host memory after
+the forward and brought back before the recompute (parallelisms/activation_offload.py). The offloader is stored on
+the model as `activation_offloader`, so the dry run can read the host bytes.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.overrides import _get_current_function_mode_stack
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from config import choices
 from config.schema import ActivationCheckpointMode
+from parallelisms.activation_offload import ActivationOffloader
 
 _aten = torch.ops.aten
 ATTENTION_OPS = frozenset({
@@ -72,15 +78,29 @@ def _op_context():
     return forward, _entered([*_get_current_function_mode_stack(), recompute])
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int = 1) -> None:
+def _offloaded_checkpoint(offloader: ActivationOffloader, layer: int, fn, hidden, *args, **kwargs):
+    """torch's non-reentrant checkpoint with the block input saved through the offloader's hooks (the checkpoint
+    saves its inputs under the ambient hooks; inside the block its own hooks take over)."""
+    with offloader.hooks(hidden, layer):
+        return checkpoint(fn, hidden, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int = 1, offload: bool = False) -> None:
     """Wraps the blocks of `model` (a full Llama or a pipeline stage) in place."""
     if mode not in MODES:
         raise ValueError(f"activation checkpoint mode {mode!r} is not one of {MODES}")
     if mode == "none":
+        if offload:
+            raise ValueError("activation offload moves what checkpointing keeps: it needs a checkpoint mode")
         return
+    offloader = ActivationOffloader() if offload else None
+    if offloader is not None:
+        model.activation_offloader = offloader
     for name, block in list(model.layers.items()):
         if mode == "selective" and int(name) % every != 0:
             continue
         context_fn = _op_context if mode == "op" else _full_context
-        wrapped = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
+        checkpoint_fn = functools.partial(_offloaded_checkpoint, offloader, int(name)) if offloader else None
+        wrapped = checkpoint_wrapper(block, checkpoint_fn=checkpoint_fn, context_fn=context_fn,
+                                     preserve_rng_state=False)
         model.layers[name] = wrapped

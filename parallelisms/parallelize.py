@@ -55,7 +55,8 @@ def compile_counters() -> dict:
 def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torch.nn.Module:
     if mesh.dims.tp > 1:
         apply_tp(model, mesh.tp_mesh, uses_loss_parallel(cfg, mesh))
-    apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every)
+    ac = cfg.activation_checkpoint
+    apply_activation_checkpointing(model, ac.mode, ac.every, ac.offload)
     if cfg.training.compile:
         apply_compile(model)
     if uses_fsdp(cfg, mesh):

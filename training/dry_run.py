@@ -8,7 +8,9 @@ checking the change with one more measurement. Exit code 0 when every stage fits
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -49,7 +51,12 @@ class RowResult:
 
     @property
     def peak_gib(self) -> float:
+        """Device memory: offloaded block inputs are not in it (they are `host_gib`)."""
         return self.memory.peak / GIB
+
+    @property
+    def host_gib(self) -> float:
+        return self.memory.host / GIB
 
 
 def ranks_that_matter(dims) -> list[int]:
@@ -108,8 +115,9 @@ def propose_fix(result: RowResult, usable_gib: float) -> tuple[str, Config | Non
                 f"{dims.dp_shard // factor} (same {result.world} GPUs; activations ~1/cp)",
                 _with(cfg, "parallelism", cp=new_cp, dp_shard=dims.dp_shard // factor))
     gpus = result.world * factor // math.gcd(factor, dims.dp_shard)
+    offload = "" if cfg.activation_checkpoint.offload else ", or set activation_checkpoint.offload = true"
     return (f"raise parallelism.cp from {dims.cp} to {new_cp} (activations ~1/cp): that takes about {gpus} GPUs, "
-            f"or shorten training.seq_len by {factor}x", None)
+            f"or shorten training.seq_len by {factor}x{offload}", None)
 
 
 def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[str]:
@@ -134,13 +142,17 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
         f"NCCL buffers = {usable:g} GiB for tensors (hardware.device_memory_gib)",
         f"  {ROOFLINE_STATEMENT}",
     ]
+    if cfg.activation_checkpoint.offload:
+        lines.append("  activation offload: each checkpointed block's input lives in host memory between forward "
+                     "and backward (host GiB; not in the device peak). The host GiB cross PCIe each way per "
+                     "micro-batch, overlapped with compute on a side stream: not in the roofline's step time")
     if cfg.data.document_masking:
         lines.append("  document masking is measured as plain causal attention (an upper bound: masked blocks skip)")
     return lines
 
 
-COLUMNS = ("stage", "seq_len", "cp", "dp_shard", "tp", "pp", "params", "grads", "optim", "activ", "peak GiB", "fits",
-           "step s overlap..serial", "MFU", "tok/s/GPU", "comm GiB")
+COLUMNS = ("stage", "seq_len", "cp", "dp_shard", "tp", "pp", "params", "grads", "optim", "activ", "peak GiB",
+           "host GiB", "fits", "step s overlap..serial", "MFU", "tok/s/GPU", "comm GiB")
 
 
 def _gib(nbytes: float) -> str:
@@ -152,7 +164,7 @@ def _row(result: RowResult, index: int, usable_gib: float) -> list[str]:
     d, m, t = result.dims, result.memory, result.times
     return [f"{index} {result.row.name}", f"{result.row.cfg.training.seq_len:,}", str(d.cp), str(d.dp_shard),
             str(d.tp), str(d.pp), _gib(m.params), _gib(m.grads), _gib(m.optimizer), _gib(m.activations),
-            _gib(m.peak), "yes" if result.peak_gib <= usable_gib else "NO",
+            _gib(m.peak), _gib(m.host), "yes" if result.peak_gib <= usable_gib else "NO",
             f"{t['overlap_s']:.2f}..{t['serial_s']:.2f}",
             f"{100 * t['mfu_overlap']:.0f}%..{100 * t['mfu_serial']:.0f}%", f"{t['tokens_per_gpu_s']:,.0f}",
             f"{t['comm_gib']:.0f}"]
@@ -162,6 +174,21 @@ def format_table(rows: list[list[str]]) -> str:
     table = [list(COLUMNS)] + rows
     widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table)
+
+
+def write_json(cfg: Config, results: list[RowResult], usable_gib: float) -> str:
+    """<dump_folder>/dry_run.json: one entry per stage, for planners and scripts (the table is for people)."""
+    stages = [{"name": r.row.name, "seq_len": r.row.cfg.training.seq_len, "cp": r.dims.cp,
+               "peak_device_gib_per_rank": r.peak_gib, "host_gib_per_rank": r.host_gib,
+               "fits": r.peak_gib <= usable_gib, "world": r.world, "dp_shard": r.dims.dp_shard, "tp": r.dims.tp,
+               "pp": r.dims.pp, "ac_mode": r.row.cfg.activation_checkpoint.mode,
+               "offload": r.row.cfg.activation_checkpoint.offload, "peak_phase": r.memory.peak_phase,
+               "usable_device_gib": usable_gib} for r in results]
+    path = os.path.join(cfg.job.dump_folder, "dry_run.json")
+    os.makedirs(cfg.job.dump_folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"stages": stages}, f, indent=1)
+    return path
 
 
 def run_dry_run(cfg: Config, world: int) -> int:
@@ -181,8 +208,10 @@ def run_dry_run(cfg: Config, world: int) -> int:
     n_layers = recipe_model_config(cfg).n_layers
     print("\n".join(_header(cfg, world, results[0], n_layers)))
     print("  columns: GiB per rank (params/grads/optim = persistent state; activ = the rest of the peak: saved and "
-          "recomputed activations, logits and loss, gathered parameters, comm buffers); comm = bytes sent per step")
+          "recomputed activations, logits and loss, gathered parameters, comm buffers; peak = device memory; host = "
+          "offloaded block inputs in host memory); comm = bytes sent per step")
     print(format_table([_row(r, i + 1, usable) for i, r in enumerate(results)]))
+    print(f"wrote {write_json(cfg, results, usable)}")
     failing = next((i for i, r in enumerate(results) if r.peak_gib > usable), None)
     if failing is None:
         worst = max(results, key=lambda r: r.peak_gib)

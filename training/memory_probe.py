@@ -50,6 +50,8 @@ class RankMemory:
     cp_ring_bytes: float | None
     """Bytes this rank's ring attention sent in one micro-batch (forward, backward and any recomputation)."""
     blocks_measured: tuple[int, ...]
+    host: float = 0.0
+    """Peak bytes of offloaded block inputs in host memory (activation_checkpoint.offload); not part of `peak`."""
 
     @property
     def peak(self) -> float:
@@ -70,7 +72,8 @@ class RankMemory:
         return self.peak - self.state
 
     def agrees_with(self, other: "RankMemory", rel: float = 1e-6) -> bool:
-        names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes")
+        names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes",
+                 "host")
         pairs = [(getattr(self, n), getattr(other, n)) for n in names]
         return all(a == b or abs(a - b) <= rel * max(abs(a), abs(b)) for a, b in pairs if a is not None)
 
@@ -78,7 +81,8 @@ class RankMemory:
         """self measured at d blocks, `deeper` at d + 1: every number is affine in the depth."""
         def line(a, b):
             return None if a is None else a + extra_blocks * (b - a)
-        names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes")
+        names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes",
+                 "host")
         values = {n: line(getattr(self, n), getattr(deeper, n)) for n in names}
         return RankMemory(**values, blocks_measured=self.blocks_measured + deeper.blocks_measured)
 
@@ -152,6 +156,9 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
             # then measure the next (the memory tracker follows one forward/backward at a time).
             step.micro_step(setup, _fake_batch(cfg), global_tokens)
             sent_before = setup.stats.bytes_sent
+        offloader = getattr(model, "activation_offloader", None)  # host copies: byte counts, not device tensors
+        if offloader is not None:
+            offloader.reset_peak()
         with _tracker(model, optimizer) as tracker:
             step.micro_step(setup, _fake_batch(cfg), global_tokens)
             peak_forward_backward = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
@@ -163,7 +170,8 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
             peak_optimizer_step = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
     ring = setup.stats.bytes_sent - sent_before
     return RankMemory(state["params"], state["grads"], state["optimizer"], peak_forward_backward,
-                      peak_optimizer_step, float(ring) if p.cp > 1 else None, (mcfg.n_layers,))
+                      peak_optimizer_step, float(ring) if p.cp > 1 else None, (mcfg.n_layers,),
+                      float(offloader.peak_host_bytes) if offloader is not None else 0.0)
 
 
 def measure_rank(cfg: Config, world_size: int, rank: int = 0) -> RankMemory:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from config import RecipeError
+from config.recipe import check_offload
 from config.schema import Config
 from data.sources import check_sources
 from models.llama import recipe_model_config
@@ -55,6 +56,7 @@ def preflight(cfg: Config, world_size: int):
     if p.tp > 1:
         check_tp_degree(mcfg.n_heads, mcfg.num_kv_heads, p.tp, where=cfg.recipe_path)
     check_sequence_split(cfg)
+    check_offload(cfg)  # a dry run's candidate or a ramp stage is a Config that load_config did not validate
     if p.cp_impl == "ulysses" and p.cp > 1:  # hybrid and auto fall back to what the heads allow
         try:
             kv_replication(mcfg.n_heads // p.tp, mcfg.num_kv_heads // p.tp, p.cp)

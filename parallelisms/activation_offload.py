@@ -1,0 +1,160 @@
+"""Activation offload: the hidden state each checkpointed block keeps for its recompute lives in host memory between
+the block's forward and its backward.
+
+Why this is enough: non-reentrant activation checkpointing stores a block's inputs as saved tensors made under the
+AMBIENT saved-tensor hooks (torch/utils/checkpoint.py, `_CheckpointFrame.save_inputs`), and everything the block saves
+inside its forward goes to checkpoint's own, innermost hooks. So a `saved_tensors_hooks` context around the
+checkpoint call sees exactly the block's inputs: (h, cos, sin). Only `h` is moved: the RoPE tables are shared by every
+block (moving them would free nothing and copy them once per block). Under `op` mode the outputs the policy saves
+(attention, every other matmul) are cached by checkpoint's dispatch mode, not by saved-tensor hooks: they stay on
+the device; only the block input is offloaded, as in `full` and `selective` mode.
+
+The copies run through the device module's streams and events (`torch.cuda` or `torch.cpu`), so CPU runs the same
+code as CUDA; there the streams and events are no-ops and a copy is a plain copy into a separate host buffer.
+On CUDA: host buffers are pinned and reused across steps; device->host copies run on a side stream after the compute
+stream's work so far, and the device tensor is kept referenced until its copy's event completes; when backward
+unpacks block i's input, block i-1's input is brought back on the side stream at once (backward visits blocks in
+reverse), and the compute stream waits on that copy's event before using it.
+
+Under tensor parallelism the plan hands blocks the local (B, S/tp, dim) residual shard (a plain tensor, or the
+lazy AsyncCollectiveTensor of the reduce-scatter, waited for before the copy and returned as a plain tensor); a
+DTensor input is rebuilt with its mesh, placements, shape and stride.
+
+Under fake tensors (the dry run, training/memory_probe.py) nothing is copied: the record keeps shapes and a byte
+count, which `host_bytes` / `peak_host_bytes` report, so the memory tracker sees the device tensor freed and a new
+one allocated when backward needs it, and host memory is reported separately.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+
+
+class _Record:
+    """One offloaded block input: its host copy (or, under fake tensors, only its metadata) and how to rebuild it."""
+    __slots__ = ("size", "stride", "dtype", "device", "nbytes", "dtensor", "host", "fake", "layer", "prev",
+                 "prefetched", "ready", "done", "__weakref__")
+
+
+class ActivationOffloader:
+    """Saved-tensor hooks for checkpointed blocks; one per model (its pinned buffer pool is shared by all blocks)."""
+
+    def __init__(self):
+        self.host_bytes = 0
+        """Bytes of block inputs held in host memory now."""
+        self.peak_host_bytes = 0
+        """The most `host_bytes` has been since the last `reset_peak()`."""
+        self._pool: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        self._in_flight: list[tuple[object, torch.Tensor]] = []  # (event, device tensor) of running copies
+        self._streams: dict[torch.device, object] = {}
+        self._last: weakref.ref | None = None
+
+    def reset_peak(self) -> None:
+        self.peak_host_bytes = self.host_bytes
+
+    def hooks(self, hidden: torch.Tensor, layer: int):
+        """The context to run one block's checkpoint call in: offloads `hidden` (the block input) when it is saved.
+        Autograd keeps the pack hook with every tensor saved under it, so the hook holds `hidden` weakly."""
+        target = weakref.ref(hidden)
+        return torch.autograd.graph.saved_tensors_hooks(lambda x: self._pack(x, target(), layer), self._unpack)
+
+    # ---- forward: device -> host
+    def _pack(self, x: torch.Tensor, hidden: torch.Tensor, layer: int):
+        if x is not hidden:
+            return x  # the RoPE tables: shared by every block, kept where they are
+        local = x._local_tensor if isinstance(x, DTensor) else x
+        if isinstance(local, AsyncCollectiveTensor):  # TP's reduce-scattered residual: wait on the compute stream
+            local = local.wait()
+        rec = _Record()
+        rec.size, rec.stride, rec.dtype, rec.device = local.size(), local.stride(), local.dtype, local.device
+        rec.nbytes = local.numel() * local.element_size()
+        rec.dtensor = (x.device_mesh, x.placements, x.size(), x.stride()) if isinstance(x, DTensor) else None
+        rec.fake, rec.layer, rec.done = is_fake(local), layer, False
+        rec.prefetched = rec.ready = rec.host = None
+        previous = self._last() if self._last is not None else None
+        rec.prev = weakref.ref(previous) if previous is not None and previous.layer < layer else None
+        self._last = weakref.ref(rec)
+        if not rec.fake:
+            self._release_finished()
+            rec.host = self._host_buffer(rec)
+            stream, module = self._side_stream(local.device), torch.get_device_module(local.device)
+            stream.wait_stream(module.current_stream(local.device))  # the tensor is final on the compute stream
+            with module.stream(stream):
+                rec.host.copy_(local, non_blocking=True)
+                event = module.Event()
+                event.record(stream)
+            self._in_flight.append((event, local))  # the device memory stays ours until the copy is done
+            self._release_finished()
+        self.host_bytes += rec.nbytes
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        return rec
+
+    def _host_buffer(self, rec: _Record) -> torch.Tensor:
+        free = self._pool[(rec.size, rec.stride, rec.dtype)]
+        if free:
+            return free.pop()
+        return torch.empty_strided(rec.size, rec.stride, dtype=rec.dtype, device="cpu",
+                                   pin_memory=rec.device.type == "cuda")
+
+    def _release_finished(self) -> None:
+        self._in_flight = [(event, t) for event, t in self._in_flight if not event.query()]
+
+    def _side_stream(self, device: torch.device):
+        if device not in self._streams:
+            module = torch.get_device_module(device)
+            self._streams[device] = module.Stream(device=device) if device.type == "cuda" else module.Stream()
+        return self._streams[device]
+
+    # ---- backward: host -> device
+    def _unpack(self, rec):
+        if not isinstance(rec, _Record):
+            return rec
+        if rec.done:
+            raise RuntimeError("an offloaded block input was unpacked twice (backward with retain_graph=True over "
+                               "checkpointed blocks): set activation_checkpoint.offload = false for that")
+        self._release_finished()
+        if rec.prefetched is None:
+            self._bring_back(rec)
+        local = rec.prefetched
+        if not rec.fake:
+            module = torch.get_device_module(rec.device)
+            compute = module.current_stream(rec.device)
+            compute.wait_event(rec.ready)
+            if rec.device.type == "cuda":  # allocated on the side stream, used and freed on the compute stream
+                local.record_stream(compute)
+        previous = rec.prev() if rec.prev is not None else None
+        if previous is not None and not previous.done and previous.prefetched is None:
+            self._bring_back(previous)  # backward visits blocks in reverse: the next input it needs
+        self._finish(rec)
+        if rec.dtensor is None:
+            return local
+        mesh, placements, size, stride = rec.dtensor
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=size, stride=stride)
+
+    def _bring_back(self, rec: _Record) -> None:
+        """Starts the host -> device copy of `rec` on the side stream (after its device -> host copy, same stream)."""
+        if rec.fake:
+            rec.prefetched = torch.empty_strided(rec.size, rec.stride, dtype=rec.dtype, device=rec.device)
+            return
+        module = torch.get_device_module(rec.device)
+        stream = self._side_stream(rec.device)
+        with module.stream(stream):
+            local = torch.empty_strided(rec.size, rec.stride, dtype=rec.dtype, device=rec.device)
+            local.copy_(rec.host, non_blocking=True)
+            rec.ready = module.Event()
+            rec.ready.record(stream)
+        rec.prefetched = local
+
+    def _finish(self, rec: _Record) -> None:
+        """The host buffer goes back to the pool: a later device -> host copy into it is queued on the same side
+        stream, after this record's host -> device copy."""
+        rec.done, rec.prefetched = True, None
+        if rec.host is not None:
+            self._pool[(rec.size, rec.stride, rec.dtype)].append(rec.host)
+            rec.host = None
+        self.host_bytes -= rec.nbytes
