@@ -2,6 +2,7 @@
 closed-form counts, and the launcher's behaviour (table, named fix, fail-fast without GPUs)."""
 import concurrent.futures
 import multiprocessing
+import json
 import os
 import re
 import subprocess
@@ -195,6 +196,25 @@ def test_1m_tokens_fit_one_8_gpu_node():
     (last,) = [r for r in rows if r["seq_len"] == "1,048,576"]
     assert last["cp"] == "8" and float(last["peak GiB"]) <= 75, rows
     print(done.stdout)
+
+
+@pytest.mark.slow
+def test_2m_tokens_fit_one_8_gpu_node_with_activation_offload(tmp_path):
+    """Issue 15: with the block inputs offloaded to host memory, 2,097,152 tokens on the same 8 GPUs (cp 8, 256K
+    tokens per GPU) peak <= 75 GiB of device memory per rank; the host memory per rank is printed and written."""
+    with open(os.path.join(ROOT, "recipes/llama3_8b_1m_8gpu.toml")) as f:
+        recipe = f.read()
+    single_stage = tmp_path / "llama3_8b_2m_8gpu.toml"  # the 8-GPU recipe without its ramp, one 2M stage
+    single_stage.write_text(recipe[:recipe.index("\n[[ramp]]")] + "\n")
+    done, _ = _run_train(str(single_stage), "--dry-run", "--training.seq_len", "2097152", "--parallelism.cp", "8",
+                         "--parallelism.dp_shard", "1", "--training.tokens_per_step", "2097152",
+                         "--activation_checkpoint.offload", "true", "--job.dump_folder", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    with open(tmp_path / "out" / "dry_run.json") as f:
+        (stage,) = json.load(f)["stages"]
+    print(done.stdout)
+    assert stage["seq_len"] == 2097152 and stage["cp"] == 8 and stage["fits"]
+    assert stage["peak_device_gib_per_rank"] <= 75 and stage["host_gib_per_rank"] > 0, stage
 
 
 @pytest.mark.slow
