@@ -53,6 +53,7 @@ class LiveStorages(TorchDispatchMode):
 
     def __init__(self, existing: list):
         super().__init__()
+        self._existing = existing  # held, so that their ids stay theirs
         self._known = {id(st) for st in existing}
         self._live: dict[int, int] = {}
         self._lock = threading.RLock()  # frees may run on gloo's threads
