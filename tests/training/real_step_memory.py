@@ -57,6 +57,7 @@ class LiveStorages(TorchDispatchMode):
         self._known = {id(st) for st in existing}
         self._live: dict[int, int] = {}
         self._lock = threading.RLock()  # frees may run on gloo's threads
+        self._step_thread = threading.get_ident()
         self.current = self.peak = sum(st.nbytes() for st in existing)
 
     def _add(self, key: int, nbytes: int) -> None:
@@ -98,7 +99,10 @@ class LiveStorages(TorchDispatchMode):
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor run its local ops, which come back here
         out = func(*args, **(kwargs or {}))
-        if active_fake_mode() is None:  # not DTensor's sharding propagation on fake tensors
+        # Not DTensor's sharding propagation on fake tensors, not gloo's worker threads, and not views: a view
+        # allocates nothing, and a storage first seen through one was allocated inside a kernel no op here returned
+        # it from (gloo's reduce-scatter splits its own full-size copy of the input, cp allgather: 1 MiB).
+        if active_fake_mode() is None and threading.get_ident() == self._step_thread and not func.is_view:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
                     self._track(t.untyped_storage())
