@@ -104,16 +104,19 @@ def _real_peaks(rank, world, names):
 
 @pytest.fixture(scope="module")
 def predicted_and_real():
-    """{mesh: (dry-run peak, real peak of rank 0)}: one fresh process for the dry run's measurements, one real launch
-    per world size (1, 2 and 4 ranks)."""
+    """{mesh: (dry-run peak, real peak of rank 0)}: one fresh process for the dry run's measurements, running while
+    the real launches (one per world size: 1, 2 and 4 ranks) do."""
     from tests.distributed import run_ranks
 
-    fake = _in_fresh_process(_fake_peaks, list(PREDICTED_MESHES))
-    real = {}
-    for world in sorted({w for _, w in PREDICTED_MESHES.values()}):
-        names = [n for n, (_, w) in PREDICTED_MESHES.items() if w == world]
-        ranks = run_ranks(_real_peaks, world, args=(names,), timeout=120)
-        real.update({n: ranks[0][n]["peak"] for n in names})
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        fake = pool.submit(_fake_peaks, list(PREDICTED_MESHES))
+        real = {}
+        for world in sorted({w for _, w in PREDICTED_MESHES.values()}):
+            names = [n for n, (_, w) in PREDICTED_MESHES.items() if w == world]
+            ranks = run_ranks(_real_peaks, world, args=(names,), timeout=150)
+            real.update({n: ranks[0][n]["peak"] for n in names})
+        fake = fake.result(timeout=150)
     return {name: (fake[name], real[name]) for name in PREDICTED_MESHES}
 
 
