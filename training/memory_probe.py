@@ -118,8 +118,8 @@ def _sharding_propagation_in_its_own_fake_mode():
     """DTensor derives each op's output shape by running it on global-shape placeholders in `detect_fake_mode() or
     FakeTensorMode()`, uncached under a fake mode. On a real rank that is a throwaway fake mode, which the trackers
     skip; under the probe's FakeTensorMode it is the probe's own mode, so they counted the placeholders as this rank's
-    memory (fp32 tp2: AdamW's foreach ops put full-size copies of every parameter at the peak, 53.5 MiB predicted vs
-    27.3 MiB real). With this the probe's DTensor ops propagate as a real rank's do."""
+    memory (fp32 tp2: AdamW's foreach ops put full-size copies of every parameter at the optimizer step's peak, 53.5
+    MiB predicted vs 27.3 MiB real). With this the probe's DTensor ops propagate as a real rank's do."""
     from torch.distributed.tensor import _sharding_prop
 
     saved = _sharding_prop.detect_fake_mode
