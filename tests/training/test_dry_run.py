@@ -71,45 +71,74 @@ def test_two_depths_extrapolate_exactly_to_the_full_depth():
     assert full["cp_ring_bytes"] == 8 * (kv + kv + 2 * 2 * kv)
 
 
-def _real_step_peak():
-    """The same step on real tensors, peak allocated bytes from torch.profiler's allocation events."""
+SMALL = ["--model.n_layers", "2", "--training.seq_len", "256", "--training.local_batch_size", "2"]
+PREDICTED_MESHES = {  # name: (recipe overrides, world size)
+    "1 rank fp32": (["--parallelism.dp_shard", "1"], 1),
+    "fp32 dp_shard2": (["--parallelism.dp_shard", "2"], 2),
+    "bf16 dp_shard2": (["--parallelism.dp_shard", "2", "--training.dtype", "bfloat16"], 2),
+    "fp32 cp2 ring": (["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.cp_impl", "ring"], 2),
+    "bf16 dp_shard2 x cp2 full AC": (["--parallelism.dp_shard", "2", "--parallelism.cp", "2", "--training.dtype",
+                                      "bfloat16", "--activation_checkpoint.mode", "full"], 4),
+    "fp32 tp2": (["--parallelism.dp_shard", "1", "--parallelism.tp", "2"], 2),
+}
+
+
+def _fake_peaks(names):
+    """The dry run's measurement of every mesh, one after another in this one process (each its own fake group)."""
     sys.path.insert(0, ROOT)
-    import torch
-    import torch.nn.functional as F
-    from torch.profiler import ProfilerActivity, profile
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from training.memory_probe import measure_rank
 
-    from models.llama import Llama, model_config
-
-    torch.set_num_threads(1)
-    mcfg = model_config("debug", n_layers=2)
-    model = Llama(mcfg)
-    model.init_weights(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    ids = torch.randint(0, mcfg.vocab_size, (2, 256))
-    labels, positions = ids.clone(), torch.arange(256).expand(2, 256).clone()
-    persistent = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    persistent += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        logits = model(ids, positions)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / 512
-        loss.backward()
-    current = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        current += event.self_cpu_memory_usage
-        peak = max(peak, current)
-    return persistent + peak + 3 * ids.numel() * 8  # + the batch (ids, labels, positions), made before profiling
+    out = {}
+    for name in names:
+        overrides, world = PREDICTED_MESHES[name]
+        out[name] = measure_rank(_debug_cfg(*SMALL, *overrides), world).peak
+    return out
 
 
-def test_fake_step_peak_matches_real_allocations():
-    """One rank, fp32, no FSDP: the fake-tensor peak equals the real step's peak allocation within 10%."""
-    fake = _in_fresh_process(_probe, ["--model.n_layers", "2", "--training.seq_len", "256",
-                                      "--training.local_batch_size", "2", "--parallelism.dp_shard", "1"], 1, "full")
-    real = _in_fresh_process(_real_step_peak)
-    assert fake["peak_forward_backward"] == pytest.approx(real, rel=0.10)
+def _real_peaks(rank, world, names):
+    """run_ranks body: the same recipes on real tensors and gloo, every mesh of this world size in one launch."""
+    from tests.training.real_step_memory import real_step_peaks
+
+    return {name: real_step_peaks(_debug_cfg(*SMALL, *PREDICTED_MESHES[name][0]), world) for name in names}
+
+
+@pytest.fixture(scope="module")
+def predicted_and_real():
+    """{mesh: (dry-run peak, real peak of rank 0)}: one fresh process for the dry run's measurements, running while
+    the real launches (one per world size: 1, 2 and 4 ranks) do."""
+    from tests.distributed import run_ranks
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        fake = pool.submit(_fake_peaks, list(PREDICTED_MESHES))
+        real = {}
+        for world in sorted({w for _, w in PREDICTED_MESHES.values()}):
+            names = [n for n, (_, w) in PREDICTED_MESHES.items() if w == world]
+            ranks = run_ranks(_real_peaks, world, args=(names,), timeout=150)
+            real.update({n: ranks[0][n]["peak"] for n in names})
+        fake = fake.result(timeout=150)
+    return {name: (fake[name], real[name]) for name in PREDICTED_MESHES}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh", list(PREDICTED_MESHES))
+def test_dry_run_peak_matches_a_real_run(mesh, predicted_and_real):
+    """The dry run's peak (fake process group, fake tensors, FSDPMemTracker) against the same recipe's step run for
+    real on gloo ranks, rank 0 both (tests/training/real_step_memory.py: live tensor storages, gloo's own staging
+    copies not counted since NCCL does not allocate them), debug model, 2 layers, seq 256, local batch 2.
+    Measured (dry run / real, MiB): 1 rank fp32 71.13 / 71.13, fp32 dp_shard2 58.63 / 58.63, bf16 dp_shard2
+    44.50 / 44.50, fp32 cp2 ring 43.96 / 43.96, bf16 dp_shard2 x cp2 full AC 22.68 / 22.68 (0.0 % on these five),
+    fp32 tp2 38.86 / 39.11 (-0.6 %; it was 53.53, +37 %, before the probe kept DTensor's shape propagation out of its
+    fake mode: memory_probe._sharding_propagation_in_its_own_fake_mode).
+    The allocator's own events put the real cp2 meshes 0.16 and 0.12 MiB higher (the CPU attention backward's
+    internal scratch, which no tensor-level count sees). The 3-37 % gaps reported before on these meshes came from the
+    old reference (profiler op events' net memory ordered by start time), not from the dry run. The 15 % bound is the
+    acceptance bar (issue 15), not the error."""
+    predicted, real = predicted_and_real[mesh]
+    print(f"{mesh}: dry run {predicted / 2**20:.2f} MiB, real {real / 2**20:.2f} MiB "
+          f"({predicted - real:+,.0f} bytes, {100 * (predicted - real) / real:+.1f} %)")
+    assert predicted == pytest.approx(real, rel=0.15)
 
 
 def test_roofline_counts_match_closed_forms():
