@@ -83,14 +83,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def _vocab_shard(weight: DTensor) -> tuple[torch.Tensor, int, object]:
-    """(local rows of a vocabulary-sharded weight, the first vocabulary id they hold, the TP process group)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+    """(local rows of a vocabulary-sharded weight, the first vocabulary id they hold, the TP process group).
+    Shard(0) gives rank r rows [r * ceil(V / n), ...), the last ranks fewer (torch.chunk's split)."""
     if len(weight.placements) != 1 or weight.placements[0] != Shard(0):
         raise ValueError(f"chunked loss expects the output weight sharded on the vocabulary over one mesh dim, got "
                          f"{weight.placements}")
-    _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-    return weight.to_local(), int(offset[0]), weight.device_mesh.get_group()
+    mesh = weight.device_mesh
+    rows_per_rank = -(-weight.size(0) // mesh.size())
+    start = min(mesh.get_local_rank() * rows_per_rank, weight.size(0))
+    return weight.to_local(), start, mesh.get_group()
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
