@@ -4,10 +4,11 @@
   can compute exactly.
 - `check_attention_inputs` / `prepare_call`: the input checks and the group, layout and document-shard set-up every
   variant's entry point starts with.
-- `BlockSpec`: what one CP attention call fixes (group, causality, scale, layout, documents); its `tasks` are the
-  blocks a rank computes against one source rank's K/V (ring_plan.py).
-- `block_forward` and `LseAccumulator` (init / merge / finish): blocks computed by the attention kernels and merged
-  through their log-sum-exp in float32. `accumulate_grad` does the same for the backward's dQ / dK / dV.
+- `BlockSpec`: what one CP attention call fixes (group, causality, scale, layout, documents); its `pieces` are the
+  mask-free kernel calls a rank makes against one source rank's K/V (ring_plan.py: blocks cut by documents).
+- `block_forward` and `LseAccumulator` (init / merge / finish): pieces computed by the attention kernels and merged
+  through their log-sum-exp in float32 at their (batch rows, query rows). `accumulate_grad` does the same for the
+  backward's dQ / dK / dV. No kernel ever gets a mask, so CUDA flash serves document-masked runs too.
 - `pack_kv` / `unpack_kv`: K and V in one flat buffer, so one transfer carries both.
 - `LseAttentionFunction`: autograd for a variant given as forward (-> out, lse, kernel auxiliaries) and backward
   from the final out and lse; nothing is recomputed.
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.attention_blocks import choose_block_kernel
-from parallelisms.ring_plan import DocumentShards, MaskedTask, block_tasks, resolve_tasks
+from parallelisms.ring_plan import FULL, DocumentShards, Piece, block_tasks, plain_pieces
 from parallelisms.sequence_sharding import check_load_balancer, check_sequence_length, resolve_group
 
 
@@ -115,28 +116,39 @@ class BlockSpec:
     docs: DocumentShards | None
     stats: CommStats | None
 
-    def tasks(self, rank: int, src: int, size: int, local_len: int, dtype) -> list[MaskedTask]:
-        """The blocks `rank` computes against the K/V of rank `src`, with their document masks."""
-        plain = block_tasks(rank, src, size, local_len, self.load_balancer, self.is_causal)
-        return resolve_tasks(plain, self.docs, rank, src, dtype)
+    def pieces(self, rank: int, src: int, size: int, local_len: int) -> list[Piece]:
+        """The mask-free kernel calls `rank` makes against the K/V of rank `src` (cached per batch with documents)."""
+        tasks = block_tasks(rank, src, size, local_len, self.load_balancer, self.is_causal)
+        if self.docs is None:
+            return plain_pieces(tasks)
+        return self.docs.pieces(rank, src, tasks, local_len)
 
 
-def block_forward(q, k_blk, v_blk, block: MaskedTask, scale):
-    """(out, lse, kernel auxiliaries) of `block`'s query rows against its K/V rows; rows that see no key get out 0 and
-    lse -inf (the kernels give lse 0 there)."""
-    rows = block.task
-    qs = q[:, :, rows.q_rows]
-    ks, vs = k_blk[:, :, rows.kv_rows], v_blk[:, :, rows.kv_rows]
-    kernel = choose_block_kernel(q, block.mask is not None)
-    out, lse, aux = kernel.forward(qs, ks, vs, is_causal=block.is_causal, scale=scale, mask=block.mask)
-    if block.empty_rows is not None:
-        lse = lse.masked_fill(block.empty_rows, float("-inf"))
-        out = out.masked_fill(block.empty_rows[..., None], 0.0)
-    return out, lse, aux
+def rows_of(x: torch.Tensor, batch: slice, rows: slice) -> torch.Tensor:
+    """The (batch rows, all heads, sequence rows) view of a (B, H, L, ...) tensor."""
+    return x[batch, :, rows]
 
 
-def covers_all_rows(block: MaskedTask) -> bool:
-    return block.task.q_rows == slice(None) and block.task.kv_rows == slice(None)
+def block_forward(q, k_blk, v_blk, piece: Piece, scale):
+    """(out, lse, kernel auxiliaries) of `piece`'s query rows against its K/V rows (no mask: pieces are full
+    rectangles or causal squares)."""
+    qs = rows_of(q, piece.batch, piece.q_rows)
+    ks, vs = rows_of(k_blk, piece.batch, piece.kv_rows), rows_of(v_blk, piece.batch, piece.kv_rows)
+    kernel = choose_block_kernel(q, needs_mask=False)
+    return kernel.forward(qs, ks, vs, is_causal=piece.is_causal, scale=scale, mask=None)
+
+
+def block_backward(dout, q, k_blk, v_blk, out, lse, aux, piece: Piece, scale):
+    """(dQ, dK, dV) of one piece against the FINAL out and lse (as `lse_for_backward` prepared it)."""
+    b, rows, kv_rows = piece.batch, piece.q_rows, piece.kv_rows
+    kernel = choose_block_kernel(q, needs_mask=False)
+    return kernel.backward(rows_of(dout, b, rows), rows_of(q, b, rows), rows_of(k_blk, b, kv_rows),
+                           rows_of(v_blk, b, kv_rows), rows_of(out, b, rows), lse[b, :, rows], aux,
+                           is_causal=piece.is_causal, scale=scale, mask=None)
+
+
+def covers_all_rows(piece: Piece) -> bool:
+    return piece.batch == FULL and piece.q_rows == FULL and piece.kv_rows == FULL
 
 
 class LseAccumulator:
@@ -152,17 +164,16 @@ class LseAccumulator:
         self.out = q.new_zeros(q.shape[:-1] + (self.v_dim,), dtype=torch.float32)
         self.lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
 
-    def merge(self, out: torch.Tensor, lse: torch.Tensor, block: MaskedTask) -> None:
-        """Adds a block's (out, lse) into the accumulators at the block's query rows, in place."""
-        if self.out is None and covers_all_rows(block):
+    def merge(self, out: torch.Tensor, lse: torch.Tensor, piece: Piece) -> None:
+        """Adds a piece's (out, lse) into the accumulators at the piece's batch and query rows, in place."""
+        if self.out is None and covers_all_rows(piece):
             # Copies: the kernel outputs may be cached by selective activation checkpointing, and later merges
             # update the accumulators in place.
             self.out, self.lse = out.to(torch.float32, copy=True), lse.to(torch.float32, copy=True)
             return
         if self.out is None:
             self._zeros()
-        rows = block.task.q_rows
-        a_out, a_lse = self.out[:, :, rows], self.lse[:, :, rows]
+        a_out, a_lse = rows_of(self.out, piece.batch, piece.q_rows), self.lse[piece.batch, :, piece.q_rows]
         lse = lse.float()
         new_lse = torch.logaddexp(a_lse, lse)
         ref = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # rows nobody has seen yet stay at zero
@@ -170,8 +181,8 @@ class LseAccumulator:
         a_lse.copy_(new_lse)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output in the query dtype, float32 lse); zeros and -inf when no block was visible anywhere (only
-        possible with document masks on empty rows)."""
+        """(output in the query dtype, float32 lse); rows no piece reached keep 0 and -inf (with documents, rows
+        that see nothing in any block)."""
         if self.out is None:
             self._zeros()
         return self.out.to(self.q.dtype), self.lse
@@ -182,13 +193,15 @@ def lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
-def accumulate_grad(acc: torch.Tensor | None, grad: torch.Tensor, rows: slice, like: torch.Tensor) -> torch.Tensor:
-    """Adds `grad` (for `rows` of `like`) into a float32 accumulator shaped like `like`, created on first use."""
-    if acc is None and rows == slice(None):
+def accumulate_grad(acc: torch.Tensor | None, grad: torch.Tensor, batch: slice, rows: slice,
+                    like: torch.Tensor) -> torch.Tensor:
+    """Adds `grad` (for `batch` x `rows` of `like`) into a float32 accumulator shaped like `like`, created on first
+    use."""
+    if acc is None and batch == FULL and rows == FULL:
         return grad.float()
     if acc is None:
         acc = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
-    acc[:, :, rows] += grad
+    acc[batch, :, rows] += grad
     return acc
 
 
