@@ -152,20 +152,32 @@ def covers_all_rows(piece: Piece) -> bool:
 
 
 class LseAccumulator:
-    """The float32 output and log-sum-exp of this rank's queries, merged block by block."""
+    """The float32 output and log-sum-exp of this rank's queries, merged piece by piece.
+
+    A piece whose (batch, query) rows no earlier piece wrote is copied in instead of merged: with documents most
+    pieces are the first (often the only) visitor of their rows, and the merge's exp/logaddexp passes are then
+    wasted. Which rows were written is kept on the host (no device sync)."""
 
     def __init__(self, q: torch.Tensor, v: torch.Tensor):
         self.q, self.v_dim = q, v.size(-1)
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
+        self.written = torch.zeros(q.size(0), q.size(2), dtype=torch.bool)  # host (B, L_local)
 
     def _zeros(self) -> None:
         q = self.q
         self.out = q.new_zeros(q.shape[:-1] + (self.v_dim,), dtype=torch.float32)
         self.lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
 
+    def _first_visit(self, piece: Piece) -> bool:
+        rows = self.written[piece.batch, piece.q_rows]
+        first = not bool(rows.any())
+        rows.fill_(True)
+        return first
+
     def merge(self, out: torch.Tensor, lse: torch.Tensor, piece: Piece) -> None:
         """Adds a piece's (out, lse) into the accumulators at the piece's batch and query rows, in place."""
+        first = self._first_visit(piece)
         if self.out is None and covers_all_rows(piece):
             # Copies: the kernel outputs may be cached by selective activation checkpointing, and later merges
             # update the accumulators in place.
@@ -174,6 +186,10 @@ class LseAccumulator:
         if self.out is None:
             self._zeros()
         a_out, a_lse = rows_of(self.out, piece.batch, piece.q_rows), self.lse[piece.batch, :, piece.q_rows]
+        if first:
+            a_out.copy_(out)
+            a_lse.copy_(lse)
+            return
         lse = lse.float()
         new_lse = torch.logaddexp(a_lse, lse)
         ref = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # rows nobody has seen yet stay at zero
