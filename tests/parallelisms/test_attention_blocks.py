@@ -132,3 +132,22 @@ def test_flash_only_for_head_dims_it_has_kernels_for():
     """CUDA flash attention stops at head dim 256; larger heads go to the memory-efficient kernel."""
     assert isinstance(kernel_for("cuda", torch.bfloat16, 256, False), CudaFlashBlock)
     assert isinstance(kernel_for("cuda", torch.bfloat16, 512, False), CudaEfficientBlock)
+
+
+def test_document_masked_attention_asks_for_no_mask_so_cuda_flash_serves_it_in_bf16(monkeypatch):
+    """Pieces need no mask: every kernel choice of a document-masked call says so, which on CUDA in bf16 is flash."""
+    import parallelisms.cp_toolkit as toolkit
+    from parallelisms.ring_attention import local_segment_attention
+    asked = []
+
+    def recording(q, needs_mask):
+        asked.append(needs_mask)
+        return kernel_for(q.device.type, q.dtype, q.size(-1), needs_mask)
+
+    monkeypatch.setattr(toolkit, "choose_block_kernel", recording)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 32, 8, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+    docs = torch.tensor([[0] * 5 + [1] * 20 + [2] * 7, [3] * 1 + [4] * 31])
+    local_segment_attention(q, q, q, DocumentShards([docs]), is_causal=True).sum().backward()
+    assert asked and not any(asked)
+    assert isinstance(kernel_for("cuda", torch.bfloat16, 8, False), CudaFlashBlock)
