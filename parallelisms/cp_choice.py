@@ -132,7 +132,8 @@ def announce(choice: CPChoice, asked: str) -> None:
 
 class CPAttention:
     """Sends one `context_parallel` block's SDPA calls to the chosen variant. Plans and document shards (with their
-    pieces) are built at the first call and reused by every layer; `auto` is resolved then too (all ranks see the same heads)."""
+    pieces) are built at the first call and reused by every layer; `auto` is resolved then too (all ranks see the
+    same heads)."""
 
     def __init__(self, cp_impl: str, group: dist.ProcessGroup, load_balancer: str,
                  full_document_ids: torch.Tensor | None, documents: DocumentShards | None,
