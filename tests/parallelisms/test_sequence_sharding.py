@@ -101,12 +101,17 @@ def test_zigzag_off_diagonal_steps_do_half_a_block(size):
 
 
 def _documents_with_singletons(batch, seq_len, gen):
-    """(B, S) ids of consecutive documents: random lengths, with 1-token documents forced in, crossing shards."""
+    """(B, S) ids of consecutive documents: random lengths, with 1-token documents forced in, crossing shards. Two
+    rows reuse ids (a document in several runs): keys of a document before its query run, and (document 0 around
+    1-token documents) runs one shard sees whole and another broken, so a key run ends inside a query run."""
     rows = []
-    for _ in range(batch):
+    for _ in range(batch - 2):
         lengths = torch.randint(1, max(2, seq_len // 3), (seq_len,), generator=gen)
         lengths[::3] = 1
         rows.append(torch.repeat_interleave(torch.arange(seq_len), lengths)[:seq_len])
+    rows.append(rows[-1] % 3)
+    position = torch.arange(seq_len)
+    rows.append(torch.where(position % 7 == 4, 1 + position, 0))
     return torch.stack(rows)
 
 
@@ -129,7 +134,7 @@ def _piece_cover(pieces, batch, local_len):
 def test_document_pieces_cover_exactly_the_visible_pairs_once(balancer, size, is_causal):
     """Union of the pieces == same document (and causal by global position), built densely here; pieces disjoint."""
     gen = torch.Generator().manual_seed(size * 7 + len(balancer))
-    batch, seq_len = 3, 2 * size * 9
+    batch, seq_len = 4, 2 * size * 9
     local_len = seq_len // size
     docs = _documents_with_singletons(batch, seq_len, gen)
     shards = DocumentShards.from_full(docs, size, balancer)
