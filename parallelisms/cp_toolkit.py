@@ -162,7 +162,7 @@ class LseAccumulator:
         self.q, self.v_dim = q, v.size(-1)
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
-        self.written = torch.zeros(q.size(0), q.size(2), dtype=torch.bool)  # host (B, L_local)
+        self.written = torch.zeros(q.size(0), q.size(2), dtype=torch.bool, device="cpu")  # host (B, L_local)
 
     def _zeros(self) -> None:
         q = self.q
