@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.comm import all_gather_single, reduce_scatter_single
-from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAttentionFunction, accumulate_grad,
+from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAttentionFunction, RowBuffer,
                                      block_backward, block_forward, count_sent, lse_for_backward, nbytes, pack_kv,
                                      prepare_call, unpack_kv)
 from parallelisms.ring_plan import FULL, DocumentShards, Piece
@@ -116,7 +116,7 @@ def allgather_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
     lse = lse_for_backward(lse)
     gathered, work = _start_gather(k, v, spec, size, count_as_backward=True)
     blocks = {rank: (k, v)}
-    dq = None
+    dq = RowBuffer(q, q.shape, 0.0)  # float32
     dkv = torch.zeros(size, k.numel() + v.numel(), dtype=torch.float32, device=k.device)
     aux_iter = iter(auxes)
     for phase, sources in enumerate(_phases(rank, size)):
@@ -129,7 +129,7 @@ def allgather_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
             piece = Piece(FULL, fused.piece.q_rows, FULL, fused.piece.is_causal)
             gq, gk, gv = block_backward(dout[b], q[b], k_blk, v_blk, out[b], lse[b], next(aux_iter), piece,
                                         spec.scale)
-            dq = accumulate_grad(dq, gq, b, fused.piece.q_rows, q)
+            dq.add(gq, b, fused.piece.q_rows)
             fused.scatter_grads(dkv, gk, gv, k, v)
     if size > 1:
         mine = dkv.new_empty(dkv.size(1))
@@ -138,9 +138,7 @@ def allgather_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
     else:
         mine = dkv[0]
     dk, dv = unpack_kv(mine, k, v)
-    if dq is None:
-        dq = torch.zeros_like(q, dtype=torch.float32)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.finish().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from parallelisms.comm import RingLinks, wait_all
-from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAttentionFunction, accumulate_grad,
+from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAttentionFunction, RowBuffer,
                                      block_backward, block_forward, count_sent, lse_for_backward, nbytes, pack_kv,
                                      prepare_call, unpack_kv)
 from parallelisms.ring_plan import DocumentShards
@@ -67,7 +67,7 @@ def ring_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
     lse = lse_for_backward(lse)  # (B, Hq, S_local) float32
     if size == 1:
         return _local_backward(dout, q, k, v, out, lse, iter(auxes), spec)
-    dq = None  # (B, Hq, S_local, D) float32, created at the first block
+    dq = RowBuffer(q, q.shape, 0.0)  # (B, Hq, S_local, D) float32
     cur = pack_kv(k, v)  # (K+V,) this step's block
     spare = torch.empty_like(cur)  # (K+V,) the next step's block, in flight
     # (K+V,) float32 accumulators: the one this step adds into, and the one finished last step (being sent on).
@@ -91,7 +91,7 @@ def ring_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
         for piece in spec.pieces(rank, src, size, local_len):
             # dout, q, out (b, Hq, rows, D) and lse (b, Hq, rows) against K/V (b, Hkv, kv_rows, D) of block `src`.
             gq, gk, gv = block_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), piece, spec.scale)
-            dq = accumulate_grad(dq, gq, piece.batch, piece.q_rows, q)
+            dq.add(gq, piece.batch, piece.q_rows)
             kv_grads.append((piece, gk, gv))
         wait_all(pending)  # this block's accumulator has arrived, and the next K/V
         acc_k, acc_v = unpack_kv(dkv[step % 2], k, v)  # (B, Hkv, S_local, D) float32 views
@@ -105,21 +105,18 @@ def ring_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
     wait_all(links.exchange([finished], [own], KV_TAG))
     count_sent(spec.stats, nbytes(finished), backward=True)
     dk, dv = unpack_kv(own, k, v)
-    if dq is None:
-        dq = torch.zeros_like(q, dtype=torch.float32)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.finish().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _local_backward(dout, q, k, v, out, lse, aux_iter, spec: BlockSpec):
     """One rank, no transfers: every piece's gradients go straight into float32 dQ/dK/dV accumulators."""
-    dq = dk = dv = None
+    dq, dk, dv = (RowBuffer(x, x.shape, 0.0) for x in (q, k, v))  # float32
     for piece in spec.pieces(0, 0, 1, q.size(2)):
         gq, gk, gv = block_backward(dout, q, k, v, out, lse, next(aux_iter), piece, spec.scale)
-        dq = accumulate_grad(dq, gq, piece.batch, piece.q_rows, q)
-        dk = accumulate_grad(dk, gk, piece.batch, piece.kv_rows, k)
-        dv = accumulate_grad(dv, gv, piece.batch, piece.kv_rows, v)
-    grads = [torch.zeros_like(x, dtype=torch.float32) if g is None else g for g, x in ((dq, q), (dk, k), (dv, v))]
-    return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+        dq.add(gq, piece.batch, piece.q_rows)
+        dk.add(gk, piece.batch, piece.kv_rows)
+        dv.add(gv, piece.batch, piece.kv_rows)
+    return tuple(g.finish().to(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,
