@@ -9,7 +9,7 @@ compute with fp32 master weights, AdamW, no activation checkpointing, no torch.c
 on the same English text (pydoc, shipped with Python) with a tokenizer of the model's vocabulary each; runs alternate
 (ours, TorchTitan, TorchTitan, ours, ...), each run's tok/s is the median over the steps after --warmup, the best
 run of each side is kept. Same work: TorchTitan 0.3.0 always masks attention by document (flex or varlen), so our
-trainer runs with data.document_masking = true (ring attention at cp 1 with the masked block kernel).
+trainer runs with data.document_masking = true (ring attention at cp 1, per-document pieces on the plain kernels).
 
 MFU: tok/s x FLOPs per token / the GPU's dense bf16 peak (training/hardware.py; H100 SXM 989 TFLOP/s, TorchTitan's
 number too). FLOPs per token = 6 x (parameters without the embedding) + attention. Our trainer counts causal attention

@@ -10,7 +10,10 @@ routed back into the ring by the context-parallel mode):
   its own forward output (`sdpa_output_layout`). K/V heads are expanded for GQA on CUDA. Schemas, layouts and strides
   are checked on meta/CPU tensors in the CPU tiers; the numbers on a GPU by `./run_tests.sh --gpu`.
 Blocks with `is_causal=True` always have Lq == Lk, so top-left (CPU) and bottom-right (CUDA flash) alignment agree.
-Every kernel returns lse as float32 (B, H, Lq).
+Every kernel returns lse as float32 (B, H, Lq). The CP variants never pass a mask: document masking is computed as
+mask-free pieces (ring_plan.py), so half-precision runs with documents get CUDA flash too. The mask path stays for
+callers with a genuinely dense mask. A CUDA varlen kernel (flash's cu_seqlens) could serve all of one block's
+pieces in one call; not used yet (the pieces are separate calls).
 """
 from __future__ import annotations
 

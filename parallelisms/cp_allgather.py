@@ -1,11 +1,11 @@
 """All-gather context parallelism (Llama 3's CP): one all-gather of K/V, then local queries against the whole sequence.
 
-Same layouts, block plan and document masking as the ring (ring_plan.py), but the K/V of every rank arrive in one
-collective instead of P-1 hops. The local (diagonal) block is computed while the gather is in flight. Blocks that
-share their query rows and need no causal mask are concatenated along the keys and computed in ONE kernel call
-(zigzag: at most three calls per rank whatever P is), so the kernels see long, efficient blocks. Backward gathers
-K/V again (nothing P-sized is kept between forward and backward) and returns each block's dK/dV to its owner with a
-reduce-scatter in float32.
+Same layouts, block plan and document pieces as the ring (ring_plan.py), but the K/V of every rank arrive in one
+collective instead of P-1 hops. The local (diagonal) block is computed while the gather is in flight. Pieces that
+share their batch and query rows and are full rectangles are concatenated along the keys and computed in ONE kernel
+call (zigzag without documents: at most three calls per rank whatever P is), so the kernels see long blocks.
+Backward gathers K/V again (nothing P-sized is kept between forward and backward) and returns each block's dK/dV to
+its owner with a reduce-scatter in float32.
 """
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallelisms.attention_blocks import choose_block_kernel
 from parallelisms.comm import all_gather_single, reduce_scatter_single
-from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAttentionFunction, accumulate_grad,
-                                     block_forward, count_sent, lse_for_backward, nbytes, pack_kv, prepare_call,
-                                     unpack_kv)
-from parallelisms.ring_plan import FULL, BlockTask, DocumentShards, MaskedTask
+from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAttentionFunction, RowBuffer,
+                                     block_backward, block_forward, count_sent, lse_for_backward, nbytes, pack_kv,
+                                     prepare_call, unpack_kv)
+from parallelisms.ring_plan import FULL, DocumentShards, Piece
 
 
 def _length(rows: slice, local_len: int) -> int:
@@ -28,62 +27,49 @@ def _length(rows: slice, local_len: int) -> int:
 
 @dataclass
 class FusedBlock:
-    """One kernel call: the query rows of `block` against the concatenated K/V rows of every member block."""
-    block: MaskedTask
-    members: list[tuple[int, slice]]  # (source rank, K/V rows of its block)
+    """One kernel call: `piece`'s batch and query rows against the concatenated K/V rows of every member piece."""
+    piece: Piece  # batch, query rows and causality of the call (kv_rows unused: the members say where keys come from)
+    members: list[tuple[int, slice]]  # (source rank, K/V rows of its piece)
 
     def kv(self, blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        ks = [blocks[src][0][:, :, rows] for src, rows in self.members]
-        vs = [blocks[src][1][:, :, rows] for src, rows in self.members]
+        b = self.piece.batch
+        ks = [blocks[src][0][b, :, rows] for src, rows in self.members]
+        vs = [blocks[src][1][b, :, rows] for src, rows in self.members]
         if len(ks) == 1:
             return ks[0], vs[0]
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
     def scatter_grads(self, dkv: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, k, v) -> None:
         """Adds the concatenated block's dK/dV into the float32 (P, K+V) accumulator at each member's rows."""
-        offset = 0
+        offset, b = 0, self.piece.batch
         for src, rows in self.members:
             n = _length(rows, k.size(2))
             acc_k, acc_v = unpack_kv(dkv[src], k, v)
-            acc_k[:, :, rows] += gk[:, :, offset:offset + n]
-            acc_v[:, :, rows] += gv[:, :, offset:offset + n]
+            acc_k[b, :, rows] += gk[:, :, offset:offset + n]
+            acc_v[b, :, rows] += gv[:, :, offset:offset + n]
             offset += n
 
 
-def _fuse(members: list[tuple[int, MaskedTask]], local_len: int, dtype) -> FusedBlock:
-    """Concatenates non-causal blocks with the same query rows; masks are joined (zeros where a member has none)."""
+def _fuse(members: list[tuple[int, Piece]]) -> FusedBlock:
+    """One kernel call for pieces with the same batch and query rows. Only full rectangles are fused: their key sets
+    are disjoint (pieces never overlap) and each is fully visible, so the concatenation needs no mask."""
     first = members[0][1]
-    if len(members) == 1:
-        task = BlockTask(first.task.q_rows, FULL, first.task.is_causal)
-        return FusedBlock(MaskedTask(task, first.is_causal, first.mask, first.empty_rows),
-                          [(members[0][0], first.task.kv_rows)])
-    n_q = _length(first.task.q_rows, local_len)
-    masks = [m.mask for _, m in members]
-    mask = None
-    if any(m is not None for m in masks):
-        ref = next(m for m in masks if m is not None)
-        mask = torch.cat([m if m is not None else ref.new_zeros(ref.size(0), 1, n_q, _length(j.task.kv_rows, local_len))
-                          for m, (_, j) in zip(masks, members)], dim=-1)
-    empty = None
-    if all(m.empty_rows is not None for _, m in members):
-        empty = members[0][1].empty_rows
-        for _, m in members[1:]:
-            empty = empty & m.empty_rows
-    task = BlockTask(first.task.q_rows, FULL, False)
-    return FusedBlock(MaskedTask(task, False, mask, empty), [(src, m.task.kv_rows) for src, m in members])
+    piece = Piece(first.batch, first.q_rows, FULL, first.is_causal)
+    return FusedBlock(piece, [(src, p.kv_rows) for src, p in members])
 
 
-def plan_blocks(spec: BlockSpec, rank: int, size: int, local_len: int, dtype, sources) -> list[FusedBlock]:
-    """Every block this rank computes against `sources`, non-causal ones fused by query rows (deterministic order)."""
+def plan_blocks(spec: BlockSpec, rank: int, size: int, local_len: int, sources) -> list[FusedBlock]:
+    """Every piece this rank computes against `sources`, full rectangles fused by batch and query rows (deterministic
+    order; zigzag without documents: at most three calls per rank)."""
     causal, by_rows = [], {}
     for src in sources:
-        for block in spec.tasks(rank, src, size, local_len, dtype):
-            if block.is_causal:
-                causal.append(_fuse([(src, block)], local_len, dtype))
+        for piece in spec.pieces(rank, src, size, local_len):
+            if piece.is_causal:
+                causal.append(_fuse([(src, piece)]))
             else:
-                rows = block.task.q_rows.indices(local_len)
-                by_rows.setdefault(rows, []).append((src, block))
-    return causal + [_fuse(members, local_len, dtype) for members in by_rows.values()]
+                key = (piece.batch.indices(1 << 62), piece.q_rows.indices(local_len))
+                by_rows.setdefault(key, []).append((src, piece))
+    return causal + [_fuse(members) for members in by_rows.values()]
 
 
 def _start_gather(k, v, spec: BlockSpec, size: int, count_as_backward: bool):
@@ -113,11 +99,12 @@ def allgather_forward(q, k, v, spec: BlockSpec):
         if phase == 1 and work is not None:
             work.wait()
             blocks.update({src: unpack_kv(gathered[src], k, v) for src in sources})
-        for fused in plan_blocks(spec, rank, size, local_len, q.dtype, sources):
-            k_blk, v_blk = fused.kv(blocks)
-            out, lse, aux = block_forward(q, k_blk, v_blk, fused.block, spec.scale)
+        for fused in plan_blocks(spec, rank, size, local_len, sources):
+            k_blk, v_blk = fused.kv(blocks)  # already cut to the piece's batch and key rows
+            piece = Piece(FULL, fused.piece.q_rows, FULL, fused.piece.is_causal)
+            out, lse, aux = block_forward(q[fused.piece.batch], k_blk, v_blk, piece, spec.scale)
             auxes.append(aux)
-            acc.merge(out, lse, fused.block)
+            acc.merge(out, lse, fused.piece)
     if spec.stats is not None:
         spec.stats.calls += 1
     return (*acc.finish(), auxes)
@@ -129,21 +116,20 @@ def allgather_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
     lse = lse_for_backward(lse)
     gathered, work = _start_gather(k, v, spec, size, count_as_backward=True)
     blocks = {rank: (k, v)}
-    dq = None
+    dq = RowBuffer(q, q.shape, 0.0)  # float32
     dkv = torch.zeros(size, k.numel() + v.numel(), dtype=torch.float32, device=k.device)
     aux_iter = iter(auxes)
     for phase, sources in enumerate(_phases(rank, size)):
         if phase == 1 and work is not None:
             work.wait()
             blocks.update({src: unpack_kv(gathered[src], k, v) for src in sources})
-        for fused in plan_blocks(spec, rank, size, local_len, q.dtype, sources):
-            block, rows = fused.block, fused.block.task.q_rows
+        for fused in plan_blocks(spec, rank, size, local_len, sources):
+            b = fused.piece.batch
             k_blk, v_blk = fused.kv(blocks)
-            kernel = choose_block_kernel(q, block.mask is not None)
-            gq, gk, gv = kernel.backward(dout[:, :, rows], q[:, :, rows], k_blk, v_blk, out[:, :, rows],
-                                         lse[:, :, rows], next(aux_iter), is_causal=block.is_causal,
-                                         scale=spec.scale, mask=block.mask)
-            dq = accumulate_grad(dq, gq, rows, q)
+            piece = Piece(FULL, fused.piece.q_rows, FULL, fused.piece.is_causal)
+            gq, gk, gv = block_backward(dout[b], q[b], k_blk, v_blk, out[b], lse[b], next(aux_iter), piece,
+                                        spec.scale)
+            dq.add(gq, b, fused.piece.q_rows)
             fused.scatter_grads(dkv, gk, gv, k, v)
     if size > 1:
         mine = dkv.new_empty(dkv.size(1))
@@ -152,9 +138,7 @@ def allgather_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
     else:
         mine = dkv[0]
     dk, dv = unpack_kv(mine, k, v)
-    if dq is None:
-        dq = torch.zeros_like(q, dtype=torch.float32)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.finish().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from parallelisms.cp_allgather import allgather_attention
 from parallelisms.cp_hybrid import check_hybrid, hybrid_attention, hybrid_groups, hybrid_plan, ring_documents
-from parallelisms.cp_ulysses import document_mask, global_order_plan, ulysses_attention, ulysses_feasible
+from parallelisms.cp_ulysses import document_segments, global_order_plan, ulysses_attention, ulysses_feasible
 from parallelisms.cp_toolkit import CommStats
 from parallelisms.ring_attention import ring_attention
 from parallelisms.ring_plan import DocumentShards
@@ -90,9 +90,11 @@ def choose_cp_impl(topology: Topology, q_heads: int, kv_heads: int, load_balance
 
     1. cp = 1: ring (no communication at all).
     2. CP spanning nodes: hybrid, Ulysses over the in-node ranks (USP), ring across nodes.
-    3. One node: Ulysses when the heads split over the ranks, no document mask is needed (Ulysses would build a
-       dense S x S one) and it sends less than ULYSSES_MAX_BYTE_RATIO of the ring's bytes (it then also runs one
-       full-length kernel per rank, without log-sum-exp merges). Otherwise the ring, which overlaps its transfers
+    3. One node: Ulysses when the heads split over the ranks, there are no documents (with documents both cut the
+       work into the same per-document pieces, so Ulysses loses its one full-length kernel, and the ring skips the
+       K/V blocks documents cannot reach; not re-measured since masks became pieces) and it sends less than
+       ULYSSES_MAX_BYTE_RATIO of the ring's bytes (it then also runs one full-length kernel per rank, without
+       log-sum-exp merges). Otherwise the ring, which overlaps its transfers
        with compute and needs no extra copies. All-gather is never picked: it was never the fastest here.
     """
     p = topology.cp_size
@@ -110,8 +112,8 @@ def choose_cp_impl(topology: Topology, q_heads: int, kv_heads: int, load_balance
         if not ulysses_feasible(q_heads, kv_heads, p):
             choice = CPChoice("ring", None, f"{sizes}: the heads do not split for Ulysses")
         elif has_documents:
-            choice = CPChoice("ring", None, f"{sizes}, document masking: the ring skips blocks of documents that "
-                                            "cannot meet, Ulysses would need a dense mask")
+            choice = CPChoice("ring", None, f"{sizes}, document masking: both compute per-document pieces, "
+                                            "Ulysses would lose its one full-length kernel")
         elif ulysses < ULYSSES_MAX_BYTE_RATIO * ring:
             choice = CPChoice("ulysses", None, f"{sizes}: Ulysses sends {ulysses / ring:.2f}x the ring's bytes and "
                                                "runs one full-length kernel per rank")
@@ -129,8 +131,9 @@ def announce(choice: CPChoice, asked: str) -> None:
 
 
 class CPAttention:
-    """Sends one `context_parallel` block's SDPA calls to the chosen variant. Plans, masks and document shards are
-    built at the first call and reused by every layer; `auto` is resolved then too (all ranks see the same heads)."""
+    """Sends one `context_parallel` block's SDPA calls to the chosen variant. Plans and document shards (with their
+    pieces) are built at the first call and reused by every layer; `auto` is resolved then too (all ranks see the
+    same heads)."""
 
     def __init__(self, cp_impl: str, group: dist.ProcessGroup, load_balancer: str,
                  full_document_ids: torch.Tensor | None, documents: DocumentShards | None,
@@ -177,11 +180,10 @@ class CPAttention:
             return allgather_attention(q, k, v, self.group, _documents=self.documents, **common)
         if choice.impl == "ulysses":
             plan = self._cached(("plan", seq_len), lambda: global_order_plan(self.group, seq_len, self.load_balancer))
-            mask = None
+            segments = None
             if self.full_document_ids is not None:
-                mask = self._cached(("mask", is_causal, q.dtype),
-                                    lambda: document_mask(self.full_document_ids, is_causal, q.dtype))
-            return ulysses_attention(q, k, v, self.group, _plan=plan, _mask=mask, **common)
+                segments = self._cached("segments", lambda: document_segments(self.full_document_ids))
+            return ulysses_attention(q, k, v, self.group, _plan=plan, _documents=segments, **common)
         degree = choice.ulysses_degree
         ulysses_group = hybrid_groups(self.group, degree)[0]
         plan = self._cached(("plan", seq_len), lambda: hybrid_plan(ulysses_group, seq_len, dist.get_rank(self.group),

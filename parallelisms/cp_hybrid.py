@@ -63,7 +63,7 @@ def hybrid_plan(ulysses_group: dist.ProcessGroup, seq_len: int, cp_rank: int, cp
 
 
 def ring_documents(full_ids: torch.Tensor, cp_size: int, ulysses_degree: int, load_balancer: str) -> DocumentShards:
-    """Document ids of every ring rank in its local order (what the inner ring masks against)."""
+    """Document ids of every ring rank in its local order (what the inner ring cuts its pieces from)."""
     return DocumentShards.from_full(full_ids, cp_size // ulysses_degree, load_balancer)
 
 

@@ -4,10 +4,11 @@
   can compute exactly.
 - `check_attention_inputs` / `prepare_call`: the input checks and the group, layout and document-shard set-up every
   variant's entry point starts with.
-- `BlockSpec`: what one CP attention call fixes (group, causality, scale, layout, documents); its `tasks` are the
-  blocks a rank computes against one source rank's K/V (ring_plan.py).
-- `block_forward` and `LseAccumulator` (init / merge / finish): blocks computed by the attention kernels and merged
-  through their log-sum-exp in float32. `accumulate_grad` does the same for the backward's dQ / dK / dV.
+- `BlockSpec`: what one CP attention call fixes (group, causality, scale, layout, documents); its `pieces` are the
+  mask-free kernel calls a rank makes against one source rank's K/V (ring_plan.py: blocks cut by documents).
+- `block_forward` and `LseAccumulator` (init / merge / finish): pieces computed by the attention kernels and merged
+  through their log-sum-exp in float32 at their (batch rows, query rows). `RowBuffer` accumulates the backward's
+  dQ / dK / dV the same way. No kernel ever gets a mask, so CUDA flash serves document-masked runs too.
 - `pack_kv` / `unpack_kv`: K and V in one flat buffer, so one transfer carries both.
 - `LseAttentionFunction`: autograd for a variant given as forward (-> out, lse, kernel auxiliaries) and backward
   from the final out and lse; nothing is recomputed.
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.attention_blocks import choose_block_kernel
-from parallelisms.ring_plan import DocumentShards, MaskedTask, block_tasks, resolve_tasks
+from parallelisms.ring_plan import FULL, DocumentShards, Piece, block_tasks, plain_pieces
 from parallelisms.sequence_sharding import check_load_balancer, check_sequence_length, resolve_group
 
 
@@ -115,54 +116,125 @@ class BlockSpec:
     docs: DocumentShards | None
     stats: CommStats | None
 
-    def tasks(self, rank: int, src: int, size: int, local_len: int, dtype) -> list[MaskedTask]:
-        """The blocks `rank` computes against the K/V of rank `src`, with their document masks."""
-        plain = block_tasks(rank, src, size, local_len, self.load_balancer, self.is_causal)
-        return resolve_tasks(plain, self.docs, rank, src, dtype)
+    def pieces(self, rank: int, src: int, size: int, local_len: int) -> list[Piece]:
+        """The mask-free kernel calls `rank` makes against the K/V of rank `src` (cached per batch with documents)."""
+        tasks = block_tasks(rank, src, size, local_len, self.load_balancer, self.is_causal)
+        if self.docs is None:
+            return plain_pieces(tasks)
+        return self.docs.pieces(rank, src, tasks, local_len)
 
 
-def block_forward(q, k_blk, v_blk, block: MaskedTask, scale):
-    """(out, lse, kernel auxiliaries) of `block`'s query rows against its K/V rows; rows that see no key get out 0 and
-    lse -inf (the kernels give lse 0 there)."""
-    rows = block.task
-    qs = q[:, :, rows.q_rows]
-    ks, vs = k_blk[:, :, rows.kv_rows], v_blk[:, :, rows.kv_rows]
-    kernel = choose_block_kernel(q, block.mask is not None)
-    out, lse, aux = kernel.forward(qs, ks, vs, is_causal=block.is_causal, scale=scale, mask=block.mask)
-    if block.empty_rows is not None:
-        lse = lse.masked_fill(block.empty_rows, float("-inf"))
-        out = out.masked_fill(block.empty_rows[..., None], 0.0)
-    return out, lse, aux
+def rows_of(x: torch.Tensor, batch: slice, rows: slice) -> torch.Tensor:
+    """The (batch rows, all heads, sequence rows) view of a (B, H, L, ...) tensor."""
+    return x[batch, :, rows]
 
 
-def covers_all_rows(block: MaskedTask) -> bool:
-    return block.task.q_rows == slice(None) and block.task.kv_rows == slice(None)
+def block_forward(q, k_blk, v_blk, piece: Piece, scale):
+    """(out, lse, kernel auxiliaries) of `piece`'s query rows against its K/V rows (no mask: pieces are full
+    rectangles or causal squares)."""
+    qs = rows_of(q, piece.batch, piece.q_rows)
+    ks, vs = rows_of(k_blk, piece.batch, piece.kv_rows), rows_of(v_blk, piece.batch, piece.kv_rows)
+    kernel = choose_block_kernel(q, needs_mask=False)
+    return kernel.forward(qs, ks, vs, is_causal=piece.is_causal, scale=scale, mask=None)
+
+
+def block_backward(dout, q, k_blk, v_blk, out, lse, aux, piece: Piece, scale):
+    """(dQ, dK, dV) of one piece against the FINAL out and lse (as `lse_for_backward` prepared it)."""
+    b, rows, kv_rows = piece.batch, piece.q_rows, piece.kv_rows
+    kernel = choose_block_kernel(q, needs_mask=False)
+    return kernel.backward(rows_of(dout, b, rows), rows_of(q, b, rows), rows_of(k_blk, b, kv_rows),
+                           rows_of(v_blk, b, kv_rows), rows_of(out, b, rows), lse[b, :, rows], aux,
+                           is_causal=piece.is_causal, scale=scale, mask=None)
+
+
+def covers_all_rows(piece: Piece) -> bool:
+    return piece.batch == FULL and piece.q_rows == FULL and piece.kv_rows == FULL
+
+
+def _unwritten_runs(written: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(batch row, start, end) of the runs of False in a host (B, L) bool tensor."""
+    runs = []
+    for b, row in enumerate(written):
+        edges = torch.diff(row.to(torch.int8), prepend=row.new_ones(1, dtype=torch.int8),
+                           append=row.new_ones(1, dtype=torch.int8)).nonzero().flatten().tolist()
+        runs += [(b, edges[i], edges[i + 1]) for i in range(0, len(edges), 2)]
+    return runs
+
+
+class RowBuffer:
+    """A float32 (B, H, L, ...) buffer written piece by piece at (batch rows, sequence rows) and left uninitialised
+    until then: a row's first piece is copied in, later ones add to it, rows no piece wrote get `fill` at the end.
+    With documents nearly every row has exactly one piece, so one copy replaces a fill pass plus an add pass. Which
+    rows were written is kept on the host (no device sync)."""
+
+    def __init__(self, like: torch.Tensor, shape, fill: float):
+        self.like, self.shape, self.fill = like, tuple(shape), fill
+        self.data: torch.Tensor | None = None
+        self.written = torch.zeros(self.shape[0], self.shape[2], dtype=torch.bool, device="cpu")
+
+    def view(self, batch: slice, rows: slice) -> torch.Tensor:
+        return self.data[batch, :, rows]
+
+    def claim(self, batch: slice, rows: slice) -> bool:
+        """Marks the rows written; True when none was before (the caller copies), else the caller accumulates (rows
+        of the region not written before are set to `fill` first)."""
+        if self.data is None:
+            self.data = torch.empty(self.shape, dtype=torch.float32, device=self.like.device)
+        region = self.written[batch, rows]
+        new = not bool(region.any())
+        if not new and not bool(region.all()):
+            b0, r0 = batch.indices(self.shape[0])[0], rows.indices(self.shape[2])[0]
+            for b, a, e in _unwritten_runs(region):
+                self.data[b0 + b, :, r0 + a:r0 + e].fill_(self.fill)
+        region.fill_(True)
+        return new
+
+    def adopt(self, value: torch.Tensor) -> None:
+        """The whole buffer at once (a piece over every row, written first)."""
+        self.data = value
+        self.written.fill_(True)
+
+    def add(self, grad: torch.Tensor, batch: slice, rows: slice) -> None:
+        if self.data is None and batch == FULL and rows == FULL:
+            self.adopt(grad.float())
+        elif self.claim(batch, rows):
+            self.view(batch, rows).copy_(grad)
+        else:
+            self.view(batch, rows).add_(grad)
+
+    def finish(self) -> torch.Tensor:
+        if self.data is None:
+            return torch.full(self.shape, self.fill, dtype=torch.float32, device=self.like.device)
+        for b, a, e in _unwritten_runs(self.written):
+            self.data[b, :, a:e].fill_(self.fill)
+        return self.data
 
 
 class LseAccumulator:
-    """The float32 output and log-sum-exp of this rank's queries, merged block by block."""
+    """The float32 output and log-sum-exp of this rank's queries, merged piece by piece (a row's first piece is
+    copied in: see RowBuffer)."""
 
     def __init__(self, q: torch.Tensor, v: torch.Tensor):
-        self.q, self.v_dim = q, v.size(-1)
-        self.out: torch.Tensor | None = None
-        self.lse: torch.Tensor | None = None
+        self.q = q
+        self.out = RowBuffer(q, q.shape[:-1] + (v.size(-1),), 0.0)
+        self.lse = RowBuffer(q, q.shape[:-1], float("-inf"))
 
-    def _zeros(self) -> None:
-        q = self.q
-        self.out = q.new_zeros(q.shape[:-1] + (self.v_dim,), dtype=torch.float32)
-        self.lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
-
-    def merge(self, out: torch.Tensor, lse: torch.Tensor, block: MaskedTask) -> None:
-        """Adds a block's (out, lse) into the accumulators at the block's query rows, in place."""
-        if self.out is None and covers_all_rows(block):
+    def merge(self, out: torch.Tensor, lse: torch.Tensor, piece: Piece) -> None:
+        """Adds a piece's (out, lse) into the accumulators at the piece's batch and query rows, in place."""
+        if self.out.data is None and covers_all_rows(piece):
             # Copies: the kernel outputs may be cached by selective activation checkpointing, and later merges
             # update the accumulators in place.
-            self.out, self.lse = out.to(torch.float32, copy=True), lse.to(torch.float32, copy=True)
+            self.out.adopt(out.to(torch.float32, copy=True))
+            self.lse.adopt(lse.to(torch.float32, copy=True))
             return
-        if self.out is None:
-            self._zeros()
-        rows = block.task.q_rows
-        a_out, a_lse = self.out[:, :, rows], self.lse[:, :, rows]
+        b, rows = piece.batch, piece.q_rows
+        new = self.out.claim(b, rows)
+        self.lse.claim(b, rows)
+        a_out, a_lse = self.out.view(b, rows), self.lse.view(b, rows)
+        if new:
+            a_out.copy_(out)
+            a_lse.copy_(lse)
+            return
         lse = lse.float()
         new_lse = torch.logaddexp(a_lse, lse)
         ref = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # rows nobody has seen yet stay at zero
@@ -170,26 +242,14 @@ class LseAccumulator:
         a_lse.copy_(new_lse)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output in the query dtype, float32 lse); zeros and -inf when no block was visible anywhere (only
-        possible with document masks on empty rows)."""
-        if self.out is None:
-            self._zeros()
-        return self.out.to(self.q.dtype), self.lse
+        """(output in the query dtype, float32 lse); rows no piece reached get 0 and -inf (with documents, rows
+        that see nothing in any block)."""
+        return self.out.finish().to(self.q.dtype), self.lse.finish()
 
 
 def lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
     """Rows that saw nothing get lse +inf, so the kernels' exp(score - lse) is 0 there, not NaN."""
     return lse.masked_fill(lse == float("-inf"), float("inf"))
-
-
-def accumulate_grad(acc: torch.Tensor | None, grad: torch.Tensor, rows: slice, like: torch.Tensor) -> torch.Tensor:
-    """Adds `grad` (for `rows` of `like`) into a float32 accumulator shaped like `like`, created on first use."""
-    if acc is None and rows == slice(None):
-        return grad.float()
-    if acc is None:
-        acc = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
-    acc[:, :, rows] += grad
-    return acc
 
 
 class LseAttentionFunction(torch.autograd.Function):

@@ -3,7 +3,8 @@
 Each rank starts with all heads of its S/P tokens and, after one all-to-all of Q, K and V together, holds H/P heads of
 the whole sequence in global order; plain SDPA runs on them and a second all-to-all brings the output back. Its
 bytes per rank do not shrink with P (ring's K/V do), and its degree is capped by the heads, but the attention itself
-is one full-length kernel call with no log-sum-exp merges.
+is one full-length kernel call with no log-sum-exp merges. With documents the attention after the all-to-all is the
+ring's at P = 1 (`local_segment_attention`): mask-free pieces per document, never an (S, S) mask.
 
 GQA: K/V heads are split too. When the degree does not divide the K/V heads, each K/V head is replicated just enough
 (to lcm(kv_heads, P) heads) that every rank gets whole groups; its gradients fold back through autograd. The query
@@ -21,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallelisms.cp_toolkit import CommStats, UnsupportedAttentionError, check_attention_inputs, count_sent, nbytes
+from parallelisms.ring_attention import local_segment_attention
+from parallelisms.ring_plan import DocumentShards
 from parallelisms.sequence_sharding import (check_load_balancer, check_sequence_length, local_positions,
                                             resolve_group, unshard_sequence)
 
@@ -187,16 +190,10 @@ def replicate_kv(k: torch.Tensor, v: torch.Tensor, q_heads: int, degree: int):
     return k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
 
 
-def document_mask(full_ids: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> torch.Tensor | None:
-    """Float additive (B, 1, S, S) mask keeping each token inside its document; None when every row is one document.
-    Every row sees at least itself, so no row is fully masked."""
-    if bool((full_ids == full_ids[:, :1]).all()):
-        return None
-    allowed = full_ids[:, :, None] == full_ids[:, None, :]
-    if is_causal:
-        allowed &= torch.ones(allowed.shape[-2:], dtype=torch.bool, device=allowed.device).tril()
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, float("-inf"))[:, None]
+def document_segments(full_ids: torch.Tensor) -> DocumentShards:
+    """The documents of the whole sequence in global order (what each rank attends over after the all-to-all), as
+    one shard: its pieces are cut once and reused by every layer."""
+    return DocumentShards([full_ids])
 
 
 def global_order_plan(group: dist.ProcessGroup, seq_len: int, load_balancer: str) -> ExchangePlan:
@@ -209,12 +206,13 @@ def global_order_plan(group: dist.ProcessGroup, seq_len: int, load_balancer: str
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,
                       scale: float | None = None, load_balancer: str = "zigzag",
                       document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
-                      _plan: ExchangePlan | None = None, _mask=None) -> torch.Tensor:
+                      _plan: ExchangePlan | None = None, _documents: DocumentShards | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries (same inputs and layouts as `ring_attention`).
 
     q: (B, Hq, S_local, D); k, v: (B, Hkv, S_local, D), sharded by `load_balancer`. Hq must split over the group
     (see `kv_replication`). `document_ids` (B, S_local), sharded like the tokens, keeps attention inside documents.
-    `_plan` / `_mask` let `context_parallel` build the exchange plan and the document mask once for all layers.
+    `_plan` / `_documents` let `context_parallel` build the exchange plan and `document_segments` once for all
+    layers.
     """
     pg = resolve_group(group)
     check_load_balancer(load_balancer)
@@ -223,18 +221,16 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     check_sequence_length(seq_len, size, load_balancer)
     check_attention_inputs(q, k, v, document_ids)
     plan = _plan or global_order_plan(pg, seq_len, load_balancer)
-    mask = _mask
-    if mask is None and document_ids is not None:
-        mask = document_mask(unshard_sequence(document_ids, 1, pg, load_balancer), is_causal, q.dtype)
+    docs = _documents
+    if docs is None and document_ids is not None:
+        docs = document_segments(unshard_sequence(document_ids, 1, pg, load_balancer))
     k, v = replicate_kv(k, v, q.size(1), size)
     qh, kh, vh = exchange_seq_to_heads(plan, q, k, v, stats=stats)
-    if mask is not None and kh.size(1) != qh.size(1):
-        # CUDA's memory-efficient kernel is the fused one that takes a mask, and it has no GQA (flash takes no mask):
-        # give it whole heads, or SDPA falls back to the math backend and its S x S scores.
-        groups = qh.size(1) // kh.size(1)
-        kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal and mask is None,
-                                         scale=scale, enable_gqa=kh.size(1) != qh.size(1))
+    if docs is not None:
+        out = local_segment_attention(qh, kh, vh, docs, is_causal=is_causal, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, scale=scale,
+                                             enable_gqa=kh.size(1) != qh.size(1))
     if stats is not None:
         stats.calls += 1
     return exchange_heads_to_seq(plan, out, stats=stats)[0]

@@ -4,26 +4,36 @@ Forward: at step s a rank holds the K/V of rank (r - s) mod P; the transfer of t
 current block is computed (double buffer). Backward (custom autograd function): dQ accumulates locally; K/V travel the
 ring again together with float32 dK/dV accumulators, and one last hop returns each accumulator to the rank that owns
 the block. Every block backward uses the final output and log-sum-exp; nothing else is recomputed. P = 1 runs the same
-code with no transfers. The shared parts (block spec, accumulator, packing, autograd) are in cp_toolkit.py.
+code with no transfers; so does `local_segment_attention` (no group at all: Ulysses after its all-to-all). With
+documents every block is computed as mask-free pieces (ring_plan.py). The shared parts (block spec, accumulator,
+packing, autograd) are in cp_toolkit.py.
 """
 from __future__ import annotations
 
 import torch
 
-from parallelisms.attention_blocks import choose_block_kernel
 from parallelisms.comm import RingLinks, wait_all
-from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAttentionFunction, accumulate_grad,
-                                     block_forward, count_sent, lse_for_backward, nbytes, pack_kv, prepare_call,
-                                     unpack_kv)
+from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAttentionFunction, RowBuffer,
+                                     block_backward, block_forward, count_sent, lse_for_backward, nbytes, pack_kv,
+                                     prepare_call, unpack_kv)
 from parallelisms.ring_plan import DocumentShards
 
 KV_TAG = 0
 
 
+class _NoLinks:
+    """The ring of one rank without a process group (`local_segment_attention`): nothing is ever exchanged."""
+    size, rank = 1, 0
+
+
+def _links(spec: BlockSpec):
+    return RingLinks(spec.group) if spec.group is not None else _NoLinks()
+
+
 def ring_forward(q, k, v, spec: BlockSpec):
     """q (B, Hq, S_local, D) against every rank's k, v (B, Hkv, S_local, D) -> (out, float32 lse (B, Hq, S_local),
     the kernels' auxiliaries per block, in compute order)."""
-    links = RingLinks(spec.group)
+    links = _links(spec)
     size, rank, local_len = links.size, links.rank, q.size(2)
     acc = LseAccumulator(q, v)
     auxes = []
@@ -36,10 +46,10 @@ def ring_forward(q, k, v, spec: BlockSpec):
             pending = links.exchange([cur], [spare], KV_TAG)
             count_sent(spec.stats, nbytes(cur))
         k_blk, v_blk = (k, v) if step == 0 else unpack_kv(cur, k, v)
-        for block in spec.tasks(rank, src, size, local_len, q.dtype):
-            out, lse, aux = block_forward(q, k_blk, v_blk, block, spec.scale)
+        for piece in spec.pieces(rank, src, size, local_len):
+            out, lse, aux = block_forward(q, k_blk, v_blk, piece, spec.scale)
             auxes.append(aux)
-            acc.merge(out, lse, block)
+            acc.merge(out, lse, piece)
         wait_all(pending)
         cur, spare = spare, cur
     if spec.stats is not None:
@@ -52,15 +62,17 @@ def ring_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
     rank that held it at step s - 1. Each step posts ONE group: the accumulator finished last step goes to the next
     rank while this block's arrives from the previous one, together with the K/V hop (NCCL's grouping rule,
     parallelisms/comm.py). A last hop returns every accumulator to the rank that owns its block."""
-    links = RingLinks(spec.group)
+    links = _links(spec)
     size, rank, local_len = links.size, links.rank, q.size(2)
     lse = lse_for_backward(lse)  # (B, Hq, S_local) float32
-    dq = None  # (B, Hq, S_local, D) float32, created at the first block
-    cur = pack_kv(k, v) if size > 1 else None  # (K+V,) this step's block
-    spare = torch.empty_like(cur) if size > 1 else None  # (K+V,) the next step's block, in flight
+    if size == 1:
+        return _local_backward(dout, q, k, v, out, lse, iter(auxes), spec)
+    dq = RowBuffer(q, q.shape, 0.0)  # (B, Hq, S_local, D) float32
+    cur = pack_kv(k, v)  # (K+V,) this step's block
+    spare = torch.empty_like(cur)  # (K+V,) the next step's block, in flight
     # (K+V,) float32 accumulators: the one this step adds into, and the one finished last step (being sent on).
     dkv = [torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device),
-           torch.empty(k.numel() + v.numel(), dtype=torch.float32, device=k.device)] if size > 1 else None
+           torch.empty(k.numel() + v.numel(), dtype=torch.float32, device=k.device)]
     aux_iter = iter(auxes)
     for step in range(size):
         src = (rank - step) % size
@@ -75,38 +87,36 @@ def ring_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
         for buf in sends:
             count_sent(spec.stats, nbytes(buf), backward=True)
         k_blk, v_blk = (k, v) if step == 0 else unpack_kv(cur, k, v)  # (B, Hkv, S_local, D) each, of rank `src`
-        kv_grads = []  # (kv_rows, dK (B, Hkv, kv_rows, D), dV (B, Hkv, kv_rows, D)) per block
-        for block in spec.tasks(rank, src, size, local_len, q.dtype):
-            kernel = choose_block_kernel(q, block.mask is not None)
-            rows, kv_rows = block.task.q_rows, block.task.kv_rows
-            # dout, q, out (B, Hq, rows, D) and lse (B, Hq, rows) against K/V (B, Hkv, kv_rows, D) of block `src`.
-            gq, gk, gv = kernel.backward(dout[:, :, rows], q[:, :, rows], k_blk[:, :, kv_rows], v_blk[:, :, kv_rows],
-                                         out[:, :, rows], lse[:, :, rows], next(aux_iter), is_causal=block.is_causal,
-                                         scale=spec.scale, mask=block.mask)
-            dq = accumulate_grad(dq, gq, rows, q)  # gq: (B, Hq, rows, D)
-            kv_grads.append((kv_rows, gk, gv))
-        if size == 1:
-            dk = dv = None
-            for kv_rows, gk, gv in kv_grads:
-                dk, dv = accumulate_grad(dk, gk, kv_rows, k), accumulate_grad(dv, gv, kv_rows, v)
-            dk = dk if dk is not None else torch.zeros_like(k, dtype=torch.float32)
-            dv = dv if dv is not None else torch.zeros_like(v, dtype=torch.float32)
-            break
+        kv_grads = []  # (piece, dK (b, Hkv, kv_rows, D), dV (b, Hkv, kv_rows, D)) per piece
+        for piece in spec.pieces(rank, src, size, local_len):
+            # dout, q, out (b, Hq, rows, D) and lse (b, Hq, rows) against K/V (b, Hkv, kv_rows, D) of block `src`.
+            gq, gk, gv = block_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), piece, spec.scale)
+            dq.add(gq, piece.batch, piece.q_rows)
+            kv_grads.append((piece, gk, gv))
         wait_all(pending)  # this block's accumulator has arrived, and the next K/V
         acc_k, acc_v = unpack_kv(dkv[step % 2], k, v)  # (B, Hkv, S_local, D) float32 views
-        for kv_rows, gk, gv in kv_grads:
-            acc_k[:, :, kv_rows] += gk
-            acc_v[:, :, kv_rows] += gv
+        for piece, gk, gv in kv_grads:
+            acc_k[piece.batch, :, piece.kv_rows] += gk
+            acc_v[piece.batch, :, piece.kv_rows] += gv
         del kv_grads
         cur, spare = spare, cur
-    if size > 1:  # last hop: pass the finished accumulator on, receive this rank's own from the previous rank
-        finished, own = dkv[(size - 1) % 2], dkv[size % 2]
-        wait_all(links.exchange([finished], [own], KV_TAG))
-        count_sent(spec.stats, nbytes(finished), backward=True)
-        dk, dv = unpack_kv(own, k, v)
-    if dq is None:
-        dq = torch.zeros_like(q, dtype=torch.float32)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    # last hop: pass the finished accumulator on, receive this rank's own from the previous rank
+    finished, own = dkv[(size - 1) % 2], dkv[size % 2]
+    wait_all(links.exchange([finished], [own], KV_TAG))
+    count_sent(spec.stats, nbytes(finished), backward=True)
+    dk, dv = unpack_kv(own, k, v)
+    return dq.finish().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _local_backward(dout, q, k, v, out, lse, aux_iter, spec: BlockSpec):
+    """One rank, no transfers: every piece's gradients go straight into float32 dQ/dK/dV accumulators."""
+    dq, dk, dv = (RowBuffer(x, x.shape, 0.0) for x in (q, k, v))  # float32
+    for piece in spec.pieces(0, 0, 1, q.size(2)):
+        gq, gk, gv = block_backward(dout, q, k, v, out, lse, next(aux_iter), piece, spec.scale)
+        dq.add(gq, piece.batch, piece.q_rows)
+        dk.add(gk, piece.batch, piece.kv_rows)
+        dv.add(gv, piece.batch, piece.kv_rows)
+    return tuple(g.finish().to(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,
@@ -120,4 +130,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     """
     pg, docs = prepare_call(q, k, v, group, load_balancer, document_ids, _documents)
     spec = BlockSpec(pg, is_causal, scale, load_balancer, docs, stats)
+    return LseAttentionFunction.apply(q, k, v, spec, ring_forward, ring_backward)
+
+
+def local_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentShards | None, *,
+                            is_causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """Exact attention over one whole sequence held by this rank (q (B, Hq, S, D), k/v (B, Hkv, S, D), positions in
+    order), with `documents` of that sequence (one shard): the ring's pieces at P = 1 without a process group. Ulysses
+    runs this after its all-to-all, so documents never need an (S, S) mask there either."""
+    spec = BlockSpec(None, is_causal, scale, "contiguous", documents, None)
     return LseAttentionFunction.apply(q, k, v, spec, ring_forward, ring_backward)

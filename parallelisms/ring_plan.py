@@ -1,4 +1,5 @@
-"""Which part of a K/V block a rank computes at each ring step, derived from the load balancer's layout.
+"""Which part of a K/V block a rank computes at each ring step, derived from the load balancer's layout, and how
+document masking cuts that part into pieces that need no mask at all.
 
 At step s rank r holds the K/V block of rank src = (r - s) mod P. Causal cases (L = local length, c = L / 2):
 - contiguous: src == r -> causal; src < r -> full; src > r -> nothing.
@@ -6,9 +7,14 @@ At step s rank r holds the K/V block of rank src = (r - s) mod P. Causal cases (
               src < r  -> all of Q against the first half of K/V;  src > r -> second half of Q against all of K/V.
               Every off-diagonal step is exactly half a block.
 - striped:    src <= r -> causal (j <= i);  src > r -> strictly lower (j < i): Q[1:] against K/V[:-1], causal.
-Non-causal: every step is the full block. Document masking then narrows a task further: a task whose documents cannot
-meet is skipped; a partly visible one gets a float additive mask (-inf where hidden); rows that see nothing in the block
-are reported so the caller zeroes them instead of trusting the kernel's output for them.
+Non-causal: every step is the full block.
+
+Documents: every layout keeps positions increasing in local order, so a packed document is a run of equal ids in a
+shard. A block's visible region is then a union of (query run x key run) rectangles of one document, cut by the
+task's causal triangle. `task_pieces` writes it as `Piece`s (batch rows, query rows, key rows, causal): full
+rectangles and top-left causal squares, which every kernel computes without a mask; pieces are disjoint, so their
+(out, lse) merge exactly. A (S x S) mask would cost 32 GiB per block at 128K tokens per rank; pieces cost O(runs) and
+the work is the visible pairs. Rows that see nothing get no piece (out 0, lse -inf in the accumulator).
 """
 from __future__ import annotations
 
@@ -28,12 +34,14 @@ class BlockTask:
     is_causal: bool  # top-left aligned; only ever used with as many Q rows as K/V rows
 
 
-@dataclass
-class MaskedTask:
-    task: BlockTask
+@dataclass(frozen=True)
+class Piece:
+    """One mask-free kernel call: `batch` rows, `q_rows` of the local queries against `kv_rows` of the source's K/V.
+    Causal pieces are squares (Lq == Lk), so top-left (CPU) and bottom-right (CUDA flash) alignment agree."""
+    batch: slice
+    q_rows: slice
+    kv_rows: slice
     is_causal: bool
-    mask: torch.Tensor | None  # float additive (B, 1, Lq, Lk)
-    empty_rows: torch.Tensor | None  # bool (B, 1, Lq): rows that see nothing in this block
 
 
 def block_tasks(rank: int, src: int, cp_size: int, local_len: int, load_balancer: str,
@@ -56,11 +64,77 @@ def block_tasks(rank: int, src: int, cp_size: int, local_len: int, load_balancer
     raise ValueError(f"unknown load balancer {load_balancer!r}")
 
 
+Run = tuple[int, int, int]  # (document id, first local row, end local row)
+
+
+def document_runs(ids: torch.Tensor) -> list[list[Run]]:
+    """Per batch row, the runs of equal ids of a (B, L) host tensor, in local order."""
+    runs = []
+    for row in ids:
+        starts = [0, *(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()]
+        ends = starts[1:] + [row.numel()]
+        docs = row[starts].tolist()
+        runs.append(list(zip(docs, starts, ends)))
+    return runs
+
+
+def _clip(runs: list[Run], lo: int, hi: int) -> list[Run]:
+    """The runs cut to local rows [lo, hi), made relative to lo."""
+    return [(d, max(a, lo) - lo, min(b, hi) - lo) for d, a, b in runs if a < hi and b > lo]
+
+
+def _causal_pieces(a: int, b: int, c: int, d: int) -> list[tuple[int, int, int, int, bool]]:
+    """Query run [a, b) x key run [c, d) of one document under j <= i (relative rows), as mask-free pieces: the keys
+    strictly before the query run (a full rectangle), the shared rows (a causal square), and the keys of the shared
+    rows seen by later queries (a full rectangle)."""
+    out = []
+    if c < min(d, a):
+        out.append((a, b, c, min(d, a), False))
+    s, e = max(c, a), min(d, b)
+    if s < e:
+        out.append((s, e, s, e, True))
+        if e < b:
+            out.append((e, b, s, e, False))
+    return out
+
+
+def _row_pieces(task: BlockTask, q_runs: list[Run], k_runs: list[Run], local_len: int):
+    """(q start, q end, k start, k end, causal) in local rows of one batch row's visible pairs in `task`."""
+    q0, q1, _ = task.q_rows.indices(local_len)
+    k0, k1, _ = task.kv_rows.indices(local_len)
+    keys: dict[int, list[tuple[int, int]]] = {}
+    for doc, c, d in _clip(k_runs, k0, k1):
+        keys.setdefault(doc, []).append((c, d))
+    pieces = []
+    for doc, a, b in _clip(q_runs, q0, q1):
+        for c, d in keys.get(doc, ()):
+            rel = _causal_pieces(a, b, c, d) if task.is_causal else [(a, b, c, d, False)]
+            pieces += [(qa + q0, qb + q0, ka + k0, kb + k0, causal) for qa, qb, ka, kb, causal in rel]
+    return pieces
+
+
+def task_pieces(task: BlockTask, q_runs: list[list[Run]], k_runs: list[list[Run]], local_len: int) -> list[Piece]:
+    """The mask-free pieces of `task` for every batch row, given the document runs of the query and K/V shards."""
+    return [Piece(slice(row, row + 1), slice(qa, qb), slice(ka, kb), causal)
+            for row, (qr, kr) in enumerate(zip(q_runs, k_runs))
+            for qa, qb, ka, kb, causal in _row_pieces(task, qr, kr, local_len)]
+
+
+def plain_pieces(tasks: list[BlockTask]) -> list[Piece]:
+    """Without documents: one piece per task over every batch row."""
+    return [Piece(FULL, t.q_rows, t.kv_rows, t.is_causal) for t in tasks]
+
+
 class DocumentShards:
-    """Every CP rank's document ids (B, L_local), so any rank can mask against any K/V block it receives."""
+    """Every CP rank's document ids (B, L_local), so any rank can cut any K/V block it receives into pieces.
+
+    The runs are read on the host once (one device sync) and the pieces of each (rank, source) are cached here, so
+    every layer of a step reuses them (context_parallel builds one DocumentShards per batch)."""
 
     def __init__(self, per_rank: list[torch.Tensor]):
         self.per_rank = per_rank
+        self._runs: list[list[list[Run]]] | None = None
+        self._pieces: dict = {}
 
     @classmethod
     def from_full(cls, full_ids: torch.Tensor, cp_size: int, load_balancer: str) -> "DocumentShards":
@@ -69,34 +143,16 @@ class DocumentShards:
                                                               device=full_ids.device))
                     for r in range(cp_size)])
 
+    def runs(self, rank: int) -> list[list[Run]]:
+        if self._runs is None:
+            host = torch.stack(self.per_rank).cpu()  # one transfer for every rank
+            self._runs = [document_runs(ids) for ids in host]
+        return self._runs[rank]
 
-def _structure(task: BlockTask, n_q: int, n_k: int, device) -> torch.Tensor | None:
-    if not task.is_causal:
-        return None
-    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
-
-
-def mask_task(task: BlockTask, doc_q: torch.Tensor, doc_k: torch.Tensor, dtype: torch.dtype) -> MaskedTask | None:
-    """Narrows `task` by documents; None when no query of the block may see any of its keys."""
-    dq, dk = doc_q[:, task.q_rows], doc_k[:, task.kv_rows]
-    same_doc = dq[:, :, None] == dk[:, None, :]  # (B, Lq, Lk)
-    structure = _structure(task, dq.size(1), dk.size(1), dq.device)
-    visible = same_doc if structure is None else same_doc & structure
-    if not bool(visible.any()):
-        return None
-    hidden_by_docs = ~same_doc if structure is None else ~same_doc & structure
-    if not bool(hidden_by_docs.any()):  # documents hide nothing the structure shows
-        return MaskedTask(task, task.is_causal, None, None)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    mask.masked_fill_(~visible, float("-inf"))
-    sees_something = visible.any(dim=-1)
-    empty_rows = None if bool(sees_something.all()) else ~sees_something[:, None, :]
-    return MaskedTask(task, False, mask[:, None], empty_rows)
-
-
-def resolve_tasks(tasks: list[BlockTask], docs: DocumentShards | None, rank: int, src: int,
-                  dtype: torch.dtype) -> list[MaskedTask]:
-    if docs is None:
-        return [MaskedTask(t, t.is_causal, None, None) for t in tasks]
-    resolved = [mask_task(t, docs.per_rank[rank], docs.per_rank[src], dtype) for t in tasks]
-    return [m for m in resolved if m is not None]
+    def pieces(self, rank: int, src: int, tasks: list[BlockTask], local_len: int) -> list[Piece]:
+        key = (rank, src, local_len, tuple((t.q_rows.indices(local_len), t.kv_rows.indices(local_len), t.is_causal)
+                                           for t in tasks))  # slices are not hashable before Python 3.12
+        if key not in self._pieces:
+            q_runs, k_runs = self.runs(rank), self.runs(src)
+            self._pieces[key] = [p for t in tasks for p in task_pieces(t, q_runs, k_runs, local_len)]
+        return self._pieces[key]

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from parallelisms.attention_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock, kernel_for
-from parallelisms.cp_toolkit import block_forward
-from parallelisms.ring_plan import BlockTask, mask_task
+from parallelisms.cp_toolkit import LseAccumulator, block_forward
+from parallelisms.ring_plan import FULL, BlockTask, DocumentShards
 from tests.parallelisms.attention_reference import relative_error
 
 
@@ -37,12 +37,18 @@ def test_cuda_wrappers_fit_the_op_schemas_on_meta_tensors(kernel, dtype, masked)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape  # GQA heads folded back
 
 
-def test_cpu_block_with_document_mask_zeroes_rows_that_see_nothing():
+def test_document_pieces_leave_rows_that_see_nothing_at_zero_and_minus_inf():
+    """A block cut into pieces and merged: rows with no key of their document get out 0 and lse -inf (no piece
+    reaches them), the others match a float64 reference built with an explicit mask here."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 8, generator=gen) for _ in range(3))
     doc_q, doc_k = torch.tensor([[0, 0, 1, 1, 2, 2]]), torch.tensor([[1, 1, 1, 2, 3, 3]])
-    job = mask_task(BlockTask(slice(None), slice(None), False), doc_q, doc_k, torch.float32)
-    out, lse, _ = block_forward(q, k, v, job, None)
+    pieces = DocumentShards([doc_q, doc_k]).pieces(0, 1, [BlockTask(FULL, FULL, False)], 6)
+    acc = LseAccumulator(q, v)
+    for piece in pieces:
+        out, lse, _ = block_forward(q, k, v, piece, None)
+        acc.merge(out, lse, piece)
+    out, lse = acc.finish()
     assert torch.equal(out[:, :, :2], torch.zeros(1, 2, 2, 8)) and torch.isinf(lse[:, :, :2]).all()
     allowed = doc_q[0][:, None] == doc_k[0][None, :]
     scores = (q.double() @ k.double().transpose(-1, -2)) / 8 ** 0.5
@@ -126,3 +132,22 @@ def test_flash_only_for_head_dims_it_has_kernels_for():
     """CUDA flash attention stops at head dim 256; larger heads go to the memory-efficient kernel."""
     assert isinstance(kernel_for("cuda", torch.bfloat16, 256, False), CudaFlashBlock)
     assert isinstance(kernel_for("cuda", torch.bfloat16, 512, False), CudaEfficientBlock)
+
+
+def test_document_masked_attention_asks_for_no_mask_so_cuda_flash_serves_it_in_bf16(monkeypatch):
+    """Pieces need no mask: every kernel choice of a document-masked call says so, which on CUDA in bf16 is flash."""
+    import parallelisms.cp_toolkit as toolkit
+    from parallelisms.ring_attention import local_segment_attention
+    asked = []
+
+    def recording(q, needs_mask):
+        asked.append(needs_mask)
+        return kernel_for(q.device.type, q.dtype, q.size(-1), needs_mask)
+
+    monkeypatch.setattr(toolkit, "choose_block_kernel", recording)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 32, 8, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+    docs = torch.tensor([[0] * 5 + [1] * 20 + [2] * 7, [3] * 1 + [4] * 31])
+    local_segment_attention(q, q, q, DocumentShards([docs]), is_causal=True).sum().backward()
+    assert asked and not any(asked)
+    assert isinstance(kernel_for("cuda", torch.bfloat16, 8, False), CudaFlashBlock)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from parallelisms.context_parallel import check_sequence_length, local_positions, shard_sequence
-from parallelisms.ring_plan import BlockTask, block_tasks, mask_task
+from parallelisms.ring_plan import FULL, BlockTask, DocumentShards, block_tasks, document_runs, task_pieces
 from config import RecipeError
 
 
@@ -100,18 +100,70 @@ def test_zigzag_off_diagonal_steps_do_half_a_block(size):
             assert not task.is_causal and rows * cols == local_len * local_len // 2
 
 
-def test_documents_that_cannot_meet_skip_the_block_and_partial_blocks_get_a_float_mask():
-    full = BlockTask(slice(None), slice(None), False)
-    doc_q = torch.tensor([[0, 0, 1, 1]])
-    assert mask_task(full, doc_q, torch.tensor([[2, 2, 3, 3]]), torch.float32) is None
-    same = mask_task(BlockTask(slice(None), slice(None), True), doc_q, doc_q.clone(), torch.float32)
-    want = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
-    assert not same.is_causal and torch.equal(same.mask[0, 0] == 0, want)  # causal and documents in one mask
-    one_doc = mask_task(BlockTask(slice(None), slice(None), True), doc_q * 0, doc_q * 0, torch.float32)
-    assert one_doc.is_causal and one_doc.mask is None  # documents hide nothing: keep the kernel's causal path
-    plain = mask_task(full, torch.tensor([[5, 5]]), torch.tensor([[5, 5, 5]]), torch.float32)
-    assert plain.mask is None and not plain.is_causal
-    partial = mask_task(full, doc_q, torch.tensor([[1, 1, 7, 7]]), torch.bfloat16)
-    assert partial.mask.dtype == torch.bfloat16 and partial.mask.shape == (1, 1, 4, 4)
-    assert partial.empty_rows[0, 0].tolist() == [True, True, False, False]
-    assert torch.isinf(partial.mask[0, 0, 2, 2:]).all() and (partial.mask[0, 0, 2, :2] == 0).all()
+def _documents_with_singletons(batch, seq_len, gen):
+    """(B, S) ids of consecutive documents: random lengths, with 1-token documents forced in, crossing shards. Two
+    rows reuse ids (a document in several runs): keys of a document before its query run, and (document 0 around
+    1-token documents) runs one shard sees whole and another broken, so a key run ends inside a query run."""
+    rows = []
+    for _ in range(batch - 2):
+        lengths = torch.randint(1, max(2, seq_len // 3), (seq_len,), generator=gen)
+        lengths[::3] = 1
+        rows.append(torch.repeat_interleave(torch.arange(seq_len), lengths)[:seq_len])
+    rows.append(rows[-1] % 3)
+    position = torch.arange(seq_len)
+    rows.append(torch.where(position % 7 == 4, 1 + position, 0))
+    return torch.stack(rows)
+
+
+def _piece_cover(pieces, batch, local_len):
+    """How often each (batch, q, k) pair is computed by `pieces`; causal pieces must be squares."""
+    cover = torch.zeros(batch, local_len, local_len, dtype=torch.int64)
+    for p in pieces:
+        rows, cols = torch.arange(local_len)[p.q_rows], torch.arange(local_len)[p.kv_rows]
+        block = torch.ones(len(rows), len(cols), dtype=torch.int64)
+        if p.is_causal:
+            assert len(rows) == len(cols), p
+            block = block.tril()
+        cover[p.batch, rows[:, None], cols[None, :]] += block
+    return cover
+
+
+@pytest.mark.parametrize("balancer", ["zigzag", "striped", "contiguous"])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_document_pieces_cover_exactly_the_visible_pairs_once(balancer, size, is_causal):
+    """Union of the pieces == same document (and causal by global position), built densely here; pieces disjoint."""
+    gen = torch.Generator().manual_seed(size * 7 + len(balancer))
+    batch, seq_len = 4, 2 * size * 9
+    local_len = seq_len // size
+    docs = _documents_with_singletons(batch, seq_len, gen)
+    shards = DocumentShards.from_full(docs, size, balancer)
+    for rank in range(size):
+        pos_q = torch.tensor(_expected_positions(seq_len, rank, size, balancer))
+        for src in range(size):
+            pos_k = torch.tensor(_expected_positions(seq_len, src, size, balancer))
+            want = docs[:, pos_q][:, :, None] == docs[:, pos_k][:, None, :]
+            if is_causal:
+                want &= pos_k[None, None, :] <= pos_q[None, :, None]
+            tasks = block_tasks(rank, src, size, local_len, balancer, is_causal)
+            cover = _piece_cover(shards.pieces(rank, src, tasks, local_len), batch, local_len)
+            assert cover.max() <= 1, (rank, src)  # disjoint: every pair merged at most once
+            assert torch.equal(cover.bool(), want), (rank, src)
+
+
+def test_pieces_of_a_causal_block_split_a_partly_overlapping_run_into_rectangle_and_square():
+    """Query run [2, 6) and key run [0, 4) of one document under j <= i: keys before the queries (full), the shared
+    rows (causal square), the shared keys seen by the later queries (full). Rows 0-1 (document 0) see nothing."""
+    q_runs = document_runs(torch.tensor([[0, 0, 1, 1, 1, 1]]))
+    k_runs = document_runs(torch.tensor([[1, 1, 1, 1, 2, 2]]))
+    pieces = task_pieces(BlockTask(FULL, FULL, True), q_runs, k_runs, 6)
+    got = [(p.q_rows.indices(6)[:2], p.kv_rows.indices(6)[:2], p.is_causal) for p in pieces]
+    assert got == [((2, 6), (0, 2), False), ((2, 4), (2, 4), True), ((4, 6), (2, 4), False)]
+    assert task_pieces(BlockTask(FULL, FULL, False), q_runs, document_runs(torch.tensor([[5] * 6])), 6) == []
+
+
+def test_pieces_are_cut_once_per_batch_and_reused():
+    shards = DocumentShards.from_full(torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]]), 2, "zigzag")
+    tasks = block_tasks(1, 0, 2, 4, "zigzag", True)
+    first = shards.pieces(1, 0, tasks, 4)
+    assert shards.pieces(1, 0, list(tasks), 4) is first

@@ -1,0 +1,103 @@
+"""Document masking on vs off in real training steps, side by side in one run (issue 15, acceptance 6).
+
+The debug model on 1 rank at seq 8192, trained on the pydoc documents (~1.5K tokens each, so most causal pairs of a
+packed row cross documents): the real trainer (train.py under torch.distributed.run) runs the same rows with
+`data.document_masking` false and true. Printed:
+- step time masked / unmasked (median over the steps after the warm-up ones; forward, backward and optimizer),
+- visible / causal pairs of those steps' rows, counted from their document ids (sum of L(L+1)/2 over documents vs
+  S(S+1)/2 per row): the fraction of the attention work masking leaves,
+- peak memory masked / unmasked: the trainer's own `memory` metric (peak RSS of each process on CPU, peak allocated
+  on CUDA), the same accounting on both sides.
+Targets: time ratio <= visible/causal + 0.15 (attention is most, not all, of a step), memory ratio <= 1.05.
+
+    python bench/bench_document_masking.py [--steps 6] [--warmup 2] [--seq-len 8192] [--dtype float32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "debug.toml")
+
+
+def common_overrides(steps: int, seq_len: int, dtype: str) -> list[str]:
+    return ["--training.steps", str(steps), "--training.seq_len", str(seq_len), "--training.local_batch_size", "1",
+            "--training.dtype", dtype, "--parallelism.dp_shard", "1", "--metrics.enable_tensorboard", "false"]
+
+
+def run_trainer(masking: bool, overrides: list[str]) -> list[dict]:
+    """The trainer on 1 rank; its metrics.jsonl records."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               os.path.join(ROOT, "train.py"), RECIPE, *overrides, "--job.dump_folder", out,
+               "--data.document_masking", "true" if masking else "false"]
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        env.pop("OMP_NUM_THREADS", None)  # the trainer sizes its threads itself
+        subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+
+def pair_ratio(overrides: list[str], steps: int, warmup: int) -> tuple[float, float]:
+    """(visible / causal pairs, mean tokens per document) of the rows of the measured steps, from the loader the
+    trainer's rows are checked against (bench/loss_parity.py's reference: same packing, same order)."""
+    import torch
+
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from config.recipe import load_config
+    from data.corpus import load_documents
+    from data.loader import build_dataloader
+    from data.tokenizer import build_tokenizer
+    from models.llama import model_config
+
+    cfg = load_config(RECIPE, overrides)
+    documents = load_documents(cfg.data.corpus)
+    cache_dir = cfg.data.cache_dir if os.path.isabs(cfg.data.cache_dir) else os.path.join(ROOT, cfg.data.cache_dir)
+    tokenizer = build_tokenizer(None, documents, model_config(cfg.model.name).vocab_size, cache_dir)
+    loader = build_dataloader(tokenizer, documents, seq_len=cfg.training.seq_len, local_batch_size=1, dp_rank=0,
+                              dp_size=1, seed=cfg.job.seed, document_masking=True)
+    visible = causal = docs = 0
+    for step, batch in zip(range(steps), loader):
+        if step < warmup:
+            continue
+        for row in batch["document_ids"]:
+            lengths = torch.unique_consecutive(row, return_counts=True)[1].double()
+            visible += float((lengths * (lengths + 1) / 2).sum())
+            causal += row.numel() * (row.numel() + 1) / 2
+            docs += lengths.numel()
+    return visible / causal, (steps - warmup) * cfg.training.seq_len / docs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    overrides = common_overrides(args.steps, args.seq_len, args.dtype)
+    runs = {masking: run_trainer(masking, overrides) for masking in (False, True)}
+    kept = {m: records[args.warmup:] for m, records in runs.items()}
+    step = {m: statistics.median(r["step_time"] for r in rs) for m, rs in kept.items()}
+    memory = {m: max(r["memory"] for r in rs) for m, rs in runs.items()}
+    visible, doc_tokens = pair_ratio(overrides, args.steps, args.warmup)
+    print(f"debug model, 1 rank, seq {args.seq_len}, local batch 1, {args.dtype}, pydoc documents "
+          f"(~{doc_tokens:,.0f} tokens each), {os.cpu_count()} cores, median of steps {args.warmup + 1}-{args.steps}")
+    print(f"{'document masking':>17} {'step s':>8} {'tok/s':>8} {'peak GiB':>9}")
+    for m in (False, True):
+        print(f"{'on' if m else 'off':>17} {step[m]:>8.2f} {args.seq_len / step[m]:>8.0f} {memory[m]:>9.2f}")
+    time_ratio, memory_ratio = step[True] / step[False], memory[True] / memory[False]
+    print(f"step time masked / unmasked: {time_ratio:.3f}   (target <= visible/causal + 0.15 = {visible + 0.15:.3f})")
+    print(f"visible / causal pairs:      {visible:.3f}")
+    print(f"peak memory masked / unmasked: {memory_ratio:.3f}   (target <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()
