@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -151,12 +152,11 @@ def covers_all_rows(piece: Piece) -> bool:
     return piece.batch == FULL and piece.q_rows == FULL and piece.kv_rows == FULL
 
 
-def _unwritten_runs(written: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(batch row, start, end) of the runs of False in a host (B, L) bool tensor."""
+def _unwritten_runs(written: np.ndarray) -> list[tuple[int, int, int]]:
+    """(batch row, start, end) of the runs of False in a host (B, L) bool array."""
     runs = []
     for b, row in enumerate(written):
-        edges = torch.diff(row.to(torch.int8), prepend=row.new_ones(1, dtype=torch.int8),
-                           append=row.new_ones(1, dtype=torch.int8)).nonzero().flatten().tolist()
+        edges = np.flatnonzero(np.diff(row.astype(np.int8), prepend=1, append=1)).tolist()
         runs += [(b, edges[i], edges[i + 1]) for i in range(0, len(edges), 2)]
     return runs
 
@@ -165,12 +165,13 @@ class RowBuffer:
     """A float32 (B, H, L, ...) buffer written piece by piece at (batch rows, sequence rows) and left uninitialised
     until then: a row's first piece is copied in, later ones add to it, rows no piece wrote get `fill` at the end.
     With documents nearly every row has exactly one piece, so one copy replaces a fill pass plus an add pass. Which
-    rows were written is kept on the host (no device sync)."""
+    rows were written is kept on the host in numpy (no device sync, and nothing the dry run's fake tensors would
+    turn into shapes without values)."""
 
     def __init__(self, like: torch.Tensor, shape, fill: float):
         self.like, self.shape, self.fill = like, tuple(shape), fill
         self.data: torch.Tensor | None = None
-        self.written = torch.zeros(self.shape[0], self.shape[2], dtype=torch.bool, device="cpu")
+        self.written = np.zeros((self.shape[0], self.shape[2]), dtype=bool)
 
     def view(self, batch: slice, rows: slice) -> torch.Tensor:
         return self.data[batch, :, rows]
@@ -186,13 +187,13 @@ class RowBuffer:
             b0, r0 = batch.indices(self.shape[0])[0], rows.indices(self.shape[2])[0]
             for b, a, e in _unwritten_runs(region):
                 self.data[b0 + b, :, r0 + a:r0 + e].fill_(self.fill)
-        region.fill_(True)
+        region[...] = True
         return new
 
     def adopt(self, value: torch.Tensor) -> None:
         """The whole buffer at once (a piece over every row, written first)."""
         self.data = value
-        self.written.fill_(True)
+        self.written[...] = True
 
     def add(self, grad: torch.Tensor, batch: slice, rows: slice) -> None:
         if self.data is None and batch == FULL and rows == FULL:
