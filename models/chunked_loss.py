@@ -67,19 +67,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del grad_logits
                 torch.mm(g, weight, out=grad_hidden[start:start + chunk_tokens])
                 grad_weight += (g.t() @ h).float()
-        ctx.grads = (grad_hidden, grad_weight)
+        # Kept (not consumed) by backward: zero-bubble pipeline schedules run this node's backward twice, once for
+        # the input gradient and once for the weight's. Accumulated in float32, stored in the weight's dtype.
+        ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if with_grad else None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.grads
-        del ctx.grads
         if grad_hidden is None:
             raise RuntimeError("chunked_linear_cross_entropy ran without gradients (with_grad=False) and cannot be "
                                "back-propagated; call it with gradients enabled")
-        grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
-        grad_weight = grad_weight.mul_(grad_loss).to(grad_hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return (grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype),
+                None, None, None, None, None)
 
 
 def _vocab_shard(weight: DTensor) -> tuple[torch.Tensor, int, object]:
