@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from parallelisms.cp_toolkit import CommStats, UnsupportedAttentionError, check_attention_inputs, count_sent, nbytes
 from parallelisms.ring_attention import local_segment_attention
@@ -199,8 +200,9 @@ def document_segments(full_ids: torch.Tensor) -> DocumentShards:
 def global_order_plan(group: dist.ProcessGroup, seq_len: int, load_balancer: str) -> ExchangePlan:
     """Ulysses' plan: every rank's tokens placed at their global positions."""
     size = dist.get_world_size(group)
-    members = [local_positions(seq_len, r, size, load_balancer) for r in range(size)]
-    return ExchangePlan.build(group, members, torch.arange(seq_len, device="cpu"))
+    with unset_fake_temporarily():  # host integers, so real tensors even inside the dry run's fake mode
+        members = [local_positions(seq_len, r, size, load_balancer) for r in range(size)]
+        return ExchangePlan.build(group, members, torch.arange(seq_len, device="cpu"))
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,
