@@ -18,7 +18,6 @@ from data.sources import build_run_tokenizer, check_sources, open_stores, prepar
 from models.llama import recipe_model_config
 from training.checkpoint import preflight_checkpoint
 from training.device_check import check_gpus
-from training.dry_run import run_dry_run
 from training.preflight import preflight_stages, required_ranks
 from training.trainer import Trainer
 
@@ -42,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         world = int(os.environ.get("WORLD_SIZE") or os.environ.get("NPROC") or 0) or required_ranks(cfg)
         if "--dry-run" in flags:  # one process, fake process group: memory and speed of every stage (no GPU needed)
+            from training.dry_run import run_dry_run  # here: its memory tracker imports half of torch's compiler
+
             return run_dry_run(cfg, world)
         preflight_stages(cfg, world, check_data=False)
         model_cfg = recipe_model_config(cfg)

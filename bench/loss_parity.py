@@ -3,7 +3,8 @@
 The reference is independent of the parallel code: a plain `Llama` (no FSDP / TP / PP / CP wrappers) initialised
 from the same seed, fed the same global batch rows (the loader with one data-parallel rank), full-sequence attention,
 mean cross entropy, AdamW, the same lr schedule and global-norm clipping. Each mesh runs the real trainer
-(train.py under torch.distributed.run) and its metrics.jsonl is compared step by step.
+(train.main on every rank, forked by bench/forked_launch.py with torchrun's environment: one interpreter start
+instead of one per rank) and its metrics.jsonl is compared step by step.
 
     python bench/loss_parity.py [--steps 5] [--seq-len 128] [--only tp2,pp2] [--skip-16]
 """
@@ -118,19 +119,19 @@ def _documents_one_by_one(model, batch: dict):
 
 def trainer_run(degrees: dict, steps: int, seq_len: int, extra: list[str] = (), global_batch: int = GLOBAL_BATCH,
                 timeout: float = 600, recipe: str = RECIPE, dtype: str = "float32") -> list[dict]:
-    """The real trainer on world_size(degrees) local ranks; returns its metrics.jsonl records."""
+    """The real trainer on world_size(degrees) local ranks (forked_launch.py); returns its metrics.jsonl records."""
     nproc = world_size(degrees)
     dp = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)
     overrides = [f"--parallelism.{d}={degrees.get(d, 1)}" for d in DEGREES]
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        cmd = [sys.executable, os.path.join(ROOT, "bench", "forked_launch.py"), str(nproc),
                os.path.join(ROOT, "train.py"), recipe, *overrides, "--training.steps", str(steps),
                "--training.seq_len", str(seq_len), "--training.local_batch_size", str(global_batch // dp),
                "--training.dtype", dtype, "--job.dump_folder", out, "--metrics.enable_tensorboard", "false",
                *extra]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        if result.returncode != 0:  # the ranks' own error lines first: torchrun's summary does not name the cause
+        if result.returncode != 0:  # the ranks' own error lines first, then the launcher's tail
             causes = [line for line in result.stderr.splitlines() if line.startswith("[rank") and "Error" in line]
             raise RuntimeError(f"trainer on {degrees} {' '.join(extra)} failed ({result.returncode}):\n"
                                + "\n".join(dict.fromkeys(causes)) + f"\n{result.stderr[-3000:]}")

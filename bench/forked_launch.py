@@ -1,0 +1,83 @@
+"""A one-host stand-in for `torchrun --standalone` that starts the interpreter once: the parity runs' launcher.
+
+    python bench/forked_launch.py NPROC train.py [RECIPE] [--section.key value ...]
+
+Importing torch and the trainer costs a few CPU seconds per process; torchrun pays it once for its agent and once per
+rank, which made most of a short parity run's time on a 2-core box (a 16-rank run paid 17 imports for 5 steps of
+a toy model). Here the trainer is imported once and each rank is a forked child with torchrun's environment
+contract (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so it runs the same
+train.main() from the same process-group set-up on. Nothing has run in the parent before the fork (no thread pool,
+no process group). The first rank that fails stops the others, as torchrun does; the exit code is that rank's.
+Users and the launch tests keep torchrun (run_train.sh); this only makes the numeric comparisons cheaper.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """A rank gets SIGKILL when the launcher dies (a caller's timeout kills only the launcher): no orphans."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _run_rank(train, rank: int, nproc: int, port: int, argv: list[str]) -> int:
+    _die_with_parent()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        return train.main(argv)
+    except BaseException as e:  # a rank's own error line first, as torchrun's children print it
+        print(f"[rank{rank}]: {type(e).__name__}: {e}", file=sys.stderr)
+        traceback.print_exc()
+        return 1
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Forks `nproc` ranks of train.main(argv); returns the first failing rank's exit code, or 0."""
+    sys.path.insert(0, ROOT)
+    import train  # the expensive imports, once for every rank
+
+    port = _free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            code = _run_rank(train, rank, nproc, port, argv)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)  # as train.py does: no interpreter teardown with gloo threads alive
+        children[pid] = rank
+    exit_code = 0
+    while children:
+        pid, status = os.wait()
+        rank = children.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and exit_code == 0:
+            exit_code = code if code > 0 else 128 - code
+            print(f"forked_launch: rank {rank} exited with {code}; stopping the other ranks", file=sys.stderr)
+            for other in children:
+                os.kill(other, signal.SIGTERM)
+    return exit_code
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or not sys.argv[1].isdigit() or os.path.basename(sys.argv[2]) != "train.py":
+        sys.exit("usage: python bench/forked_launch.py NPROC train.py [RECIPE] [--section.key value ...]")
+    sys.exit(launch(int(sys.argv[1]), sys.argv[3:]))
