@@ -12,7 +12,7 @@ packed row cross documents): the real trainer (train.py under torch.distributed.
   on CUDA), the same accounting on both sides.
 Targets: time ratio <= visible/causal + 0.15 (attention is most, not all, of a step), memory ratio <= 1.05.
 
-    python bench/bench_document_masking.py [--steps 10] [--warmup 2] [--seq-len 8192] [--dtype float32]
+    python bench/bench_document_masking.py [--steps 10] [--warmup 2] [--seq-len 8192] [--dtype float32] [--compile]
 """
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "debug.toml")
 
 
-def common_overrides(steps: int, seq_len: int, dtype: str) -> list[str]:
+def common_overrides(steps: int, seq_len: int, dtype: str, compile: bool) -> list[str]:
     return ["--training.steps", str(steps), "--training.seq_len", str(seq_len), "--training.local_batch_size", "1",
-            "--training.dtype", dtype, "--parallelism.dp_shard", "1", "--metrics.enable_tensorboard", "false"]
+            "--training.dtype", dtype, "--parallelism.dp_shard", "1", "--metrics.enable_tensorboard", "false",
+            "--training.compile", "true" if compile else "false"]
 
 
 def run_trainer(masking: bool, overrides: list[str]) -> list[dict]:
@@ -83,15 +84,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the sums")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--compile", action="store_true", help="training.compile on both sides (the blocks compiled, "
+                        "attention eager between the graphs); compiling happens in the warm-up steps")
     args = parser.parse_args()
-    overrides = common_overrides(args.steps, args.seq_len, args.dtype)
+    overrides = common_overrides(args.steps, args.seq_len, args.dtype, args.compile)
     runs = {masking: run_trainer(masking, overrides) for masking in (False, True)}
     kept = {m: records[args.warmup:] for m, records in runs.items()}
     step = {m: statistics.fmean(r["step_time"] for r in rs) for m, rs in kept.items()}
     memory = {m: max(r["memory"] for r in rs) for m, rs in runs.items()}
     visible, doc_tokens = pair_ratio(overrides, args.steps, args.warmup)
     print(f"debug model, 1 rank, seq {args.seq_len}, local batch 1, {args.dtype}, pydoc documents "
-          f"(~{doc_tokens:,.0f} tokens each), {os.cpu_count()} cores, mean of steps {args.warmup + 1}-{args.steps}")
+          f"(~{doc_tokens:,.0f} tokens each), {os.cpu_count()} cores, mean of steps {args.warmup + 1}-{args.steps}"
+          f"{', compiled' if args.compile else ''}")
     print(f"{'document masking':>17} {'step s':>8} {'tok/s':>8} {'peak GiB':>9}")
     for m in (False, True):
         print(f"{'on' if m else 'off':>17} {step[m]:>8.2f} {args.seq_len / step[m]:>8.0f} {memory[m]:>9.2f}")

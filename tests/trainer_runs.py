@@ -1,4 +1,5 @@
-"""Launch the real trainer the way a user does (run_train.sh -> torchrun) and read what it wrote."""
+"""Launch the real trainer the way a user does (run_train.sh -> torchrun), or forked for numeric comparisons, and
+read what it wrote."""
 from __future__ import annotations
 
 import json
@@ -9,10 +10,17 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_train(*args, nproc: int | None = None, timeout: float = 180, env: dict | None = None):
-    """Runs ./run_train.sh with this interpreter (no bootstrap) and returns the CompletedProcess."""
+def run_train(*args, nproc: int | None = None, timeout: float = 180, env: dict | None = None, forked: bool = False):
+    """Runs ./run_train.sh with this interpreter (no bootstrap) and returns the CompletedProcess. `forked`: the same
+    train.py arguments on `nproc` ranks forked from one interpreter (bench/forked_launch.py) instead, for tests whose
+    subject is what the trainer computes or saves, not the launch: no preflight process, one import for all ranks."""
     full_env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
     full_env.pop("NPROC", None)
+    if forked:
+        cmd = [sys.executable, os.path.join(ROOT, "bench", "forked_launch.py"), str(nproc),
+               os.path.join(ROOT, "train.py"), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=dict(full_env, PYTHONPATH=ROOT),
+                              timeout=timeout, cwd=ROOT)
     if nproc:
         full_env["NPROC"] = str(nproc)
     return subprocess.run([os.path.join(ROOT, "run_train.sh"), *args], capture_output=True, text=True,
@@ -24,8 +32,9 @@ def read_metrics(folder: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def train_losses(out: str, *args, nproc: int | None = None, timeout: float = 300) -> list[float]:
-    result = run_train("--job.dump_folder", out, *args, nproc=nproc, timeout=timeout)
+def train_losses(out: str, *args, nproc: int, timeout: float = 300) -> list[float]:
+    """Per-step losses of the trainer on `nproc` forked ranks: its callers compare numbers between meshes."""
+    result = run_train("--job.dump_folder", out, *args, nproc=nproc, timeout=timeout, forked=True)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return [r["loss"] for r in read_metrics(out)]
 

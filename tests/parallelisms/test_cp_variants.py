@@ -221,11 +221,17 @@ TRAIN_ARGS = ("--training.steps", "5", "--training.seq_len", "256", "--training.
               "1")
 
 
+@pytest.fixture(scope="module")
+def cp1_losses(tmp_path_factory):
+    from tests.trainer_runs import train_losses
+    return train_losses(str(tmp_path_factory.mktemp("cp1")), *TRAIN_ARGS, "--parallelism.cp", "1", nproc=1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cp, cp_impl", [(2, "allgather"), (2, "ulysses"), (2, "auto"), (4, "hybrid")])
-def test_trainer_with_each_cp_impl_matches_cp1(tmp_path, cp, cp_impl):
+def test_trainer_with_each_cp_impl_matches_cp1(tmp_path, cp1_losses, cp, cp_impl):
     from tests.trainer_runs import max_rel_diff, train_losses
-    reference = train_losses(str(tmp_path / "cp1"), *TRAIN_ARGS, "--parallelism.cp", "1", nproc=1)
+    reference = cp1_losses
     losses = train_losses(str(tmp_path / "cp"), *TRAIN_ARGS, "--parallelism.cp", str(cp), "--parallelism.cp_impl",
                           cp_impl, nproc=cp)
     assert max_rel_diff(losses, reference) <= 1e-5, (losses, reference)

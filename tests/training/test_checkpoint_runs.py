@@ -1,6 +1,6 @@
-"""Checkpointing through the real launcher (slow tier): exact resume, resharding onto other meshes, starting from
-Hugging Face weights and exporting them. The reference is always an uninterrupted run of the same recipe, or
-transformers itself for the HF weights."""
+"""Checkpointing in real multi-rank runs (slow tier; ranks forked by bench/forked_launch.py with torchrun's
+environment): exact resume, resharding onto other meshes, starting from Hugging Face weights and exporting them.
+The reference is always an uninterrupted run of the same recipe, or transformers itself for the HF weights."""
 from __future__ import annotations
 
 import json
@@ -35,7 +35,7 @@ def losses(folder: str) -> dict[int, float]:
 
 def train(folder: str, mesh: str, *extra: str, timeout: int = 300):
     nproc, args = MESHES[mesh]
-    result = run_train(*COMMON, *args, "--job.dump_folder", folder, *extra, nproc=nproc, timeout=timeout)
+    result = run_train(*COMMON, *args, "--job.dump_folder", folder, *extra, nproc=nproc, timeout=timeout, forked=True)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
