@@ -27,6 +27,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def command(nproc: int, train_args: list[str]) -> list[str]:
+    """The command line that runs train.py with `train_args` on `nproc` forked ranks (this interpreter)."""
+    return [sys.executable, os.path.abspath(__file__), str(nproc), os.path.join(ROOT, "train.py"), *train_args]
+
+
 def _die_with_parent() -> None:
     """A rank gets SIGKILL when the launcher dies (a caller's timeout kills only the launcher): no orphans."""
     import ctypes

@@ -120,15 +120,18 @@ def _documents_one_by_one(model, batch: dict):
 def trainer_run(degrees: dict, steps: int, seq_len: int, extra: list[str] = (), global_batch: int = GLOBAL_BATCH,
                 timeout: float = 600, recipe: str = RECIPE, dtype: str = "float32") -> list[dict]:
     """The real trainer on world_size(degrees) local ranks (forked_launch.py); returns its metrics.jsonl records."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from bench import forked_launch
+
     nproc = world_size(degrees)
     dp = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)
     overrides = [f"--parallelism.{d}={degrees.get(d, 1)}" for d in DEGREES]
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, os.path.join(ROOT, "bench", "forked_launch.py"), str(nproc),
-               os.path.join(ROOT, "train.py"), recipe, *overrides, "--training.steps", str(steps),
-               "--training.seq_len", str(seq_len), "--training.local_batch_size", str(global_batch // dp),
-               "--training.dtype", dtype, "--job.dump_folder", out, "--metrics.enable_tensorboard", "false",
-               *extra]
+        cmd = forked_launch.command(nproc, [
+            recipe, *overrides, "--training.steps", str(steps), "--training.seq_len", str(seq_len),
+            "--training.local_batch_size", str(global_batch // dp), "--training.dtype", dtype, "--job.dump_folder", out,
+            "--metrics.enable_tensorboard", "false", *extra])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if result.returncode != 0:  # the ranks' own error lines first, then the launcher's tail

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from bench import forked_launch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -17,9 +19,8 @@ def run_train(*args, nproc: int | None = None, timeout: float = 180, env: dict |
     full_env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
     full_env.pop("NPROC", None)
     if forked:
-        cmd = [sys.executable, os.path.join(ROOT, "bench", "forked_launch.py"), str(nproc),
-               os.path.join(ROOT, "train.py"), *args]
-        return subprocess.run(cmd, capture_output=True, text=True, env=dict(full_env, PYTHONPATH=ROOT),
+        return subprocess.run(forked_launch.command(nproc, list(args)), capture_output=True, text=True,
+                              env=dict(full_env, PYTHONPATH=ROOT),
                               timeout=timeout, cwd=ROOT)
     if nproc:
         full_env["NPROC"] = str(nproc)
