@@ -45,13 +45,13 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _wait_for(predicate, timeout: float, what: str, logs=()) -> None:
+def _wait_for(predicate, timeout: float, what: str, logs=(), describe=lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.25)
-    tails = "".join(f"\n--- {p}:\n{open(p).read()[-1500:]}" for p in logs if os.path.exists(p))
+    tails = f"\n--- state: {describe()}" + "".join(f"\n--- {p}:\n{open(p).read()[-1500:]}" for p in logs if os.path.exists(p))
     folder = os.path.dirname(logs[0]) if logs else ""
     tails += "".join(f"\n--- {n}:\n{open(os.path.join(folder, n)).read()[-800:]}"
                      for n in (os.listdir(folder) if folder else []) if n.endswith(".stdout"))
@@ -238,8 +238,20 @@ def test_usr1_requeues_the_job_and_it_resumes_with_identical_losses(slurm, tmp_p
     # measures the requeue and the resume, not that wait.
     _wait_for(lambda: "Restarts=1" in _show_job(env, job) and "Reason=BeginTime" in _show_job(env, job), 60,
               "the job back in the queue after its requeue", [log])
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, env=env, timeout=30)
-    _wait_for(lambda: "restart count 1" in open(log).read(), 120, "the requeued job to start again", [log])
+    # The release is repeated while the job still waits on BeginTime, in case a requeue that is still completing when
+    # the first update lands sets its begin time again. Running again and logging again are waited for separately so
+    # a failure says which of them did not happen.
+    def running_again() -> bool:
+        shown = _show_job(env, job)
+        if "Reason=BeginTime" in shown:
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, timeout=30,
+                           capture_output=True)
+        return "JobState=RUNNING" in shown
+
+    ctld_log = os.path.join(slurm.folder, "slurmctld.log")
+    _wait_for(running_again, 180, "the requeued job to run again", [log, ctld_log], lambda: _show_job(env, job))
+    _wait_for(lambda: "restart count 1" in open(log).read(), 120, "the requeued job's batch script to start",
+              [log, ctld_log], lambda: _show_job(env, job))
     requeue_seconds = time.monotonic() - signalled
     _wait_for(lambda: _job_state(env, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300,
               "the requeued job to finish", [log])
