@@ -280,11 +280,13 @@ class Llama(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, *,
-                labels: torch.Tensor | None = None, loss_chunk_tokens: int = 0) -> torch.Tensor:
+                labels: torch.Tensor | None = None, loss_chunk_tokens: int = 0,
+                sparse_labels: bool = False) -> torch.Tensor:
         """tokens (B, S) ids, or (B, S, dim) hidden states when `tok_embeddings` is None -> logits (B, S, vocab),
         or hidden states when `output` is None. position_ids (B, S) ints, default 0..S-1 for every row.
         With `labels` (B, S) and `loss_chunk_tokens` > 0 (and the output layer held): the summed cross entropy
-        instead of the logits, computed that many tokens at a time (models/chunked_loss.py); elsewhere ignored."""
+        instead of the logits, computed that many tokens at a time (models/chunked_loss.py), over the labelled
+        tokens only when `sparse_labels`; elsewhere ignored."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if position_ids is None:
             bsz, seqlen = tokens.shape[:2]
@@ -295,7 +297,7 @@ class Llama(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None and labels is not None and loss_chunk_tokens > 0:
-            return chunked_linear_cross_entropy(h, self.output.weight, labels, loss_chunk_tokens)
+            return chunked_linear_cross_entropy(h, self.output.weight, labels, loss_chunk_tokens, sparse_labels)
         if self.output is not None:
             h = self.output(h)
         return h

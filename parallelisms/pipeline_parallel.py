@@ -170,14 +170,16 @@ class Pipeline:
         self.schedule = cls(stages if plan.schedule in MULTI_STAGE_SCHEDULES else stages[0],
                             n_microbatches=plan.microbatches, loss_fn=scaled_loss, scale_grads=False)
 
-    def step(self, batch: dict, loss_divisor: int | float = 1, loss_chunk_tokens: int = 0) -> torch.Tensor:
+    def step(self, batch: dict, loss_divisor: int | float = 1, loss_chunk_tokens: int = 0,
+             sparse_labels: bool = False) -> torch.Tensor:
         """`loss_chunk_tokens` > 0: the last stage gets the labels and returns its summed loss (the model's fused,
         chunked loss) instead of logits."""
         self._loss_divisor = loss_divisor
         losses = [] if self.has_last else None
         target = batch["labels"] if self.has_last else None
         args = (batch["input_ids"],) if self.has_first else ()
-        fused = dict(labels=batch["labels"], loss_chunk_tokens=loss_chunk_tokens) if loss_chunk_tokens else {}
+        fused = dict(labels=batch["labels"], loss_chunk_tokens=loss_chunk_tokens, sparse_labels=sparse_labels) \
+            if loss_chunk_tokens else {}
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False,
                            position_ids=batch["position_ids"], **fused)
         if not losses:

@@ -42,6 +42,8 @@ class StepSetup:
     loss_chunk_tokens: int = 0
     """> 0: the model returns the summed loss, projecting and scoring this many tokens at a time
     (models/chunked_loss.py) instead of returning whole logits."""
+    sparse_labels: bool = False
+    """Few tokens carry labels (passkey rows): the chunked loss projects only those (one host sync per micro-step)."""
 
     @property
     def shards_sequence(self) -> bool:
@@ -66,7 +68,7 @@ def local_loss_sum(setup: StepSetup, batch: dict) -> torch.Tensor:
     logits."""
     if setup.loss_chunk_tokens:
         return setup.model(batch["input_ids"], batch["position_ids"], labels=batch["labels"],
-                           loss_chunk_tokens=setup.loss_chunk_tokens)
+                           loss_chunk_tokens=setup.loss_chunk_tokens, sparse_labels=setup.sparse_labels)
     return token_loss_sum(setup.model(batch["input_ids"], batch["position_ids"]), batch["labels"])
 
 
@@ -77,7 +79,8 @@ def micro_step(setup: StepSetup, batch: dict, global_tokens: int) -> torch.Tenso
     context restores nothing it was told to keep sharded."""
     with cp_context(setup, batch), loss_context(setup.loss_parallel):
         if setup.pipeline is not None:
-            return setup.pipeline.step(batch, loss_divisor=global_tokens, loss_chunk_tokens=setup.loss_chunk_tokens)
+            return setup.pipeline.step(batch, loss_divisor=global_tokens, loss_chunk_tokens=setup.loss_chunk_tokens,
+                                       sparse_labels=setup.sparse_labels)
         scaled = local_loss_sum(setup, batch) / global_tokens
         scaled.backward()
     return scaled.detach()

@@ -73,7 +73,7 @@ class Trainer:
         self.stage, cfg = stage, stage.cfg
         self.setup = StepSetup(self.model, self.mesh, cfg.parallelism, cfg.data.document_masking,
                                uses_loss_parallel(cfg, self.mesh), self.comm_stats, self.pipeline,
-                               cfg.training.loss_chunk_tokens)
+                               cfg.training.loss_chunk_tokens, sparse_labels=cfg.data.dataset != "text")
         m = stage.model
         for part in self.model_parts:
             part.set_rope(m.rope_theta, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,

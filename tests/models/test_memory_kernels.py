@@ -74,32 +74,74 @@ def test_chunked_loss_never_holds_the_whole_logits_and_runs_without_grad():
         assert loss.item() == pytest.approx(_reference_loss(hidden, weight, labels).item(), rel=1e-6)
 
 
-def test_every_label_ignored_gives_zero_loss_and_zero_gradients():
+def _sparse_labels(labels):
+    """Five labelled tokens per row, as in a passkey row; the rest ignored."""
+    sparse = torch.full_like(labels, IGNORE_INDEX)
+    sparse[:, 40:45] = labels[:, 40:45]
+    return sparse
+
+
+class LogitRows(TorchDispatchMode):
+    """The most rows of any (rows x VOCAB) matrix product while active: the logits projected at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.mm.default and out.size(1) == VOCAB:
+            self.most = max(self.most, out.size(0))
+        return out
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_sparse_labels_project_only_the_labelled_tokens_for_the_same_result(dtype, tolerance):
+    hidden, weight, labels = _loss_inputs(dtype)
+    labels = _sparse_labels(labels)
+    reference = _reference_loss(hidden, weight, labels)
+    reference.backward()
+    expected = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    spy = LogitRows()
+    with spy:
+        loss = chunked_linear_cross_entropy(hidden, weight, labels, 64, sparse_labels=True)
+    loss.backward()
+    assert spy.most == int((labels != IGNORE_INDEX).sum()) < 64  # the labelled tokens only, not a 64-token chunk
+    assert abs(loss.item() - reference.item()) <= 1e-6 * abs(reference.item())
+    assert rel(hidden.grad, expected[0]) <= tolerance and rel(weight.grad, expected[1]) <= tolerance
+    assert hidden.grad[:, :40].abs().max() == 0 and hidden.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("sparse_labels", [False, True])
+def test_every_label_ignored_gives_zero_loss_and_zero_gradients(sparse_labels):
     hidden, weight, labels = _loss_inputs(torch.float32)
-    loss = chunked_linear_cross_entropy(hidden, weight, torch.full_like(labels, IGNORE_INDEX), 64)
+    loss = chunked_linear_cross_entropy(hidden, weight, torch.full_like(labels, IGNORE_INDEX), 64, sparse_labels)
     loss.backward()
     assert loss.item() == 0 and hidden.grad.abs().max() == 0 and weight.grad.abs().max() == 0
 
 
-def _vocab_sharded_body(rank, world_size):
+def _vocab_sharded_body(rank, world_size, sparse_labels):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world_size,))
     hidden, weight, labels = _loss_inputs(torch.float32)
+    labels = _sparse_labels(labels) if sparse_labels else labels
     reference = _reference_loss(hidden, weight, labels)
     reference.backward()
     sharded_weight = distribute_tensor(weight.detach(), mesh, [Shard(0)]).requires_grad_()
     seq_sharded = distribute_tensor(hidden.detach(), mesh, [Shard(1)]).requires_grad_()  # sequence parallel input
-    loss = chunked_linear_cross_entropy(seq_sharded, sharded_weight, labels, 41)
+    loss = chunked_linear_cross_entropy(seq_sharded, sharded_weight, labels, 41, sparse_labels)
     loss.backward()
     return (abs(loss.item() - reference.item()) / reference.item(),
             rel(seq_sharded.grad.full_tensor(), hidden.grad), rel(sharded_weight.grad.full_tensor(), weight.grad))
 
 
-@pytest.mark.parametrize("world_size", [2, 3])  # 3 splits the 1000-row vocabulary unevenly
-def test_vocabulary_sharded_chunked_loss_equals_the_whole_vocabulary(world_size):
-    for loss_err, hidden_err, weight_err in run_ranks(_vocab_sharded_body, world_size=world_size, timeout=120):
+@pytest.mark.parametrize("world_size, sparse_labels", [(2, False), (3, False), (2, True)])  # 3: uneven vocab split
+def test_vocabulary_sharded_chunked_loss_equals_the_whole_vocabulary(world_size, sparse_labels):
+    for loss_err, hidden_err, weight_err in run_ranks(_vocab_sharded_body, world_size=world_size,
+                                                      args=(sparse_labels,), timeout=120):
         assert loss_err <= 1e-6 and hidden_err <= 1e-6 and weight_err <= 1e-6
 
 

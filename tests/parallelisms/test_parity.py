@@ -85,6 +85,19 @@ def test_chunked_loss_and_tiled_mlp_change_no_number(runs_with_features, name):
     assert errors["loss"] <= ON_VS_OFF_TOLERANCE and errors["grad_norm"] <= ON_VS_OFF_TOLERANCE, (on, off)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 240)
+def test_passkey_rows_score_only_their_labelled_tokens_for_the_same_numbers():
+    """Passkey rows label 5 answer digits per row: the chunked loss projects only those (sparse labels), against
+    whole logits and F.cross_entropy on the same cp2 x tp2 mesh (vocabulary-sharded loss), fp32, 5 steps."""
+    degrees, passkey = MESHES["cp2 x tp2"], ["--data.dataset", "passkey"]
+    sparse = trainer_run(degrees, STEPS, SEQ_LEN, extra=[*passkey, *FEATURES], timeout=RUN_TIMEOUT)
+    whole = trainer_run(degrees, STEPS, SEQ_LEN, extra=[*passkey, *FEATURES_OFF], timeout=RUN_TIMEOUT)
+    errors = {key: max_relative_error(whole, sparse, key) for key in ("loss", "grad_norm")}
+    print(f"passkey rows, cp2 x tp2: sparse chunked loss vs whole logits, max relative difference {errors}")
+    assert errors["loss"] <= ON_VS_OFF_TOLERANCE and errors["grad_norm"] <= ON_VS_OFF_TOLERANCE, (sparse, whole)
+
+
 # bf16 (issue 14): the reference is the same mixed-precision policy in one plain process (bf16 compute, fp32 master
 # weights and gradients). Measured over 5 steps (max relative error): the bf16 reference vs the fp32 one differs by
 # 4.3e-4 in loss and 5.6e-3 in grad norm (that is bf16's noise); dp_shard2 x cp2, cp2 x tp2 and the 1-rank trainer

@@ -1,4 +1,4 @@
-"""Passkey retrieval learned by the real trainer under zigzag CP=2 (recipes/passkey_cp2.toml, ~8-10 minutes): proves
+"""Passkey retrieval learned by the real trainer under zigzag CP=2 (recipes/passkey_cp2.toml, ~6 minutes): proves
 that attention crosses shards during training, not only in parity tests. The evaluation keys at middle depths sit in
 rank 1's zigzag chunks while the question is on rank 0."""
 import json
@@ -32,7 +32,7 @@ def _key_and_question_ranks(depth: float, seq_len: int = 256) -> tuple[set[int],
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # the run takes 8-10 minutes on an idle 2-core box and more on a busy CI one
+@pytest.mark.timeout(1500)  # the run takes ~6 minutes on an idle 2-core box and more on a busy CI one
 def test_passkey_is_learned_under_zigzag_cp2(tmp_path):
     out = str(tmp_path / "passkey")
     result = run_train(RECIPE, "--job.dump_folder", out, nproc=2, timeout=1400)
