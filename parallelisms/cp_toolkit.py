@@ -161,12 +161,22 @@ def _unwritten_runs(written: np.ndarray) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _float32_rows(like: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """An uninitialised float32 (B, H, L, ...) tensor laid out in memory like `like`: (B, L, H, ...) when `like` is
+    the model's (B, L, H, D) projection seen as (B, H, L, D), as the attention kernels lay out their outputs and
+    gradients. The model's transpose back to (B, L, H * D) is then a view, not a copy (nor a second saved tensor)."""
+    if like.dim() == 4 and len(shape) >= 3 and like.stride(1) < like.stride(2):
+        order = (shape[0], shape[2], shape[1], *shape[3:])
+        return torch.empty(order, dtype=torch.float32, device=like.device).transpose(1, 2)
+    return torch.empty(shape, dtype=torch.float32, device=like.device)
+
+
 class RowBuffer:
     """A float32 (B, H, L, ...) buffer written piece by piece at (batch rows, sequence rows) and left uninitialised
     until then: a row's first piece is copied in, later ones add to it, rows no piece wrote get `fill` at the end.
     With documents nearly every row has exactly one piece, so one copy replaces a fill pass plus an add pass. Which
     rows were written is kept on the host in numpy (no device sync, and nothing the dry run's fake tensors would
-    turn into shapes without values)."""
+    turn into shapes without values). Laid out in memory like `like` (`_float32_rows`)."""
 
     def __init__(self, like: torch.Tensor, shape, fill: float):
         self.like, self.shape, self.fill = like, tuple(shape), fill
@@ -180,7 +190,7 @@ class RowBuffer:
         """Marks the rows written; True when none was before (the caller copies), else the caller accumulates (rows
         of the region not written before are set to `fill` first)."""
         if self.data is None:
-            self.data = torch.empty(self.shape, dtype=torch.float32, device=self.like.device)
+            self.data = _float32_rows(self.like, self.shape)
         region = self.written[batch, rows]
         new = not bool(region.any())
         if not new and not bool(region.all()):
@@ -205,7 +215,7 @@ class RowBuffer:
 
     def finish(self) -> torch.Tensor:
         if self.data is None:
-            return torch.full(self.shape, self.fill, dtype=torch.float32, device=self.like.device)
+            return _float32_rows(self.like, self.shape).fill_(self.fill)
         for b, a, e in _unwritten_runs(self.written):
             self.data[b, :, a:e].fill_(self.fill)
         return self.data

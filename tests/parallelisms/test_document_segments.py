@@ -133,3 +133,28 @@ def test_masked_attention_never_allocates_an_s_by_s_tensor():
     for variant, numel in largest.items():
         assert numel <= 2 * q_numel, (variant, numel)
     assert 2 * q_numel * 32 <= LONG_SEQ * LONG_SEQ  # so the bound really is far below S x S
+
+
+def _output_layouts(rank, size):
+    """(output, dQ, dK) memory layouts of plain SDPA and of the document-masked ring at cp = 1 for the model's q/k/v:
+    transposed views of (B, L, H, D) projections. True: (B, L, H, D) in memory."""
+    from parallelisms.ring_attention import ring_attention
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, SEQ, h, 16, generator=gen).transpose(1, 2).requires_grad_() for h in (4, 2, 2))
+    docs = _documents()[:1]
+    layouts = {}
+    for name, call in (("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                          enable_gqa=True)),
+                       ("ring", lambda: ring_attention(q, k, v, dist.group.WORLD, document_ids=docs))):
+        out = call()
+        dq, dk, _ = torch.autograd.grad(out.sum(), (q, k, v))
+        layouts[name] = [t.transpose(1, 2).is_contiguous() for t in (out, dq, dk)]
+    return layouts
+
+
+def test_masked_output_and_gradients_keep_the_models_memory_layout():
+    """The model turns the attention output back into (B, L, H * D) and its q/k/v gradients into (B, L, H * D): a
+    view when they are (B, L, H, D) in memory, as SDPA returns them; otherwise a copy per tensor (and for the output
+    a second saved activation)."""
+    (layouts,) = run_ranks(_output_layouts, 1, timeout=60)
+    assert layouts["ring"] == layouts["sdpa"] == [True, True, True], layouts
