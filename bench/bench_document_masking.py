@@ -12,7 +12,7 @@ packed row cross documents): the real trainer (train.py under torch.distributed.
   on CUDA), the same accounting on both sides.
 Targets: time ratio <= visible/causal + 0.15 (attention is most, not all, of a step), memory ratio <= 1.05.
 
-    python bench/bench_document_masking.py [--steps 10] [--warmup 2] [--seq-len 8192] [--dtype float32] [--compile]
+    python bench/bench_document_masking.py [--steps 10] [--warmup 2] [--rounds 2] [--seq-len 8192] [--compile]
 """
 from __future__ import annotations
 
@@ -84,23 +84,34 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the sums")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=2, help="trainer runs per side, in alternating order")
     parser.add_argument("--compile", action="store_true", help="training.compile on both sides (the blocks compiled, "
                         "attention eager between the graphs); compiling happens in the warm-up steps")
     args = parser.parse_args()
     overrides = common_overrides(args.steps, args.seq_len, args.dtype, args.compile)
-    runs = {masking: run_trainer(masking, overrides) for masking in (False, True)}
-    kept = {m: records[args.warmup:] for m, records in runs.items()}
-    step = {m: statistics.fmean(r["step_time"] for r in rs) for m, rs in kept.items()}
-    memory = {m: max(r["memory"] for r in rs) for m, rs in runs.items()}
+    # Rounds alternate their order (off, on, then on, off, ...) so a box whose speed drifts during the bench (a
+    # shared VM's does, by 10-20% over minutes) weighs on both sides alike; each round's own ratio shows the spread.
+    runs, round_ratios = {False: [], True: []}, []
+    for i in range(args.rounds):
+        times = {}
+        for masking in (False, True) if i % 2 == 0 else (True, False):
+            records = run_trainer(masking, overrides)
+            runs[masking].append(records)
+            times[masking] = statistics.fmean(r["step_time"] for r in records[args.warmup:])
+        round_ratios.append(times[True] / times[False])
+    step = {m: statistics.fmean(r["step_time"] for records in rs for r in records[args.warmup:])
+            for m, rs in runs.items()}
+    memory = {m: max(r["memory"] for records in rs for r in records) for m, rs in runs.items()}
     visible, doc_tokens = pair_ratio(overrides, args.steps, args.warmup)
     print(f"debug model, 1 rank, seq {args.seq_len}, local batch 1, {args.dtype}, pydoc documents "
-          f"(~{doc_tokens:,.0f} tokens each), {os.cpu_count()} cores, mean of steps {args.warmup + 1}-{args.steps}"
-          f"{', compiled' if args.compile else ''}")
+          f"(~{doc_tokens:,.0f} tokens each), {os.cpu_count()} cores, mean of steps {args.warmup + 1}-{args.steps} "
+          f"over {args.rounds} round(s){', compiled' if args.compile else ''}")
     print(f"{'document masking':>17} {'step s':>8} {'tok/s':>8} {'peak GiB':>9}")
     for m in (False, True):
         print(f"{'on' if m else 'off':>17} {step[m]:>8.2f} {args.seq_len / step[m]:>8.0f} {memory[m]:>9.2f}")
     time_ratio, memory_ratio = step[True] / step[False], memory[True] / memory[False]
-    print(f"step time masked / unmasked: {time_ratio:.3f}   (target <= visible/causal + 0.15 = {visible + 0.15:.3f})")
+    print(f"step time masked / unmasked: {time_ratio:.3f}   (target <= visible/causal + 0.15 = {visible + 0.15:.3f}; "
+          f"per round {', '.join(f'{r:.3f}' for r in round_ratios)})")
     print(f"visible / causal pairs:      {visible:.3f}")
     print(f"peak memory masked / unmasked: {memory_ratio:.3f}   (target <= 1.05)")
 
