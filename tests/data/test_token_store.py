@@ -121,15 +121,22 @@ def test_interrupted_preparation_resumes_without_redoing_shards_and_matches_an_u
     model = tmp_path / "tok.model"
     model.write_bytes(tokenizer.model_proto)
     script = PREPARE_SCRIPT.format(root=ROOT, entry=entry, cache=str(cache), part_bytes=part_bytes, model=str(model))
-    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    # The preparation runs niced and in short steps: its whole process group is frozen (SIGSTOP takes effect at once)
+    # before each count, so it is interrupted part-way however loaded the box is; free-running, it once finished all
+    # its parts between two polls of a starved test process and published the store before the signal.
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, preexec_fn=lambda: os.nice(19))
     partial, deadline = None, time.time() + 120
     while partial is None and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGSTOP)
         found = list(cache.glob("stores/*.partial"))
         if found and len(list(found[0].glob("shard-*.json"))) >= 5:
             partial = found[0]
-        time.sleep(0.02)
-    assert partial is not None, "preparation never got going"
+        else:
+            os.killpg(proc.pid, signal.SIGCONT)
+    assert partial is not None, f"preparation never got going (exit code {proc.poll()})"
     os.killpg(proc.pid, sig)  # the whole process group, as Ctrl-C in a terminal or a killed job would
+    os.killpg(proc.pid, signal.SIGCONT)  # a stopped process acts on SIGINT once continued
     proc.wait(timeout=60)
     done_before = sorted(p.name for p in partial.glob("shard-*.json"))
     assert done_before and not list(cache.glob("stores/*/manifest.json"))  # nothing was published
