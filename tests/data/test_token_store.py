@@ -104,7 +104,12 @@ def _store_digest(folder: str) -> str:
 
 
 PREPARE_SCRIPT = """
-import sys
+import os, signal, sys
+# Ctrl-C in a terminal: SIGINT raises KeyboardInterrupt even when this test runs where SIGINT is ignored (a background
+# job of a non-interactive shell: children inherit the ignore, and the preparation would run on to the end). Niced, so
+# the test's polling keeps up with it on a busy box; its spawned workers inherit both.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+os.nice(19)
 sys.path.insert(0, {root!r})
 from data.prepare import StoreSpec, prepare_store
 from data.tokenizer import Tokenizer
@@ -121,10 +126,9 @@ def test_interrupted_preparation_resumes_without_redoing_shards_and_matches_an_u
     model = tmp_path / "tok.model"
     model.write_bytes(tokenizer.model_proto)
     script = PREPARE_SCRIPT.format(root=ROOT, entry=entry, cache=str(cache), part_bytes=part_bytes, model=str(model))
-    # The preparation runs niced and in short steps: its whole process group is frozen (SIGSTOP takes effect at once)
-    # before each count, so it is interrupted part-way however loaded the box is; free-running, it once finished all
-    # its parts between two polls of a starved test process and published the store before the signal.
-    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, preexec_fn=lambda: os.nice(19))
+    # The preparation (~0.5 s for its 41 parts) runs in short steps: its whole process group is frozen (SIGSTOP takes
+    # effect at once) before each count of finished shards, so the signal always lands part-way, never after publishing.
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     partial, deadline = None, time.time() + 120
     while partial is None and time.time() < deadline and proc.poll() is None:
         time.sleep(0.01)
