@@ -220,6 +220,10 @@ def validate(cfg: Config) -> None:
     if ck.load_step > 0 and not ck.enable:
         raise RecipeError(f"{where}: checkpoint.load_step = {ck.load_step} needs checkpoint.enable = true.")
     check_offload(cfg)
+    if cfg.data.placement == "work" and not (cfg.data.document_masking and cfg.data.dataset == "text"):
+        raise RecipeError(f"{where}: data.placement = \"work\" moves document segments between rows, which needs "
+                          f"data.document_masking = true and data.dataset = \"text\". Set those or placement = "
+                          f"\"loader\".")
     if not cfg.data.corpus:
         raise RecipeError(f"{where}: data.corpus is empty. Use [\"pydoc\"] or local .txt/.jsonl paths.")
 

@@ -14,6 +14,7 @@ from typing import Literal
 
 Dtype = Literal["float32", "bfloat16"]
 Dataset = Literal["text", "passkey"]
+Placement = Literal["auto", "work", "loader"]
 OptimizerName = Literal["AdamW"]
 DecayType = Literal["linear", "cosine", "constant"]
 LoadBalancer = Literal["zigzag", "striped", "contiguous"]
@@ -197,6 +198,15 @@ class DataConfig:
     """Data-loader worker processes per rank."""
     dataset: Dataset = "text"
     """text: packed documents of `corpus`; passkey: synthetic passkey retrieval rows with `corpus` as filler text."""
+    placement: Placement = "auto"
+    """How an optimizer step's rows reach the data-parallel ranks. work: every rank reads the whole step and its
+    document segments are re-packed across ranks and micro-steps by attention work (data/placement.py; needs
+    document_masking and text); loader: the loader's order; auto: work with document masking on text, else loader."""
+
+    def places_by_work(self) -> bool:
+        """Whether the step's rows are re-packed by attention work."""
+        return self.placement == "work" or (self.placement == "auto" and self.document_masking
+                                              and self.dataset == "text")
 
 
 @dataclass

@@ -65,20 +65,22 @@ def segment_work(lengths: np.ndarray) -> np.ndarray:
     return lengths * (lengths + 1) // 2
 
 
-_TRIES = ((64, 4), (64, 1), (16, 4), (256, 1), (4, 4))
-"""(capacity / the longest "short" segment, the room a long one must leave as a multiple of it), tried in turn."""
+_TRIES = ((0.05, 4), (0.05, 1), (0.15, 4), (0.15, 1), (0.3, 4), (0.3, 1))
+"""(the share of the step's tokens held by "short" segments, the room a long one must leave as a multiple of the
+longest short one), tried in turn."""
 
 
 def plan_segments(lengths: np.ndarray, num_slots: int, capacity: int, micro_slots: int | None = None
                   ) -> np.ndarray | None:
     """The slot of each segment, every slot holding exactly `capacity` tokens; None when no exact fill was found.
 
-    Tries a fine split between long (placed by work) and short (filling the rest) segments first, then coarser ones:
-    a coarser split gives the exact fill more pieces to choose from and the work balance fewer."""
+    Tries a few short/long splits: more short segments give the exact fill more pieces to choose from and the work
+    balance fewer. `micro_slots`: slots per micro-step (consecutive slots), by default all in one."""
     if int(lengths.sum()) != num_slots * capacity:
         raise ValueError(f"{int(lengths.sum())} tokens cannot fill {num_slots} rows of {capacity}")
-    for divisor, reserve in _TRIES:
-        small = max(1, capacity // divisor)
+    ascending = np.sort(lengths)
+    for share, reserve in _TRIES:
+        small = int(ascending[np.searchsorted(np.cumsum(ascending), share * capacity * num_slots)])
         slot = _plan(lengths, num_slots, capacity, small=small, reserve=reserve * small,
                      micro_slots=micro_slots or num_slots)
         if slot is not None:

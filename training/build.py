@@ -100,9 +100,14 @@ def build_stage_data(cfg: Config, tokenizer, stores: dict, mesh: TrainingMesh,
     """This rank's loader for one ramp stage (its seq_len, batch split and source weights), continuing at
     `rows_consumed` rows of that stage's row stream."""
     t = cfg.training
+    # Placed by work, every rank reads the whole global micro-batch (dp x local rows) and data/placement.py picks its
+    # rows; the loader's count of global rows, hence its checkpoint, is the same either way.
+    dp_rank, dp_size, local_rows = mesh.dp_rank, mesh.dims.dp, t.local_batch_size
+    if cfg.data.places_by_work():
+        dp_rank, dp_size, local_rows = 0, 1, t.local_batch_size * mesh.dims.dp
     loader = build_dataloader(
-        tokenizer, None, seq_len=t.seq_len, local_batch_size=t.local_batch_size, dp_rank=mesh.dp_rank,
-        dp_size=mesh.dims.dp, seed=cfg.job.seed, document_masking=cfg.data.document_masking,
+        tokenizer, None, seq_len=t.seq_len, local_batch_size=local_rows, dp_rank=dp_rank,
+        dp_size=dp_size, seed=cfg.job.seed, document_masking=cfg.data.document_masking,
         num_workers=cfg.data.num_workers, dataset=cfg.data.dataset, rows=stage_rows(cfg, stores) if stores else None)
     if rows_consumed:
         loader.load_state_dict({"global_rows_consumed": rows_consumed})

@@ -8,6 +8,7 @@ import json
 import os
 import time
 
+import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from models.llama import flops_per_token
@@ -101,20 +102,30 @@ class StepMetrics:
         return (sent - since[0]) / max(1, step - since[1])
 
     def record(self, stage: RampStage, step: int, *, loss: float, lr: float, grad_norm: float, step_time: float,
-               data_time: float, tokens_seen: int) -> dict:
+               data_time: float, tokens_seen: int, visible_pairs: list[int]) -> dict:
+        """`visible_pairs`: this rank's attention pairs in each micro-step of the step (`visible_pairs` below)."""
         t, d, m = stage.cfg.training, stage.dims, stage.model
         layout = Layout(d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, 1)
         fsdp_bytes = sum(fsdp_bytes_per_step(m, layout, t.dtype, stage.grad_accum_steps,
                                              stage.cfg.parallelism.reshard_after_forward))
-        # Maxima over ranks: step_time is the slowest rank's; -step_time gives the fastest rank's.
-        step_time, memory, data_time, cp_bytes, fastest = self.comm.reduce_values(
-            [step_time, peak_memory_gib(self.device), data_time, self._cp_bytes_per_step(step), -step_time],
-            op="max")
+        # Maxima over ranks: step_time is the slowest rank's; -step_time gives the fastest rank's; then each
+        # micro-step's busiest rank's pairs.
+        step_time, memory, data_time, cp_bytes, fastest, *busiest = self.comm.reduce_values(
+            [step_time, peak_memory_gib(self.device), data_time, self._cp_bytes_per_step(step), -step_time,
+             *visible_pairs], op="max")
+        all_pairs = self.comm.reduce_values([sum(visible_pairs)], op="sum")[0]
         tokens_per_sec = stage.tokens_per_step / step_time
-        mfu = flops_per_token(m, t.seq_len) * tokens_per_sec / (self.peak_flops * d.world_size)
+        # dp x cp ranks hold distinct tokens; TP and PP ranks repeat their dp x cp rank's pairs.
+        step_pairs = all_pairs / (d.tp * d.pp)
+        dense = flops_per_token(m, 0)
+        per_pair = flops_per_token(m, 1, causal=False) - dense  # the attention term counts seq_len keys per token
+        mfu = (dense * stage.tokens_per_step + per_pair * step_pairs) / step_time / (self.peak_flops * d.world_size)
+        mfu_causal = flops_per_token(m, t.seq_len) * tokens_per_sec / (self.peak_flops * d.world_size)
         return {
             "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
-            "tokens_per_sec_per_rank": tokens_per_sec / d.world_size, "mfu": mfu,
+            "tokens_per_sec_per_rank": tokens_per_sec / d.world_size, "mfu": mfu, "mfu_causal": mfu_causal,
+            "attention_balance": attention_balance(busiest, all_pairs, d.world_size),
+            "attention_pairs": step_pairs,
             "peak_flops_per_rank": self.peak_flops, "peak_source": self.peak_source,
             "seq_len": t.seq_len, "cp": d.cp, "global_batch_size": stage.global_batch_rows,
             "tokens_per_step": stage.tokens_per_step, "rope_theta": m.rope_theta,
@@ -122,3 +133,19 @@ class StepMetrics:
             "step_time": step_time, "data_time": data_time, "step_time_fastest_rank": -fastest,
             "cp_comm_bytes": cp_bytes, "fsdp_comm_bytes": fsdp_bytes, "cp_attention_calls": self.comm_stats.calls,
             **({"compile": compile_counters()} if t.compile else {})}
+
+
+def visible_pairs(position_ids: torch.Tensor) -> torch.Tensor:
+    """The causal (query, key) pairs attention computes for these tokens (a device scalar, no host sync).
+
+    A token at position p sees p + 1 keys: with document masking positions restart at every document (and row)
+    start, so p + 1 is exactly its document's earlier tokens and itself; without, positions run 0..S-1 along the
+    row. It holds for any subset of a row's tokens, so a CP rank counts its own shard, whatever the layout."""
+    return (position_ids + 1).sum()
+
+
+def attention_balance(busiest: list[float], all_pairs: float, ranks: int) -> float:
+    """Sum over micro-steps of the busiest rank's pairs / the mean rank's pairs of the step: the attention time the
+    step waits for over the time with perfectly even work (1.0 = even; 2.0 = half of it spent waiting)."""
+    mean = all_pairs / ranks
+    return sum(busiest) / mean if mean else 1.0

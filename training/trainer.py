@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from config.schema import Config
+from data.placement import StepPlacement, StepSlots
 from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import uses_loss_parallel
 from training import step
@@ -20,7 +21,7 @@ from training.checkpoint import Checkpointer
 from training.evaluation import run_long_doc_eval, run_passkey_eval
 from training.hardware import peak_flops
 from training.loss import global_label_tokens
-from training.metrics import MetricsLogger, StepMetrics
+from training.metrics import MetricsLogger, StepMetrics, visible_pairs
 from training.preflight import preflight_stages
 from training.ramp import RampStage, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_
@@ -46,6 +47,8 @@ class Trainer:
         self.model = self.model_parts[0]
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model_parts)
         self.comm_stats = CommStats()
+        self.step_pairs: list[torch.Tensor] = []
+        """This rank's visible attention pairs in each micro-step of the last step (training/metrics.py)."""
         self.dataloader = self._enter_stage(first)
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizer,
                                          self.scheduler, self.dataloader, first.model, vars(first.dims))
@@ -78,6 +81,11 @@ class Trainer:
         for part in self.model_parts:
             part.set_rope(m.rope_theta, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
                           m.rope_original_max_position)
+        self.placement = None
+        if cfg.data.places_by_work():
+            slots = StepSlots(stage.grad_accum_steps, self.mesh.dims.dp, cfg.training.local_batch_size,
+                              cfg.training.seq_len)
+            self.placement = StepPlacement(slots, self.mesh.dp_rank)
         return build_stage_data(cfg, self.tokenizer, self.stores, self.mesh, rows_consumed)
 
     def _switch_stage(self, stage: RampStage, rows_consumed: int = 0) -> None:
@@ -94,8 +102,12 @@ class Trainer:
             batches, every_token_labelled=cfg.data.dataset == "text", rows_per_step=self.stage.global_batch_rows,
             seq_len=cfg.training.seq_len, comm=self.dist.comm, data_group=self.mesh.data.get_group())
         loss = torch.zeros((), dtype=torch.float32, device=device)
+        pairs = []
         for batch in batches:
-            loss += step.micro_step(self.setup, {k: v.to(device) for k, v in batch.items()}, global_tokens)
+            local = {k: v.to(device) for k, v in batch.items()}
+            loss += step.micro_step(self.setup, local, global_tokens)
+            pairs.append(visible_pairs(local["position_ids"]))  # after the step: this rank's CP shard
+        self.step_pairs = pairs
         pp_group = self.mesh.pp_mesh.get_group() if self.stage.dims.pp > 1 else None
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group)
@@ -120,7 +132,7 @@ class Trainer:
                 self._announce()
                 data_iter = iter(self.dataloader)
             start = time.perf_counter()
-            batches = [next(data_iter) for _ in range(self.stage.grad_accum_steps)]
+            batches = self._step_batches(data_iter)
             data_time = time.perf_counter() - start
             lr = self.scheduler.get_last_lr()[0]
             loss, grad_norm = self.train_step(batches)
@@ -134,12 +146,21 @@ class Trainer:
             if self.step % self.cfg.metrics.log_freq == 0 or last or evaluation:
                 record = self.metrics.record(
                     self.stage, self.step, loss=loss, lr=lr, grad_norm=grad_norm, step_time=step_time,
-                    data_time=data_time, tokens_seen=tokens_seen(self.stages, self.step))
+                    data_time=data_time, tokens_seen=tokens_seen(self.stages, self.step),
+                    visible_pairs=torch.stack(self.step_pairs).tolist())
                 if self.stores:
                     record["source_tokens"] = source_tokens_seen(self.stages, self.step)
+                if self.placement is not None:  # steps of this process that moved whole rows (no exact fill)
+                    record["placement_whole_row_steps"] = self.placement.whole_row_steps
                 self.logger.log(self.step, {**record, **evaluation})
         if self.cfg.eval.passkey:
             run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0)
+
+    def _step_batches(self, data_iter) -> list[dict]:
+        """This rank's micro-batches of the next optimizer step: the loader's, or placed by work."""
+        if self.placement is not None:
+            return self.placement.take(data_iter)
+        return [next(data_iter) for _ in range(self.stage.grad_accum_steps)]
 
     def _long_doc_eval_due(self, last: bool) -> bool:
         e = self.cfg.eval

@@ -18,3 +18,74 @@ def test_resume_replaces_the_replayed_steps(tmp_path):
     second.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0), (6, 16.0)]
+
+
+def brute_force_pairs(document_ids, queries) -> int:
+    """(query, key) pairs allowed by the full causal document mask of one row, for the given query positions."""
+    import numpy as np
+
+    same = document_ids[:, None] == document_ids[None, :]
+    mask = same & np.tril(np.ones((len(document_ids),) * 2, dtype=bool))
+    return int(mask[queries].sum())
+
+
+def test_visible_pairs_of_any_shard_equal_the_mask_count():
+    """sum(position_ids + 1) over any subset of a row's tokens (a CP shard, whatever the layout) counts exactly the
+    mask's pairs of those queries, with document masking and without."""
+    import numpy as np
+    import torch
+
+    from data.packing import row_fields
+    from training.metrics import visible_pairs
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 6, size=65)
+    tokens[[4, 5, 20, 41]] = 0  # EOS: documents of 5, 1, 15, 21 and 22 tokens
+    for masking in (True, False):
+        row = row_fields(tokens, eos_id=0, document_masking=masking)
+        ids = row["document_ids"] if masking else np.zeros(64, dtype=np.int64)
+        for shard in (np.arange(64), rng.choice(64, size=16, replace=False), np.r_[0:8, 56:64]):
+            got = visible_pairs(torch.from_numpy(row["position_ids"][shard]))
+            assert int(got) == brute_force_pairs(ids, shard)
+
+
+class TwoRankComm:
+    """Collectives of a two-rank world seen from rank 0: rank 1 reports `other` for the same reductions, in turn."""
+
+    def __init__(self, other: list[list[float]]):
+        self.other = iter(other)
+
+    def reduce_values(self, values, group=None, op="sum"):
+        theirs = next(self.other)
+        return [max(a, b) if op == "max" else a + b for a, b in zip(values, theirs)]
+
+
+def test_record_reports_balance_and_the_mfu_of_the_pairs_computed():
+    """Two dp ranks, two micro-steps: rank 0 computes 30 and 10 pairs, rank 1 10 and 10. The step waits for 30 + 10
+    = 40 while the mean rank does 30: balance 4/3. MFU counts dense FLOPs per token plus 12 L H d per pair."""
+    import pytest
+    import torch
+
+    from config.recipe import load_config
+    from models.llama import flops_per_token
+    from parallelisms.context_parallel import CommStats
+    from training.hardware import Device
+    from training.metrics import StepMetrics
+    from training.ramp import RampStage
+    from parallelisms.parallel_dims import ParallelDims
+
+    cfg = load_config("recipes/debug.toml", ["--training.seq_len", "64", "--training.local_batch_size", "1",
+                                             "--training.global_batch_size", "4"])
+    dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1, world_size=2)
+    stage = RampStage(-1, 0, 10, cfg, dims)
+    # rank 1's numbers, in the order the record reduces them: the maxima (5 times, 2 micro-steps), then the pairs sum
+    comm = TwoRankComm([[1.0, 0.0, 0.0, 0.0, -1.0, 10.0, 10.0], [20.0]])
+    metrics = StepMetrics(comm, CommStats(), Device("cpu", "gloo", torch.device("cpu")), 1e9, "test", 0)
+    r = metrics.record(stage, 1, loss=1.0, lr=1e-3, grad_norm=1.0, step_time=2.0, data_time=0.0, tokens_seen=256,
+                       visible_pairs=[30, 10])
+    assert r["attention_balance"] == pytest.approx(40 / 30)
+    assert r["attention_pairs"] == 60
+    m = stage.model
+    per_pair = 12 * m.n_layers * m.n_heads * m.head_dim
+    assert r["mfu"] == pytest.approx((flops_per_token(m, 0) * 256 + per_pair * 60) / 2.0 / 2e9)
+    assert r["mfu_causal"] == pytest.approx(flops_per_token(m, 64) * 256 / 2.0 / 2e9)

@@ -36,6 +36,8 @@ def test_print_config_round_trips(tmp_path):
     ("[training]\n", ["--training.steps"], "needs a value"),
     ("steps = 3\n", [], "must be a [section] table"),
     ("[training\n", [], "not valid TOML"),
+    ("[data]\nplacement = 'work'\n", [], "data.placement = \"work\" moves document segments"),
+    ("[data]\nplacement = 'segments'\n", [], "data.placement"),
 ])
 def test_bad_recipes_give_one_line_errors(tmp_path, text, overrides, expect):
     path = write(tmp_path, text)
