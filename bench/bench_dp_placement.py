@@ -67,13 +67,30 @@ def busiest_per_micro(positions: np.ndarray, slots: StepSlots) -> tuple[int, int
 
 
 def floor_of(fields: dict, slots: StepSlots) -> int:
-    """A lower bound of the summed busiest work: the step's pairs spread evenly, or the segments longer than half a
-    row, which never share a row, dealt dp x local rows to a micro-step (each micro-step waits for its heaviest)."""
+    """A lower bound of the summed busiest work (pairs), the best of two:
+    - segments longer than half a row never share a row: dealt dp x local rows to a micro-step, each micro-step
+      waits at least for its heaviest;
+    - the micro-step holding the heaviest segment (h) waits >= h and >= its work / dp; the others together wait >= the
+      rest of the work / dp, and one micro-step's dp x local x seq_len tokens hold at most W_max pairs (its longest
+      segments, the last one fractionally). So sum >= min over its work W <= W_max of max(h, W / dp) + (T - W) / dp.
+    """
     _, _, length = segments(fields["document_ids"])
     work = segment_work(length)
-    long_work = np.sort(work[length > slots.seq_len // 2])[::-1]
+    total = int(work.sum())
     per_micro = slots.dp_size * slots.local_rows
-    return max(int(work.sum()) // slots.dp_size, int(long_work[::per_micro][:slots.micro_steps].sum()))
+    long_work = np.sort(work[length > slots.seq_len // 2])[::-1]
+    dealt = int(long_work[::per_micro][:slots.micro_steps].sum())
+    order = np.argsort(-length, kind="stable")
+    tokens = np.cumsum(length[order])
+    whole = int(np.searchsorted(tokens, per_micro * slots.seq_len, side="right"))
+    w_max = int(work[order[:whole]].sum())
+    if whole < len(order):  # the next segment, fractionally, at its pairs per token
+        left = per_micro * slots.seq_len - (int(tokens[whole - 1]) if whole else 0)
+        w_max += int(work[order[whole]] * left / length[order[whole]])
+    heaviest = int(work.max())
+    w = min(w_max, slots.dp_size * heaviest)
+    absorbed = heaviest + (total - w) / slots.dp_size
+    return int(max(total / slots.dp_size, absorbed, dealt))
 
 
 def main() -> None:
@@ -88,33 +105,35 @@ def main() -> None:
     slots = StepSlots(args.micro_steps, args.dp, args.local_rows, args.seq_len)
     print(f"seq {args.seq_len}, dp {args.dp}, {args.micro_steps} micro-steps x {args.local_rows} row(s), "
           f"{args.steps} steps; step attention time / ideal (ideal = the step's pairs spread evenly over dp ranks)")
-    print(f"{'mix':<38} {'loader':>7} {'rows':>7} {'segments':>9} {'worst':>7} {'floor':>7} {'fallback':>9} "
-          f"{'plan ms':>8}")
+    print(f"{'':<38} {'summed over the steps':^40} {'median step':^26}")
+    print(f"{'mix':<38} {'loader':>7} {'rows':>7} {'segments':>9} {'floor':>7} {'loader':>8} {'segments':>9} "
+          f"{'floor':>7} {'worst':>7} {'fallback':>9} {'plan ms':>8}")
     for mix, name in enumerate(MIXES):
-        busiest = {"loader": 0, "rows": 0, "segments": 0, "floor": 0}
-        total, worst, fallbacks, plan_time = 0, 0.0, 0, 0.0
+        per_step = {key: [] for key in ("loader", "rows", "segments", "floor")}
+        totals, fallbacks, plan_time = [], 0, 0.0
         for fields in packed_steps(mix, slots, args.steps, args.seed):
             loader_busiest, step_total = busiest_per_micro(fields["position_ids"], slots)
             row_work = (fields["position_ids"] + 1).sum(axis=1)
-            row_slot = plan_whole_rows(row_work, slots)
             in_slots = np.empty_like(fields["position_ids"])
-            in_slots[row_slot] = fields["position_ids"]
+            in_slots[plan_whole_rows(row_work, slots)] = fields["position_ids"]
             start = time.perf_counter()
             placement = place_step(fields, slots)
             plan_time += time.perf_counter() - start
             placed_busiest, placed_total = busiest_per_micro(placement.fields["position_ids"], slots)
             assert placed_total == step_total, "placement changed the step's pairs"
             fallbacks += placement.whole_rows
-            busiest["loader"] += loader_busiest
-            busiest["rows"] += busiest_per_micro(in_slots, slots)[0]
-            busiest["segments"] += placed_busiest
-            busiest["floor"] += floor_of(fields, slots)
-            total += step_total
-            worst = max(worst, placed_busiest / (step_total / args.dp))
-        ideal = total / args.dp
-        print(f"{name:<38} {busiest['loader'] / ideal:>7.3f} {busiest['rows'] / ideal:>7.3f} "
-              f"{busiest['segments'] / ideal:>9.3f} {worst:>7.3f} {busiest['floor'] / ideal:>7.3f} "
-              f"{fallbacks:>5}/{args.steps:<3} {1e3 * plan_time / args.steps:>8.1f}")
+            per_step["loader"].append(loader_busiest)
+            per_step["rows"].append(busiest_per_micro(in_slots, slots)[0])
+            per_step["segments"].append(placed_busiest)
+            per_step["floor"].append(floor_of(fields, slots))
+            totals.append(step_total / args.dp)
+        ideal = np.array(totals)
+        summed = {key: sum(values) / ideal.sum() for key, values in per_step.items()}
+        median = {key: float(np.median(np.array(values) / ideal)) for key, values in per_step.items()}
+        worst = float(np.max(np.array(per_step["segments"]) / ideal))
+        print(f"{name:<38} {summed['loader']:>7.3f} {summed['rows']:>7.3f} {summed['segments']:>9.3f} "
+              f"{summed['floor']:>7.3f} {median['loader']:>8.3f} {median['segments']:>9.3f} {median['floor']:>7.3f} "
+              f"{worst:>7.3f} {fallbacks:>5}/{args.steps:<3} {1e3 * plan_time / args.steps:>8.1f}")
 
 
 if __name__ == "__main__":
