@@ -8,14 +8,17 @@ data/packing.py) sees nothing outside itself. So the step's segments may be move
 micro-step) as long as every row keeps exactly seq_len tokens: the loss is unchanged up to summation order.
 
 How. Every rank reads the whole step (micro-steps x dp x local rows, the same rows whatever the dp degree) and runs
-the same deterministic planner, so no collective is needed. The planner fills the step's row slots:
-1. segments longer than `small` tokens, longest first, each into the slot with the least work that still has room
-   (ties: the lowest slot), which evens the work out;
+the same deterministic planner, so no collective is needed. The step waits for the sum over micro-steps of each
+micro-step's busiest rank, so the planner fills the step's row slots:
+1. the long segments, longest first, each into the slot whose micro-step's busiest work grows least (then the slot
+   with the least work, then the lowest index): the heaviest work gathers in one micro-step, evened out inside it;
+   a long segment leaves its slot full or with room for short ones;
 2. the short segments then fill every slot's remaining room exactly (a subset sum per slot, all but the last).
-If that cannot fill every slot exactly (no room for a long segment, or no subset hits a slot's room), the step falls
-back to whole-row moves: rows sorted by work, the heaviest micro-step first, each micro-step's rows dealt to the
-ranks by least work. That is always exact. Segments in a slot keep the loader's order; document ids are renumbered
-0, 1, ... per row so that two segments of one document never see each other.
+A few long/short splits are tried (`_TRIES`). If none fills every slot exactly, the step falls back to whole-row
+moves: rows sorted by work, the heaviest micro-step first, each micro-step's rows dealt to the ranks by least work,
+which is always exact. Segments in a slot keep the loader's order; document ids are renumbered 0, 1, ... per row so
+that two segments of one document never see each other. With several local rows per rank the planner balances rows,
+which balances ranks too but does not use a rank's freedom to pair a heavy row with a light one.
 
 The planner maps segments onto slots given as (micro-step, dp rank, local row); a CP level could be added as one more
 slot axis.
@@ -28,7 +31,6 @@ import numpy as np
 import torch
 
 from data.packing import FIELDS
-
 
 
 @dataclass(frozen=True)

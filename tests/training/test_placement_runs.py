@@ -89,6 +89,7 @@ def test_placed_and_loader_order_dp2_runs_match_every_document_run_alone(recipe,
               for name, r in (("work", placed), ("loader", loader))}
     print(f"dp_shard2, 2 micro-steps: max relative (loss, grad norm) error vs documents run alone: {errors}")
     assert all(e <= 1e-5 for pair in errors.values() for e in pair), (placed, loader, documents_alone)
+    assert max(abs(placed[s]["loss"] - loader[s]["loss"]) / loader[s]["loss"] for s in placed) <= 1e-5
     assert placed[STEPS]["placement_whole_row_steps"] < STEPS  # most steps really moved segments
     # The logged pairs are every document's L(L + 1) / 2 over the step's rows, counted here from the loader's rows.
     for step, ids in enumerate(loader_document_ids(recipe), start=1):
