@@ -19,7 +19,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACTS = os.path.join(ROOT, "test-artifacts")
 OBSERVED = ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "memory", "seq_len", "cp", "cp_comm_bytes",
-            "fsdp_comm_bytes", "data_time", "step_time", "step_time_fastest_rank")
+            "fsdp_comm_bytes", "data_time", "step_time", "step_time_fastest_rank", "attention_balance", "mfu_causal")
 STEPS = 10
 
 
