@@ -132,7 +132,17 @@ def _plan(lengths: np.ndarray, num_slots: int, capacity: int, small: int, reserv
 
 
 def _subset_with_sum(values: list[int], target: int) -> list[int] | None:
-    """Indices of values summing to exactly `target` (a bitset subset sum), or None."""
+    """Indices of values summing to exactly `target`, or None: largest first when that lands exactly (most slots,
+    cheaply), else a bitset subset sum."""
+    greedy, room = [], target
+    for k in sorted(range(len(values)), key=lambda k: -values[k]):
+        if values[k] <= room:
+            greedy.append(k)
+            room -= values[k]
+            if room == 0:
+                return sorted(greedy)
+    if room == 0:
+        return sorted(greedy)
     mask = (1 << (target + 1)) - 1
     reachable = [1]
     for v in values:
@@ -185,18 +195,15 @@ def place_step(fields: dict[str, np.ndarray], slots: StepSlots) -> Placement:
         for name, values in fields.items():
             placed[name][row_slot] = values
         return Placement(placed, whole_rows=True)
-    placed = {name: np.empty_like(values) for name, values in fields.items()}
-    fill = np.zeros(slots.count, dtype=np.int64)
-    next_id = np.zeros(slots.count, dtype=np.int64)
-    for r, s, n, target in zip(row, start, length, slot):  # loader order within a slot
-        at = fill[target]
-        for name in FIELDS:
-            if name == "document_ids":
-                placed[name][target, at:at + n] = next_id[target]
-            else:
-                placed[name][target, at:at + n] = fields[name][r, s:s + n]
-        fill[target] += n
-        next_id[target] += 1
+    # Slots are filled exactly, so the segments in (slot, loader) order are the placed rows, flattened.
+    order = np.lexsort((np.arange(len(slot)), slot))
+    lengths = length[order]
+    source_starts = (row * slots.seq_len + start)[order]
+    gather = np.repeat(source_starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
+    shape = (slots.count, slots.seq_len)
+    placed = {name: fields[name].reshape(-1)[gather].reshape(shape) for name in FIELDS if name != "document_ids"}
+    first_of_slot = np.searchsorted(slot[order], slot[order], side="left")
+    placed["document_ids"] = np.repeat(np.arange(len(order)) - first_of_slot, lengths).reshape(shape)
     return Placement(placed, whole_rows=False)
 
 
