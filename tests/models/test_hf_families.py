@@ -1,0 +1,117 @@
+"""Llama 3.2 (tied), Qwen2.5 (q/k/v biases) and Qwen3 (per-head q/k norms, head_dim != dim / heads) against
+transformers itself: tiny random folders built in the test (every weight random, norms and biases included, so a
+mapping mistake cannot hide behind ones and zeros), logits in fp32 both ways, and YaRN tables against transformers'."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from models.hf import load_hf, save_hf
+from models.hf_config import from_hf_config
+from models.rope import RotaryEmbedding
+from config import RecipeError
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, rms_norm_eps=1e-6,
+              max_position_embeddings=128)
+
+FAMILIES = {
+    "llama3_2_tied": lambda: transformers.LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2,
+                                                      tie_word_embeddings=True, rope_parameters=dict(LLAMA3_ROPE)),
+    "qwen2_5_bias": lambda: transformers.Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                                     tie_word_embeddings=False,
+                                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen3_qk_norm": lambda: transformers.Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                                      head_dim=24, tie_word_embeddings=True,
+                                                      rope_parameters=dict(YARN_ROPE)),
+}
+
+
+def random_hf_model(name: str, seed: int = 0):
+    """A transformers model with every parameter random: matrices N(0, 0.05), norms 1 + N(0, 0.2), biases N(0, 0.2)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]()).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+    return model
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+TOKENS = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_logits_match_transformers_both_ways(tmp_path, name):
+    reference = random_hf_model(name)
+    reference.save_pretrained(tmp_path / "in")
+    model = load_hf(str(tmp_path / "in"))
+    cfg = model.config
+    assert cfg.family == reference.config.model_type
+    tied = reference.config.tie_word_embeddings
+    assert cfg.tie_embeddings == tied and (model.output.weight is model.tok_embeddings.weight) == tied
+    with torch.no_grad():
+        want = reference(TOKENS).logits
+        got = model(TOKENS)
+    assert rel_error(got, want) <= 1e-5, rel_error(got, want)
+
+    save_hf(model, str(tmp_path / "out"), dtype=torch.float32)  # our export, read by transformers and by us
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert type(exported) is type(reference) and exported.config.tie_word_embeddings == tied
+    reloaded = load_hf(str(tmp_path / "out"))
+    with torch.no_grad():
+        assert rel_error(exported(TOKENS).logits, want) <= 1e-5
+        assert rel_error(reloaded(TOKENS), want) <= 1e-5
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(tmp_path / "out", "model-00001-of-00001.safetensors"), "pt") as f:
+        assert ("lm_head.weight" in f.keys()) == (not tied)
+
+
+@pytest.mark.parametrize("factor", [2.0, 4.0])
+@pytest.mark.parametrize("extra", [{}, {"beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
+                                   {"attention_factor": 1.25}])
+def test_yarn_tables_equal_transformers(factor, extra):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": factor, "original_max_position_embeddings": 64,
+            **extra}
+    hf = transformers.Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                                  max_position_embeddings=int(64 * factor),
+                                  rope_parameters=rope)
+    want_freq, want_scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    cfg = from_hf_config(hf.to_dict())
+    kw = cfg.rope_kwargs
+    ours = RotaryEmbedding(cfg.head_dim, kw.pop("theta"), kw.pop("scaling_factor"), **kw)
+    assert torch.allclose(ours.inv_freq, want_freq.float(), rtol=1e-6, atol=0)
+    assert abs(ours.attention_scaling - want_scale) <= 1e-6
+
+
+def test_unsupported_folders_are_one_line_errors(tmp_path):
+    base = FAMILIES["qwen2_5_bias"]().to_dict()
+    cases = {
+        "sliding": ({"use_sliding_window": True, "sliding_window": 16}, "sliding-window attention"),
+        "moe": ({"model_type": "qwen3", "num_experts": 8}, "mixture of experts"),
+        "model_type": ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+        "rope": ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type 'longrope'"),
+        "act": ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+    }
+    for label, (change, message) in cases.items():
+        with pytest.raises(RecipeError, match=message) as err:
+            from_hf_config({**base, **change}, where="x/config.json")
+        assert "\n" not in str(err.value) and str(err.value).startswith("x/config.json"), label
