@@ -174,6 +174,8 @@ def _accepts(value, hint) -> bool:
             return True
         if allowed is float and isinstance(value, float):
             return True
+        if allowed is str and isinstance(value, str):
+            return True
     return False
 
 

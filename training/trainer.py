@@ -17,6 +17,7 @@ from training import step
 from training.build import (build_model, build_optimizer, build_shared_tokenizer, build_stage_data, build_stores,
                             init_distributed)
 from training.checkpoint import Checkpointer
+from training.hf_export import export_extras
 from training.evaluation import run_long_doc_eval, run_passkey_eval
 from training.hardware import peak_flops
 from training.loss import global_label_tokens
@@ -48,7 +49,8 @@ class Trainer:
         self.comm_stats = CommStats()
         self.dataloader = self._enter_stage(first)
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizer,
-                                         self.scheduler, self.dataloader, first.model, vars(first.dims))
+                                         self.scheduler, self.dataloader, first.model, vars(first.dims),
+                                         export_extras(cfg, self.stages, self.tokenizer))
         self.step = self.checkpointer.load()  # 0, or the step of the checkpoint resumed
         resumed = stage_at(self.stages, self.step)
         if resumed is not self.stage:  # the data position carries over only inside the stage that saved it
@@ -76,8 +78,7 @@ class Trainer:
                                cfg.training.loss_chunk_tokens, sparse_labels=cfg.data.dataset != "text")
         m = stage.model
         for part in self.model_parts:
-            part.set_rope(m.rope_theta, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
-                          m.rope_original_max_position)
+            part.set_rope_from(m)
         return build_stage_data(cfg, self.tokenizer, self.stores, self.mesh, rows_consumed)
 
     def _switch_stage(self, stage: RampStage, rows_consumed: int = 0) -> None:

@@ -13,41 +13,9 @@ from models.hf import load_hf, save_hf
 from models.hf_config import from_hf_config
 from models.rope import RotaryEmbedding
 from config import RecipeError
+from tests.hf_folders import KINDS, hf_config, random_hf_model
 
 transformers = pytest.importorskip("transformers")
-
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32}
-COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, rms_norm_eps=1e-6,
-              max_position_embeddings=128)
-
-FAMILIES = {
-    "llama3_2_tied": lambda: transformers.LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2,
-                                                      tie_word_embeddings=True, rope_parameters=dict(LLAMA3_ROPE)),
-    "qwen2_5_bias": lambda: transformers.Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
-                                                     tie_word_embeddings=False,
-                                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-    "qwen3_qk_norm": lambda: transformers.Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
-                                                      head_dim=24, tie_word_embeddings=True,
-                                                      rope_parameters=dict(YARN_ROPE)),
-}
-
-
-def random_hf_model(name: str, seed: int = 0):
-    """A transformers model with every parameter random: matrices N(0, 0.05), norms 1 + N(0, 0.2), biases N(0, 0.2)."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]()).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif pname.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.05 * torch.randn_like(p))
-    return model
-
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
@@ -56,7 +24,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 TOKENS = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", KINDS)
 def test_family_logits_match_transformers_both_ways(tmp_path, name):
     reference = random_hf_model(name)
     reference.save_pretrained(tmp_path / "in")
@@ -103,7 +71,7 @@ def test_yarn_tables_equal_transformers(factor, extra):
 
 
 def test_unsupported_folders_are_one_line_errors(tmp_path):
-    base = FAMILIES["qwen2_5_bias"]().to_dict()
+    base = hf_config("qwen2_5_bias").to_dict()
     cases = {
         "sliding": ({"use_sliding_window": True, "sliding_window": 16}, "sliding-window attention"),
         "moe": ({"model_type": "qwen3", "num_experts": 8}, "mixture of experts"),
