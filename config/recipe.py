@@ -131,8 +131,9 @@ def parse_ramp(tables, recipe_path: str) -> list[RampTable]:
                 stage.source_weights = {str(k): float(w) for k, w in value.items()}
                 continue
             if key == "rope_type":
-                if value not in ("llama3", "yarn"):
-                    raise RecipeError(f"{recipe_path}: ramp[{i}].rope_type = {value!r}: use \"llama3\" or \"yarn\".")
+                if value not in ("", "llama3", "yarn"):
+                    raise RecipeError(f"{recipe_path}: ramp[{i}].rope_type = {value!r}: use \"llama3\" or \"yarn\" "
+                                      f"(\"\" = keep).")
                 stage.rope_type = value
                 continue
             want = int if fields[key] in ("int", int) else float
