@@ -10,8 +10,8 @@ A tied model (one embedding parameter) reads `embed_tokens` and writes it once, 
 
 Reading and writing go through torch.distributed.checkpoint's HuggingFace storage reader and writer, so on a sharded
 (FSDP / TP / PP) model every rank reads only the slices it holds and an export is written once, consolidated, without
-gathering the model on one rank. Only the permuted q/k tensors travel whole, one tensor at a time, because their permutation crosses
-shard boundaries.
+gathering the model on one rank. Only the permuted q/k tensors travel whole, one tensor at a time, because their
+permutation crosses shard boundaries.
 """
 from __future__ import annotations
 

@@ -96,7 +96,8 @@ class LlamaConfig:
         if self.num_kv_heads < 1 or self.n_heads % self.num_kv_heads:
             raise RecipeError(f"[model] n_heads = {self.n_heads} must be a multiple of n_kv_heads = "
                               f"{self.n_kv_heads}")
-        if self.rope_scaling_factor is not None and self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+        if (self.rope_scaling_factor is not None and self.rope_type == "llama3"
+                and not self.rope_high_freq_factor > self.rope_low_freq_factor):
             raise RecipeError(f"[model] rope_high_freq_factor = {self.rope_high_freq_factor} must exceed "
                               f"rope_low_freq_factor = {self.rope_low_freq_factor}")
 

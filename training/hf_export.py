@@ -22,6 +22,8 @@ class ExportExtras:
     bos_token_id: int | None
     eos_token_id: int | None
     max_position_embeddings: int
+    add_bos: bool = False
+    """Whether the run's data put BOS before each document (what the exported tokenizer should do too)."""
     tokenizer_path: str = ""
     """data.tokenizer_path: a tokenizer.json, a folder holding one, or a SentencePiece .model (empty: trained by the
     run, in `trained_tokenizer_model`)."""
@@ -43,6 +45,7 @@ def export_extras(cfg, stages, tokenizer) -> ExportExtras:
     return ExportExtras(bos_token_id=bos if bos is not None and bos >= 0 else None,
                         eos_token_id=eos if eos is not None and eos >= 0 else None,
                         max_position_embeddings=max(s.cfg.training.seq_len for s in stages),
+                        add_bos=bool(getattr(tokenizer, "add_bos", False)),
                         tokenizer_path=cfg.data.tokenizer_path,
                         trained_tokenizer_model="" if cfg.data.tokenizer_path else str(source),
                         generation_config_from=cfg.checkpoint.hf_load_path)
@@ -51,11 +54,8 @@ def export_extras(cfg, stages, tokenizer) -> ExportExtras:
 def write_export_extras(extras: ExportExtras, folder: str) -> None:
     """Tokenizer files and generation_config.json into an export `folder` (config.json is written by save_hf)."""
     _write_tokenizer(extras, folder)
-    generation = {}
-    source = os.path.join(extras.generation_config_from, "generation_config.json")
-    if extras.generation_config_from and os.path.isfile(source):
-        with open(source) as f:
-            generation = json.load(f)
+    generation = _read_json(os.path.join(extras.generation_config_from, "generation_config.json")
+                            ) if extras.generation_config_from else {}
     generation.update(bos_token_id=extras.bos_token_id, eos_token_id=generation.get("eos_token_id")
                       if _same_eos(generation.get("eos_token_id"), extras.eos_token_id) else extras.eos_token_id)
     generation.setdefault("pad_token_id", extras.eos_token_id)
@@ -70,38 +70,49 @@ def _same_eos(configured, eos: int | None) -> bool:
 
 
 def _write_tokenizer(extras: ExportExtras, folder: str) -> None:
+    """A tokenizer.json with the files beside it (its tokenizer_config.json completed with what it lacks), or a
+    SentencePiece model with a tokenizer_config.json for transformers' LlamaTokenizer."""
     path = extras.tokenizer_path
     tokenizer_json = tokenizer_json_in(path) if path else None
     if tokenizer_json:
         source_folder = os.path.dirname(os.path.abspath(tokenizer_json))
         shutil.copyfile(tokenizer_json, os.path.join(folder, "tokenizer.json"))
         for name in TOKENIZER_FILES[1:]:
-            if os.path.isfile(os.path.join(source_folder, name)) and name != "tokenizer.model":
+            if name != "tokenizer.model" and os.path.isfile(os.path.join(source_folder, name)):
                 shutil.copyfile(os.path.join(source_folder, name), os.path.join(folder, name))
-        config_class = "PreTrainedTokenizerFast"
-    else:  # a SentencePiece model: given, or trained by the run
-        model = path if path and os.path.isfile(path) else extras.trained_tokenizer_model
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  **_read_json(os.path.join(folder, "tokenizer_config.json"))}
+        for key, value in _special_token_names(folder, extras).items():
+            config.setdefault(key, value)
+    else:  # a SentencePiece model: given (a file, or a folder holding tokenizer.model), or trained by the run
+        model = os.path.join(path, "tokenizer.model") if path and os.path.isdir(path) else path
+        model = model or extras.trained_tokenizer_model
         if not model or not os.path.isfile(model):
             return
         shutil.copyfile(model, os.path.join(folder, "tokenizer.model"))
-        config_class = "LlamaTokenizer"
-    config_path = os.path.join(folder, "tokenizer_config.json")
-    config = {}
-    if os.path.isfile(config_path):
-        with open(config_path) as f:
-            config = json.load(f)
-    config.setdefault("tokenizer_class", config_class)
+        config = {"tokenizer_class": "LlamaTokenizer", **_sentencepiece_settings(model, extras.add_bos)}
     config["model_max_length"] = extras.max_position_embeddings
-    with open(config_path, "w") as f:
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    names = {}
-    if extras.bos_token_id is not None or extras.eos_token_id is not None:
-        names = _special_token_names(folder, extras)
-    missing = {k: v for k, v in names.items() if not config.get(k)}
-    if missing:
-        config.update(missing)
-        with open(config_path, "w") as f:
-            json.dump(config, f, indent=2)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _sentencepiece_settings(model: str, add_bos: bool) -> dict:
+    """tokenizer_config.json keys that make transformers' LlamaTokenizer encode like the SentencePiece model itself:
+    its dummy-prefix setting (ours train without one) and BOS as the run's data had it, no EOS."""
+    import sentencepiece as spm
+
+    processor = spm.SentencePieceProcessor(model_file=model)
+    prefix = processor.id_to_piece(processor.encode("a")[0]).startswith("\u2581")
+    return {"add_prefix_space": prefix, "legacy": False, "add_bos_token": add_bos, "add_eos_token": False,
+            "bos_token": processor.id_to_piece(processor.bos_id()) if processor.bos_id() >= 0 else None,
+            "eos_token": processor.id_to_piece(processor.eos_id()) if processor.eos_id() >= 0 else None}
 
 
 def _special_token_names(folder: str, extras: ExportExtras) -> dict:
