@@ -67,10 +67,11 @@ def merged_model(model_parts: Sequence[nn.Module]) -> nn.Module:
 
 
 def expected_model_shapes(model_config) -> dict[str, tuple]:
-    """Every parameter of the full model (all pipeline stages) and its global shape, from a meta-device build."""
+    """Every parameter of the full model (all pipeline stages) and its global shape, from a meta-device build; a tied
+    output weight under its own name too, as the model's state dict (and so a checkpoint) has it."""
     with torch.device("meta"):
         model = Llama(model_config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def check_model_shapes(stored: dict, expected: dict[str, tuple], where: str) -> None:

@@ -164,3 +164,24 @@ def test_unsupported_configs_and_pp_with_tied_are_one_line_errors_before_torchru
     assert code == 2 and "tie_embeddings untied" in err and len(err.splitlines()) == 1, err
     code, err = _check("--model.name", "hf")
     assert code == 2 and "needs checkpoint.hf_load_path" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tied_model_resumes_from_its_checkpoint_exactly(tmp_path, folders):
+    """A tied model's DCP checkpoint holds the one weight under both names; resuming at step 2 of 3 gives the
+    uninterrupted run's step 3."""
+    common = ["--model.name", "hf", "--checkpoint.hf_load_path", folders["qwen3_qk_norm"], "--training.seq_len", "128",
+              "--parallelism.dp_shard", "2", "--metrics.enable_tensorboard", "false"]
+    whole = str(tmp_path / "whole")
+    assert run_train(*common, "--training.steps", "3", "--job.dump_folder", whole, nproc=2, forked=True,
+                     timeout=300).returncode == 0
+    resumed = str(tmp_path / "resumed")
+    for steps in ("2", "3"):
+        result = run_train(*common, "--training.steps", steps, "--job.dump_folder", resumed, "--checkpoint.enable",
+                           "true", "--checkpoint.interval", "1", nproc=2, forked=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+    last = read_metrics(resumed)[-1]
+    reference = read_metrics(whole)[-1]
+    assert last["step"] == 3 and (last["loss"], last["grad_norm"]) == (reference["loss"], reference["grad_norm"])
