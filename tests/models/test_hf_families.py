@@ -83,3 +83,17 @@ def test_unsupported_folders_are_one_line_errors(tmp_path):
         with pytest.raises(RecipeError, match=message) as err:
             from_hf_config({**base, **change}, where="x/config.json")
         assert "\n" not in str(err.value) and str(err.value).startswith("x/config.json"), label
+
+
+@pytest.mark.parametrize("name, billions", [("llama3_2_1b", 1.24), ("llama3_2_3b", 3.21), ("qwen2_5_7b", 7.62),
+                                            ("qwen3_8b", 8.19)])
+def test_named_shapes_have_their_published_sizes(name, billions):
+    """Parameter counts of the published models (their model cards), tied embeddings counted once; the dry run's
+    closed-form count agrees with the model built on the meta device."""
+    from models.llama import Llama, count_parameters, model_config
+    from training.roofline import parameter_count
+
+    cfg = model_config(name)
+    with torch.device("meta"):
+        built = count_parameters(Llama(cfg))
+    assert round(built / 1e9, 2) == billions and parameter_count(cfg) == built
