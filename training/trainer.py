@@ -155,10 +155,13 @@ class Trainer:
             return
         s, d, m = self.stage, self.stage.dims, self.stage.model
         where = f"{s.name} from step {s.start_step}: " if s.index >= 0 else ""
-        print(f"{where}training {m.n_layers}-layer dim-{m.dim} Llama on {d.world_size} rank(s) "
+        family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[m.family]
+        print(f"{where}training {m.n_layers}-layer dim-{m.dim} {family}{' (tied)' if m.tie_embeddings else ''} on "
+              f"{d.world_size} rank(s) "
               f"({self.device.type}/{self.device.backend}); mesh pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard "
               f"{d.dp_shard} x cp {d.cp} x tp {d.tp}; seq {s.cfg.training.seq_len}, global batch "
-              f"{s.global_batch_rows} ({s.grad_accum_steps} micro-step(s)), rope theta {m.rope_theta:g}, peak "
+              f"{s.global_batch_rows} ({s.grad_accum_steps} micro-step(s)), rope theta {m.rope_theta:g}"
+              f"{f' {m.rope_type} x{m.rope_scaling_factor:g}' if m.rope_scaling_factor else ''}, peak "
               f"{self.peak_flops / 1e9:.0f} GFLOP/s per rank ({self.peak_source})", flush=True)
 
     def close(self) -> None:
