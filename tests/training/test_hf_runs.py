@@ -23,10 +23,11 @@ MESHES = {"cp2 x tp2": dict(cp=2, tp=2, dp_shard=1), "dp_shard2 x cp2 + document
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """Tied tiny folders with the debug recipe's vocabulary (2048), so the run's trained tokenizer fits them."""
+    """Tiny folders (two tied, Qwen2.5 untied with biases) with the debug recipe's vocabulary (2048), so the run's
+    trained tokenizer fits them."""
     root = tmp_path_factory.mktemp("hf")
     out = {}
-    for kind in ("qwen3_qk_norm", "llama3_2_tied"):
+    for kind in ("qwen3_qk_norm", "llama3_2_tied", "qwen2_5_bias"):
         random_hf_model(kind, vocab_size=2048).save_pretrained(root / kind)
         out[kind] = str(root / kind)
     return out
@@ -34,20 +35,29 @@ def folders(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("kind", ["qwen3_qk_norm", "llama3_2_tied"])
-def test_tied_hf_model_trains_like_one_process(folders, kind, mesh):
-    """3 steps, fp32, with full activation checkpointing and the chunked loss on; the reference has neither."""
+@pytest.mark.parametrize("kind, mesh", [(kind, mesh) for kind in ("qwen3_qk_norm", "llama3_2_tied") for mesh in MESHES]
+                         + [("qwen2_5_bias", "cp2 x tp2")])
+def test_hf_model_trains_like_one_process(tmp_path, folders, kind, mesh):
+    """3 steps, fp32, with full activation checkpointing and the chunked loss on; the reference has neither. The
+    export at the end, written from the TP / FSDP shards, holds a tied embedding once, whole."""
     documents = mesh.endswith("documents")
     reference = reference_run(STEPS, SEQ_LEN, hf_load_path=folders[kind], document_masking=documents)
     extra = ["--model.name", "hf", "--checkpoint.hf_load_path", folders[kind], "--activation_checkpoint.mode", "full",
-             "--training.loss_chunk_tokens", "48", "--data.document_masking", str(documents).lower()]
+             "--training.loss_chunk_tokens", "48", "--data.document_masking", str(documents).lower(),
+             "--checkpoint.hf_export_folder", str(tmp_path / "export"), "--checkpoint.hf_export_dtype", "float32"]
     records = trainer_run(MESHES[mesh], STEPS, SEQ_LEN, extra=extra, timeout=300)
     errors = {key: max_relative_error(reference, records, key) for key in ("loss", "grad_norm")}
     print(f"{kind} on {mesh}: max relative error vs the single process: {errors}")
     if documents:
         assert sum(r["documents"] for r in reference) >= 4 * STEPS + 3  # rows really hold several documents
     assert errors["loss"] <= 1e-5 and errors["grad_norm"] <= 1e-5, (records, reference)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export" / f"step-{STEPS}"))
+    source = transformers.AutoModelForCausalLM.from_pretrained(folders[kind])
+    tied = source.config.tie_word_embeddings
+    assert exported.config.tie_word_embeddings == tied and type(exported) is type(source)
+    assert (exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()) == tied
+    assert exported.model.embed_tokens.weight.shape == source.model.embed_tokens.weight.shape
+    assert not torch.equal(exported.model.embed_tokens.weight, source.model.embed_tokens.weight)  # trained
 
 
 RAMP_RECIPE = """
