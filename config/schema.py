@@ -314,11 +314,11 @@ class CheckpointConfig:
     """Resume from: -1 = the newest complete checkpoint in the folder, if any; N = step N exactly; 0 = start fresh
     (existing checkpoints are ignored, and overwritten when the same step is saved again)."""
     hf_load_path: str = ""
-    """A Hugging Face Llama folder (config.json + safetensors) whose weights start training when no checkpoint is
-    resumed. Its tensor shapes must match [model]; empty = the usual random init."""
+    """A Hugging Face Llama 3.x / Qwen2.5 / Qwen3 folder (config.json + safetensors) whose weights start training when
+    no checkpoint is resumed. Its shapes must match [model] (name = "hf" takes them from it); empty = random init."""
     hf_export_folder: str = ""
-    """Sub-folder of dump_folder that receives Hugging Face exports (step-<N>/, loadable by transformers'
-    LlamaForCausalLM.from_pretrained); empty = no export."""
+    """Sub-folder of dump_folder that receives Hugging Face exports (step-<N>/: weights, config.json,
+    generation_config.json and the tokenizer files, loadable by transformers' Auto classes); empty = no export."""
     hf_export_dtype: ExportDtype = "bfloat16"
     """dtype of exported weights: bfloat16 | float32 | float16."""
     hf_export_interval: int = 0
