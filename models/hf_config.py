@@ -44,11 +44,11 @@ def _rope_fields(hf: dict, where: str) -> dict:
         return dict(rope_theta=float(theta), rope_scaling_factor=None)
     if kind not in ("llama3", "yarn"):
         raise RecipeError(f"{where}: rope_type '{kind}' is not supported; use default, llama3 or yarn.")
-    original = params.get("original_max_position_embeddings")
-    if original is None and kind == "yarn":  # HF's own fallback: the factor was applied to this context
-        original = int(hf.get("max_position_embeddings", 8192) / float(params["factor"]))
+    # transformers' own fallbacks, in its order: a top-level original_max_position_embeddings, then the model's
+    original = (params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                or hf.get("max_position_embeddings") or 8192)
     out = dict(rope_theta=float(theta), rope_scaling_factor=float(params["factor"]), rope_type=kind,
-               rope_original_max_position=int(original or 8192))
+               rope_original_max_position=int(original))
     if kind == "llama3":
         out.update(rope_low_freq_factor=float(params.get("low_freq_factor", 1.0)),
                    rope_high_freq_factor=float(params.get("high_freq_factor", 4.0)))

@@ -53,12 +53,14 @@ def test_family_logits_match_transformers_both_ways(tmp_path, name):
 
 @pytest.mark.parametrize("factor", [2.0, 4.0])
 @pytest.mark.parametrize("extra", [{}, {"beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
-                                   {"attention_factor": 1.25}])
+                                   {"attention_factor": 1.25}, {"original_max_position_embeddings": None}])
 def test_yarn_tables_equal_transformers(factor, extra):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": factor, "original_max_position_embeddings": 64,
             **extra}
+    if extra.get("original_max_position_embeddings") is None:  # absent: transformers uses max_position_embeddings
+        rope.pop("original_max_position_embeddings")
     hf = transformers.Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
                                   max_position_embeddings=int(64 * factor),
                                   rope_parameters=rope)
