@@ -95,6 +95,8 @@ class ModelConfig:
     """RoPE frequency scaling factor (0 = from the named config; -1 = switch scaling off)."""
     rope_type: RopeScaling = "auto"
     """The scaling rope_scaling_factor applies: llama3 | yarn (auto = the named config's)."""
+    rope_original_max_position: int = 0
+    """The context the scaling extends (HF original_max_position_embeddings; 0 = from the named config)."""
     intermediate_size: int = 0
     """SwiGLU hidden size (HF intermediate_size; 0 = from the named config)."""
     attention_head_dim: int = 0
@@ -108,7 +110,7 @@ class ModelConfig:
     def overrides(self) -> dict:
         """The fields set in the recipe, as keyword overrides of the named Llama config (models/llama.py)."""
         names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta", "mlp_chunk_tokens",
-                 "intermediate_size", "attention_head_dim")
+                 "intermediate_size", "attention_head_dim", "rope_original_max_position")
         out = {k: getattr(self, k) for k in names if getattr(self, k)}
         if self.rope_type != "auto":
             out["rope_type"] = self.rope_type

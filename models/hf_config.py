@@ -40,13 +40,14 @@ def _rope_fields(hf: dict, where: str) -> dict:
     kind = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise RecipeError(f"{where}: partial_rotary_factor != 1 is not supported (RoPE covers the whole head here).")
-    if kind == "default":
-        return dict(rope_theta=float(theta), rope_scaling_factor=None)
-    if kind not in ("llama3", "yarn"):
-        raise RecipeError(f"{where}: rope_type '{kind}' is not supported; use default, llama3 or yarn.")
     # transformers' own fallbacks, in its order: a top-level original_max_position_embeddings, then the model's
+    # (for a default-RoPE model: the context a ramp stage that switches scaling on extends)
     original = (params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
                 or hf.get("max_position_embeddings") or 8192)
+    if kind == "default":
+        return dict(rope_theta=float(theta), rope_scaling_factor=None, rope_original_max_position=int(original))
+    if kind not in ("llama3", "yarn"):
+        raise RecipeError(f"{where}: rope_type '{kind}' is not supported; use default, llama3 or yarn.")
     out = dict(rope_theta=float(theta), rope_scaling_factor=float(params["factor"]), rope_type=kind,
                rope_original_max_position=int(original))
     if kind == "llama3":

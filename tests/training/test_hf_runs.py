@@ -114,7 +114,8 @@ def test_export_of_an_hf_run_loads_in_transformers_and_generates(tmp_path):
     assert config["model_type"] == "qwen3" and config["tie_word_embeddings"] is True
     assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)  # <|begin_of_text|>, <|end_of_text|>
     assert config["max_position_embeddings"] == 128  # the longest stage trained
-    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["factor"] == 4.0
+    rope = config["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 128)
     assert config["rope_scaling"]["rope_type"] == "yarn" and config["rope_theta"] == 1e6  # transformers 4.x layout
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(export)
