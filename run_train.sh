@@ -24,6 +24,10 @@ world=""
 if [ -n "${NPROC:-}" ]; then world=$((nodes * NPROC)); fi
 ranks="$(WORLD_SIZE="$world" "$PY" "$HERE/train.py" --check "$@")" || exit $?
 NPROC="${NPROC:-$ranks}"
+# The cores split between the local ranks, as train.py would split them itself; set here so that torchrun does not
+# print its OMP_NUM_THREADS banner on every run (an OMP_NUM_THREADS already set is kept).
+cores="$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NPROC > 0 ? cores / NPROC : 1 ))}"
 # MAX_RESTARTS=N: torchrun restarts the job after a rank dies and it resumes from the newest complete checkpoint. A
 # restarted job needs a fresh rendezvous store: torch 2.13's shared one hands it the dead ranks' stale gloo addresses.
 exec env TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-$(( ${MAX_RESTARTS:-0} > 0 ))}" \

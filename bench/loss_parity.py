@@ -47,12 +47,13 @@ def world_size(degrees: dict) -> int:
 
 
 def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, recipe: str = RECIPE,
-                  dtype: str = "float32", document_masking: bool = False) -> list[dict]:
+                  dtype: str = "float32", document_masking: bool = False, hf_load_path: str = "") -> list[dict]:
     """The single-process run: [{"loss", "grad_norm"}] per step. dtype "bfloat16" is FSDP2's mixed-precision policy
     written out by hand: float32 master weights and optimizer, each step's forward and backward on a bfloat16 copy of
     them, its gradients cast to float32 (reduce_dtype) before clipping and the update. With `document_masking` the
     loader packs rows the same way, and every document of a row runs alone through the model, unmasked and from
-    position 0 (records then also count the documents of each step's rows)."""
+    position 0 (records then also count the documents of each step's rows). With `hf_load_path` the model is that
+    Hugging Face folder, loaded whole by models.hf.load_hf (the trainer's `[model] name = "hf"` counterpart)."""
     import copy
 
     import torch
@@ -68,14 +69,20 @@ def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, re
     from training.lr_schedule import build_lr_scheduler
 
     cfg = load_config(recipe, ["--training.seq_len", str(seq_len), "--training.steps", str(steps)])
-    model_cfg = model_config(cfg.model.name)
+    if hf_load_path:
+        from models.hf import load_hf
+
+        model = load_hf(hf_load_path)
+        model_cfg = model.config
+    else:
+        model_cfg = model_config(cfg.model.name)
+        model = Llama(model_cfg)
+        model.init_weights(cfg.job.seed)
     documents = load_documents(cfg.data.corpus)
     cache_dir = os.path.join(ROOT, cfg.data.cache_dir) if not os.path.isabs(cfg.data.cache_dir) else cfg.data.cache_dir
     tokenizer = build_tokenizer(None, documents, model_cfg.vocab_size, cache_dir)
     loader = build_dataloader(tokenizer, documents, seq_len=seq_len, local_batch_size=global_batch, dp_rank=0,
                               dp_size=1, seed=cfg.job.seed, document_masking=document_masking)
-    model = Llama(model_cfg)
-    model.init_weights(cfg.job.seed)
     o, s = cfg.optimizer, cfg.lr_scheduler
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay, foreach=True)

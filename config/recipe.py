@@ -130,6 +130,12 @@ def parse_ramp(tables, recipe_path: str) -> list[RampTable]:
                                       f"source_weights = {{books = 0.3, code = 0.7}}.")
                 stage.source_weights = {str(k): float(w) for k, w in value.items()}
                 continue
+            if key == "rope_type":
+                if value not in ("", "llama3", "yarn"):
+                    raise RecipeError(f"{recipe_path}: ramp[{i}].rope_type = {value!r}: use \"llama3\" or \"yarn\" "
+                                      f"(\"\" = keep).")
+                stage.rope_type = value
+                continue
             want = int if fields[key] in ("int", int) else float
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (want is int and
                                                                                  not isinstance(value, int)):

@@ -27,6 +27,8 @@ ActivationCheckpointMode = Literal["none", "full", "selective", "op"]
 AsyncMode = Literal["disabled", "async"]
 ExportDtype = Literal["bfloat16", "float32", "float16"]
 DeviceKind = Literal["auto", "cuda", "cpu"]
+TieMode = Literal["auto", "tied", "untied"]
+RopeScaling = Literal["auto", "llama3", "yarn"]
 
 
 MIN_SEQ_LEN = 2
@@ -50,7 +52,10 @@ class RampTable:
     rope_theta: float = 0.0
     """RoPE base from this stage on (0 = keep the previous stage's)."""
     rope_scaling_factor: float = 0.0
-    """Llama 3.1 RoPE scaling factor from this stage on (0 = keep, -1 = off)."""
+    """RoPE scaling factor from this stage on (0 = keep, -1 = off)."""
+    rope_type: str = ""
+    """RoPE scaling type from this stage on: llama3 | yarn (empty = keep); e.g. rope_type = "yarn" with
+    rope_scaling_factor = 4 switches YaRN on at this stage."""
     local_batch_size: int = 0
     """Rows per data-parallel rank per micro-step (0 = derived from tokens_per_step and the recipe's value)."""
     source_weights: dict[str, float] = field(default_factory=dict)
@@ -72,7 +77,9 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     name: str = "debug"
-    """Named Llama 3 shape: debug | llama3_8b | llama3_70b | llama3_405b. Fields below override it when set."""
+    """Named shape: debug | llama3_8b | llama3_70b | llama3_405b | llama3_2_1b | llama3_2_3b | qwen2_5_7b | qwen3_8b,
+    or "hf": every shape and numeric field from checkpoint.hf_load_path's config.json (Llama 3.x, Qwen2.5, Qwen3).
+    Fields below override it when set."""
     dim: int = 0
     """Hidden size (0 = from the named config)."""
     n_layers: int = 0
@@ -86,15 +93,30 @@ class ModelConfig:
     rope_theta: float = 0.0
     """RoPE base frequency (0 = from the named config)."""
     rope_scaling_factor: float = 0.0
-    """Llama 3.1 RoPE frequency scaling factor (0 = from the named config; -1 = switch scaling off)."""
+    """RoPE frequency scaling factor (0 = from the named config; -1 = switch scaling off)."""
+    rope_type: RopeScaling = "auto"
+    """The scaling rope_scaling_factor applies: llama3 | yarn (auto = the named config's)."""
+    rope_original_max_position: int = 0
+    """The context the scaling extends (HF original_max_position_embeddings; 0 = from the named config)."""
+    intermediate_size: int = 0
+    """SwiGLU hidden size (HF intermediate_size; 0 = from the named config)."""
+    attention_head_dim: int = 0
+    """Per-head width (HF head_dim; 0 = from the named config, where it is dim / n_heads unless given)."""
+    tie_embeddings: TieMode = "auto"
+    """tied: the output layer is the embedding matrix (one parameter) | untied | auto: the named config's."""
     mlp_chunk_tokens: int = 0
     """The SwiGLU feed-forward computed over tiles of this many tokens, each recomputed in backward
     (models/tiled_mlp.py): its (tokens x ffn_dim) intermediates exist one tile at a time. 0 = untiled."""
 
     def overrides(self) -> dict:
         """The fields set in the recipe, as keyword overrides of the named Llama config (models/llama.py)."""
-        names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta", "mlp_chunk_tokens")
+        names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta", "mlp_chunk_tokens",
+                 "intermediate_size", "attention_head_dim", "rope_original_max_position")
         out = {k: getattr(self, k) for k in names if getattr(self, k)}
+        if self.rope_type != "auto":
+            out["rope_type"] = self.rope_type
+        if self.tie_embeddings != "auto":
+            out["tie_embeddings"] = self.tie_embeddings == "tied"
         if self.rope_scaling_factor:
             out["rope_scaling_factor"] = None if self.rope_scaling_factor < 0 else self.rope_scaling_factor
         return out
@@ -304,11 +326,11 @@ class CheckpointConfig:
     """Resume from: -1 = the newest complete checkpoint in the folder, if any; N = step N exactly; 0 = start fresh
     (existing checkpoints are ignored, and overwritten when the same step is saved again)."""
     hf_load_path: str = ""
-    """A Hugging Face Llama folder (config.json + safetensors) whose weights start training when no checkpoint is
-    resumed. Its tensor shapes must match [model]; empty = the usual random init."""
+    """A Hugging Face Llama 3.x / Qwen2.5 / Qwen3 folder (config.json + safetensors) whose weights start training when
+    no checkpoint is resumed. Its shapes must match [model] (name = "hf" takes them from it); empty = random init."""
     hf_export_folder: str = ""
-    """Sub-folder of dump_folder that receives Hugging Face exports (step-<N>/, loadable by transformers'
-    LlamaForCausalLM.from_pretrained); empty = no export."""
+    """Sub-folder of dump_folder that receives Hugging Face exports (step-<N>/: weights, config.json,
+    generation_config.json and the tokenizer files, loadable by transformers' Auto classes); empty = no export."""
     hf_export_dtype: ExportDtype = "bfloat16"
     """dtype of exported weights: bfloat16 | float32 | float16."""
     hf_export_interval: int = 0

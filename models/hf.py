@@ -1,21 +1,22 @@
-"""Hugging Face Llama interchange: a folder of config.json + safetensors <-> our `Llama`.
+"""Hugging Face Llama / Qwen2.5 / Qwen3 interchange: a folder of config.json + safetensors <-> our `Llama`.
 
 Two layout differences matter, and both are fixed tables here:
 - names: `model.layers.i.self_attn.q_proj.weight` <-> `layers.i.attention.wq.weight`, and so on;
 - RoPE pairing: HF rotates halves (feature j of a head pairs with feature j + head_dim/2), we pair interleaved features
-  (2j, 2j+1) as Meta's reference does. The rows of wq and wk are permuted within each head on the way in and out, so
-  the same weights give the same attention scores; no other weight is touched.
+  (2j, 2j+1) as Meta's reference does. The rows of wq and wk (and their Qwen2.5 biases, and Qwen3's per-head q/k
+  norm weights) are permuted within each head on the way in and out, so the same weights give the same attention
+  scores; no other weight is touched.
+A tied model (one embedding parameter) reads `embed_tokens` and writes it once, with tie_word_embeddings true.
 
 Reading and writing go through torch.distributed.checkpoint's HuggingFace storage reader and writer, so on a sharded
 (FSDP / TP / PP) model every rank reads only the slices it holds and an export is written once, consolidated, without
-gathering the model on one rank. Only wq/wk travel whole, one tensor at a time, because their permutation crosses
-shard boundaries.
+gathering the model on one rank. Only the permuted q/k tensors travel whole, one tensor at a time, because their
+permutation crosses shard boundaries.
 """
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import warnings
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.llama import Llama, LlamaConfig, canonical_name
+from models.hf_config import from_hf_config, read_hf_config, to_hf_config  # noqa: F401 (re-exported)
 from config import RecipeError
 
 _LAYER_NAMES = {
@@ -36,6 +38,11 @@ _LAYER_NAMES = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
@@ -58,13 +65,16 @@ def hf_name(name: str) -> str:
 
 
 def rotate_half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """HF q/k rows -> ours: within each head, row j (j < hd/2) becomes 2j and row hd/2 + j becomes 2j + 1."""
-    return w.reshape(n_heads, 2, -1, w.shape[-1]).transpose(1, 2).reshape(w.shape)
+    """HF q/k rows -> ours: within each head, row j (j < hd/2) becomes 2j and row hd/2 + j becomes 2j + 1.
+    Works on weights (rows x dim) and on vectors (q/k biases, per-head q/k norm weights: n_heads = 1)."""
+    cols = w.shape[-1] if w.dim() == 2 else 1
+    return w.reshape(n_heads, 2, -1, cols).transpose(1, 2).reshape(w.shape)
 
 
 def interleaved_to_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Ours -> HF q/k rows (the inverse of `rotate_half_to_interleaved`)."""
-    return w.reshape(n_heads, -1, 2, w.shape[-1]).transpose(1, 2).reshape(w.shape)
+    cols = w.shape[-1] if w.dim() == 2 else 1
+    return w.reshape(n_heads, -1, 2, cols).transpose(1, 2).reshape(w.shape)
 
 
 @contextlib.contextmanager
@@ -75,104 +85,20 @@ def quiet_single_process_dcp():
         yield
 
 
-# ---------------------------------------------------------------- config.json
-def read_hf_config(path: str) -> dict:
-    config_path = os.path.join(path, "config.json")
-    try:
-        with open(config_path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise RecipeError(f"'{config_path}' does not exist; point the path at a Hugging Face Llama folder "
-                          f"(config.json + *.safetensors).") from None
-    except json.JSONDecodeError as e:
-        raise RecipeError(f"'{config_path}' is not valid JSON ({e}).") from None
-
-
-def _rope_fields(hf: dict, where: str) -> dict:
-    """transformers 5 keeps RoPE in `rope_parameters`; 4.x in top-level `rope_theta` + `rope_scaling`."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if not params.get("rope_type") and scaling:
-        params = {**scaling, **params}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return dict(rope_theta=float(theta), rope_scaling_factor=None)
-    if kind != "llama3":
-        raise RecipeError(f"{where}: RoPE type '{kind}' is not supported; only default and llama3 (Llama 3.1) are.")
-    return dict(rope_theta=float(theta), rope_scaling_factor=float(params["factor"]),
-                rope_low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-                rope_high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-                rope_original_max_position=int(params.get("original_max_position_embeddings", 8192)))
-
-
-def _ffn_fields(dim: int, hidden: int) -> dict:
-    """multiple_of / ffn_dim_multiplier that give SwiGLU size `hidden`: Meta's published pairs when one fits,
-    else the trivial pair (multiple_of = hidden)."""
-    for multiple_of, multiplier in ((256, None), (1024, 1.3), (4096, 1.3), (4096, 1.2)):
-        base = int(2 * 4 * dim / 3)
-        base = int(multiplier * base) if multiplier else base
-        if multiple_of * math.ceil(base / multiple_of) == hidden:
-            return dict(multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
-    base = int(2 * 4 * dim / 3)
-    return dict(multiple_of=hidden, ffn_dim_multiplier=None if base <= hidden else hidden / base)
-
-
-def from_hf_config(hf: dict, where: str = "config.json") -> LlamaConfig:
-    """An HF LlamaConfig dict (transformers 4.x or 5.x) -> our LlamaConfig."""
-    if hf.get("model_type", "llama") != "llama":
-        raise RecipeError(f"{where}: model_type '{hf.get('model_type')}' is not a Llama.")
-    for key, wanted in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if hf.get(key, wanted) != wanted:
-            raise RecipeError(f"{where}: {key} = {hf[key]!r} is not supported (Llama 3 uses {wanted!r}).")
-    try:
-        dim, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        if hf.get("head_dim") not in (None, dim // n_heads):
-            raise RecipeError(f"{where}: head_dim {hf['head_dim']} != hidden_size / num_attention_heads; "
-                              f"such models are not supported.")
-        cfg = LlamaConfig(dim=dim, n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
-                          n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-                          vocab_size=int(hf["vocab_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                          max_seq_len=int(hf.get("max_position_embeddings", 131072)),
-                          **_ffn_fields(dim, int(hf["intermediate_size"])), **_rope_fields(hf, where))
-    except KeyError as e:
-        raise RecipeError(f"{where}: missing key {e.args[0]!r}; is this a Llama config.json?") from None
-    assert cfg.ffn_hidden_dim == int(hf["intermediate_size"])
-    return cfg
-
-
-def to_hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
-    """config.json that transformers 4.x (rope_theta / rope_scaling) and 5.x (rope_parameters) both read."""
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    scaling = None
-    if cfg.rope_scaling_factor is not None:
-        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-                   "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
-                   "original_max_position_embeddings": cfg.rope_original_max_position}
-        rope = {**scaling, "rope_theta": cfg.rope_theta}
-    dtype_name = str(dtype).replace("torch.", "")
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_hidden_dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_seq_len,
-        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-        "tie_word_embeddings": False, "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": rope,
-        "torch_dtype": dtype_name, "dtype": dtype_name, "use_cache": True, "initializer_range": 0.02,
-    }
-
-
 # ---------------------------------------------------------------- weights
 def _named_parameters(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     return {canonical_name(fqn): p for part in parts for fqn, p in part.named_parameters()}
 
 
 def _qk_heads(name: str, cfg: LlamaConfig) -> int | None:
-    """Heads to permute over for wq / wk, None for every other weight."""
-    if name.endswith("attention.wq.weight"):
+    """Heads to permute over for wq / wk (weights and biases) and the per-head q/k norms (1: the weight is one
+    head's), None for every other tensor."""
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
         return cfg.n_heads
-    if name.endswith("attention.wk.weight"):
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
         return cfg.num_kv_heads
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1
     return None
 
 
@@ -202,6 +128,9 @@ def load_hf_weights(model_parts: Sequence[nn.Module], path: str, process_group=N
     if not stored:
         raise RecipeError(f"'{path}' holds no *.safetensors files.")
     tied = "lm_head.weight" not in stored and hf_cfg.get("tie_word_embeddings", False)
+    if cfg.tie_embeddings and "lm_head.weight" in stored and not hf_cfg.get("tie_word_embeddings", False):
+        raise RecipeError(f"'{path}' holds a separate lm_head.weight but [model] tie_embeddings is true; set "
+                          f"--model.tie_embeddings false to train it untied.")
     targets: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, param in params.items():
         key = "model.embed_tokens.weight" if tied and name == "output.weight" else hf_name(name)
@@ -236,8 +165,8 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.d
         model = Llama(cfg)
     model.to_empty(device=device)
     model.to(dtype)
-    model.rope.reset(cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-                     cfg.rope_original_max_position)
+    model.tie_weights()
+    model.set_rope_from(cfg)
     load_hf_weights([model], path)
     return model
 
@@ -255,11 +184,13 @@ def _file_index(sizes: dict[str, int]) -> dict[str, int]:
 
 @torch.no_grad()
 def save_hf(model: nn.Module | Sequence[nn.Module], path: str, dtype: torch.dtype | None = None,
-            process_group=None) -> None:
-    """Write `path`/config.json + model-*.safetensors (+ index) that `LlamaForCausalLM.from_pretrained` loads.
+            process_group=None, **config_fields) -> None:
+    """Write `path`/config.json + model-*.safetensors (+ index) that `AutoModelForCausalLM.from_pretrained` loads
+    (a tied model writes the embedding only, with tie_word_embeddings true).
 
     `model` may be one Llama or this rank's pipeline parts; on a sharded model every rank of `process_group`
     (default: the world) calls it and the files are written once. dtype None keeps the parameters' dtype.
+    `config_fields`: `to_hf_config`'s keywords (bos/eos ids, max_position_embeddings).
     """
     parts = list(model) if isinstance(model, (list, tuple)) else [model]
     cfg: LlamaConfig = parts[0].config
@@ -289,6 +220,6 @@ def save_hf(model: nn.Module | Sequence[nn.Module], path: str, dtype: torch.dtyp
         shutil.rmtree(os.path.join(path, "sharded"), ignore_errors=True)  # per-rank pieces, now consolidated
         param_dtype = dtype or next(iter(state.values())).dtype
         with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(to_hf_config(cfg, param_dtype), f, indent=2)
+            json.dump(to_hf_config(cfg, param_dtype, **config_fields), f, indent=2)
     if distributed:
         dist.barrier(group=process_group)

@@ -1,4 +1,8 @@
-"""Llama 3 / 3.1 decoder in TorchTitan's module layout, written for 4-D parallelism.
+"""Llama 3.x / Qwen2.5 / Qwen3 decoder in TorchTitan's module layout, written for 4-D parallelism.
+
+One block serves all three families; the differences are switches on `LlamaConfig`: `qkv_bias` (Qwen2.5),
+`qk_norm` with an explicit `attention_head_dim` (Qwen3), `tie_embeddings` (Llama 3.2 1B/3B, small Qwens: the output
+layer IS the embedding parameter) and the RoPE type (default / llama3 / yarn, models/rope.py).
 
 Layout choices other code relies on:
 - Module names follow TorchTitan (`tok_embeddings`, `layers["i"].attention.wq`, `feed_forward.w1`, `norm`, `output`) so
@@ -18,11 +22,8 @@ dims of the stage input.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import math
-import typing
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -33,137 +34,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from models.chunked_loss import chunked_linear_cross_entropy
 from models.rope import RotaryEmbedding, apply_rotary
 from models.tiled_mlp import tiled_swiglu
-from config import Config, RecipeError
-
-
-@dataclass
-class LlamaConfig:
-    """Shape and numerics of a Llama 3 model; defaults are the CPU debug model."""
-
-    dim: int = 256
-    """Hidden size (HF `hidden_size`)."""
-    n_layers: int = 6
-    """Number of transformer blocks."""
-    n_heads: int = 16
-    """Query heads; head_dim = dim // n_heads."""
-    n_kv_heads: int | None = None
-    """Key/value heads for grouped-query attention; None means n_heads (plain multi-head attention)."""
-    vocab_size: int = 2048
-    """Rows of the embedding and of the output projection."""
-    multiple_of: int = 256
-    """The SwiGLU hidden size is rounded up to a multiple of this."""
-    ffn_dim_multiplier: float | None = None
-    """Scales the SwiGLU hidden size 8*dim/3 before rounding; None means 1."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    rope_theta: float = 500000.0
-    """RoPE base."""
-    rope_scaling_factor: float | None = None
-    """Llama 3.1 RoPE frequency scaling factor (8 for the released 3.1 models); None disables the scaling."""
-    rope_low_freq_factor: float = 1.0
-    """Llama 3.1 scaling: wavelengths above original_max_position / low_freq_factor are divided by the factor."""
-    rope_high_freq_factor: float = 4.0
-    """Llama 3.1 scaling: wavelengths below original_max_position / high_freq_factor are left alone."""
-    rope_original_max_position: int = 8192
-    """Llama 3.1 scaling: the context length the unscaled model was trained at."""
-    max_seq_len: int = 131072
-    """Longest sequence the model is meant for; informational, as RoPE is computed on the fly and sizes nothing."""
-    depth_init: bool = True
-    """Output projections (wo, w2, w3) get std 0.02/sqrt(2*(layer_id+1)) if True, else 0.02/sqrt(2*n_layers)."""
-    mlp_chunk_tokens: int = 0
-    """SwiGLU computed over tiles of this many tokens, each recomputed in backward (models/tiled_mlp.py), so the
-    (tokens x ffn_hidden_dim) intermediates exist for one tile at a time; 0 = the whole sequence at once."""
-
-    def __post_init__(self):
-        if self.mlp_chunk_tokens < 0:
-            raise RecipeError(f"[model] mlp_chunk_tokens = {self.mlp_chunk_tokens} must be >= 0 (0 = untiled)")
-        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "rope_original_max_position",
-                     "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise RecipeError(f"[model] {name} = {getattr(self, name)} must be a positive integer")
-        if self.dim % self.n_heads:
-            raise RecipeError(f"[model] dim = {self.dim} is not divisible by n_heads = {self.n_heads}; "
-                              f"change one of them")
-        if self.head_dim % 2:
-            raise RecipeError(f"[model] head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
-        if self.num_kv_heads < 1 or self.n_heads % self.num_kv_heads:
-            raise RecipeError(f"[model] n_heads = {self.n_heads} must be a multiple of n_kv_heads = "
-                              f"{self.n_kv_heads}")
-        if self.rope_scaling_factor is not None and not self.rope_high_freq_factor > self.rope_low_freq_factor:
-            raise RecipeError(f"[model] rope_high_freq_factor = {self.rope_high_freq_factor} must exceed "
-                              f"rope_low_freq_factor = {self.rope_low_freq_factor}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        """n_kv_heads with None resolved to n_heads."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        """SwiGLU hidden size by Meta's rule (HF `intermediate_size`)."""
-        hidden = int(2 * 4 * self.dim / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * math.ceil(hidden / self.multiple_of)
-
-
-_LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
-                     rope_high_freq_factor=4.0, rope_original_max_position=8192, max_seq_len=131072)
-
-MODEL_CONFIGS: dict[str, LlamaConfig] = {
-    # TorchTitan's debug model shape (6.16M parameters with embeddings); no RoPE scaling.
-    "debug": LlamaConfig(),
-    # Published Llama 3.1 shapes (Meta's params.json); Llama 3 has the same shapes without the RoPE scaling.
-    "llama3_8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
-                             ffn_dim_multiplier=1.3, **_LLAMA31_ROPE),
-    "llama3_70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
-                              ffn_dim_multiplier=1.3, **_LLAMA31_ROPE),
-    "llama3_405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
-                               multiple_of=4096, ffn_dim_multiplier=1.2, **_LLAMA31_ROPE),
-}
-
-
-def _accepts(value, hint) -> bool:
-    """Whether a recipe value fits a config field's annotation (int for float is fine, bool for int is not)."""
-    for allowed in typing.get_args(hint) or (hint,):
-        if allowed is type(None) and value is None:
-            return True
-        if allowed is bool and isinstance(value, bool):
-            return True
-        if allowed in (int, float) and isinstance(value, int) and not isinstance(value, bool):
-            return True
-        if allowed is float and isinstance(value, float):
-            return True
-    return False
-
-
-def model_config(name: str, **overrides) -> LlamaConfig:
-    """A fresh copy of a named config with field overrides, e.g. model_config("debug", n_layers=2)."""
-    if name not in MODEL_CONFIGS:
-        close = difflib.get_close_matches(name, list(MODEL_CONFIGS), n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"choose one of {', '.join(MODEL_CONFIGS)}"
-        raise RecipeError(f"[model] name = {name!r} is not a known model; {hint}")
-    hints = typing.get_type_hints(LlamaConfig)
-    for key, value in overrides.items():
-        if key not in hints:
-            close = difflib.get_close_matches(key, list(hints), n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(hints)}"
-            raise RecipeError(f"[model] {key} is not a model field; {hint}")
-        if not _accepts(value, hints[key]):
-            expected = getattr(hints[key], "__name__", hints[key])
-            raise RecipeError(f"[model] {key} = {value!r} has the wrong type; expected {expected}")
-        if float in (typing.get_args(hints[key]) or (hints[key],)) and isinstance(value, int):
-            overrides[key] = float(value)
-    return dataclasses.replace(MODEL_CONFIGS[name], **overrides)
-
-
-def recipe_model_config(cfg: Config) -> LlamaConfig:
-    """The Llama shape a recipe asks for: its [model] name with the fields the recipe sets (a fresh copy)."""
-    return model_config(cfg.model.name, **cfg.model.overrides())
+from models.model_config import HF_NAME, MODEL_CONFIGS, LlamaConfig, model_config  # noqa: F401 (re-exported)
+from models.hf_config import recipe_model_config  # noqa: F401 (re-exported)
 
 
 class RMSNorm(nn.Module):
@@ -181,15 +53,18 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention with RoPE; no biases."""
+    """Grouped-query causal self-attention with RoPE; q/k/v biases with `qkv_bias`, per-head q/k RMSNorm before
+    RoPE with `qk_norm` (`q_norm` / `k_norm` are None otherwise)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.head_dim = config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.num_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.num_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.dim, config.num_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.dim, config.num_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -197,6 +72,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # K/V stay unexpanded: context parallelism intercepts exactly this call and ships the smaller K/V.
@@ -265,6 +142,10 @@ def _ones(shape, generator) -> torch.Tensor:
     return torch.ones(shape, device="cpu")
 
 
+def _zeros(shape, generator) -> torch.Tensor:
+    return torch.zeros(shape, device="cpu")
+
+
 class Llama(nn.Module):
     """The decoder. Construction does not run `init_weights`: build on the meta device, shard, then initialise."""
 
@@ -272,12 +153,19 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling_factor,
-                                    config.rope_low_freq_factor, config.rope_high_freq_factor,
-                                    config.rope_original_max_position)
+        kw = config.rope_kwargs
+        self.rope = RotaryEmbedding(config.head_dim, kw.pop("theta"), kw.pop("scaling_factor"), **kw)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With `tie_embeddings`, make the output layer's weight the embedding parameter itself. Called again after
+        anything that replaces parameters module by module (`to_empty`, `to`, tensor parallelism's plans), which
+        would otherwise leave two copies; under FSDP2 both modules keep the one sharded parameter on their own."""
+        if self.config.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 labels: torch.Tensor | None = None, loss_chunk_tokens: int = 0,
@@ -303,12 +191,21 @@ class Llama(nn.Module):
         return h
 
     def set_rope(self, theta: float, scaling_factor: float | None = None, low_freq_factor: float = 1.0,
-                 high_freq_factor: float = 4.0, original_max_position: int = 8192) -> None:
-        """Switch RoPE (e.g. a larger theta at a context-length ramp stage); also updates `self.config`."""
+                 high_freq_factor: float = 4.0, original_max_position: int = 8192, *, rope_type: str = "llama3",
+                 beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True,
+                 attention_factor: float | None = None) -> None:
+        """Switch RoPE (e.g. a larger theta, or YaRN, at a context-length ramp stage); also updates `self.config`."""
         self.config = dataclasses.replace(
             self.config, rope_theta=theta, rope_scaling_factor=scaling_factor, rope_low_freq_factor=low_freq_factor,
-            rope_high_freq_factor=high_freq_factor, rope_original_max_position=original_max_position)
-        self.rope.reset(theta, scaling_factor, low_freq_factor, high_freq_factor, original_max_position)
+            rope_high_freq_factor=high_freq_factor, rope_original_max_position=original_max_position,
+            rope_type=rope_type or "llama3", rope_yarn_beta_fast=beta_fast, rope_yarn_beta_slow=beta_slow,
+            rope_yarn_truncate=truncate, rope_attention_factor=attention_factor)
+        kw = self.config.rope_kwargs
+        self.rope.reset(kw.pop("theta"), kw.pop("scaling_factor"), **kw)
+
+    def set_rope_from(self, config: LlamaConfig) -> None:
+        """Switch RoPE to `config`'s (every RoPE field of it)."""
+        self.set_rope(**{**config.rope_kwargs, "rope_type": config.rope_type})
 
     def _initializer(self, name: str) -> Callable[[tuple, torch.Generator], torch.Tensor]:
         """The draw for one parameter, by canonical name. The layer id is the ModuleDict key, so a pipeline stage
@@ -317,10 +214,14 @@ class Llama(nn.Module):
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2].endswith("norm"):
             return _ones
+        if name == "tok_embeddings.weight" and cfg.tie_embeddings:
+            return _truncated_normal(cfg.dim ** -0.5)  # also the output layer: the output's rule keeps logits O(1)
         if name == "tok_embeddings.weight":
             return _normal(1.0)  # as TorchTitan; the first RMSNorm makes the embedding scale irrelevant
         if name == "output.weight":
             return _truncated_normal(cfg.dim ** -0.5)
+        if len(parts) == 5 and parts[0] == "layers" and parts[4] == "bias":
+            return _zeros
         if len(parts) == 5 and parts[0] == "layers" and parts[4] == "weight":
             if parts[3] in ("wq", "wk", "wv", "w1"):
                 return _truncated_normal(0.02)
@@ -339,9 +240,8 @@ class Llama(nn.Module):
         Scheme (TorchTitan's): embeddings N(0, 1); wq/wk/wv/w1 truncated normal (at +-3 std) std 0.02; wo/w2/w3 std
         0.02/sqrt(2*(layer_id+1)) with depth_init, else 0.02/sqrt(2*n_layers); output std dim**-0.5; norms ones.
         """
-        cfg = self.config
-        self.rope.reset(cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
-                        cfg.rope_high_freq_factor, cfg.rope_original_max_position)
+        kw = self.config.rope_kwargs
+        self.rope.reset(kw.pop("theta"), kw.pop("scaling_factor"), **kw)
         for fqn, param in self.named_parameters():
             name = canonical_name(fqn)
             draw = self._initializer(name)

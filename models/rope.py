@@ -1,4 +1,8 @@
-"""Rotary position embedding (RoPE) as Meta's Llama 3 uses it, computed from explicit positions.
+"""Rotary position embedding (RoPE) as Meta's Llama 3 and Qwen use it, computed from explicit positions.
+
+RoPE types (Hugging Face's `rope_type` names and semantics, checked against transformers' own tables in the tests):
+default (theta only), llama3 (Llama 3.1's piecewise wavelength rescaling) and yarn (NTK-by-parts interpolation plus
+an attention factor that scales cos and sin).
 
 Angles come from `position_ids` on every call, never from a precomputed table indexed by row, because under
 document masking positions restart per document and under context parallelism a rank holds a zigzag shard of a
@@ -13,23 +17,37 @@ import torch
 from torch import nn
 
 
+ROPE_TYPES = ("default", "llama3", "yarn")
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling_factor: float | None = None,
                      low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                     original_max_position: int = 8192) -> torch.Tensor:
+                     original_max_position: int = 8192, *, rope_type: str | None = None,
+                     beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
     """Per-pair inverse frequencies theta^(-2i/head_dim), float32, shape (head_dim // 2,).
 
-    With `scaling_factor` set, applies Llama 3.1's piecewise rescaling: wavelengths shorter than
-    original_max_position / high_freq_factor keep their frequency, those longer than
+    `rope_type` None means llama3 when `scaling_factor` is set, else default.
+    llama3: wavelengths shorter than original_max_position / high_freq_factor keep their frequency, those longer than
     original_max_position / low_freq_factor are divided by the factor, and the band between is interpolated.
+    yarn: pairs below the correction range (fewer than beta_slow rotations over original_max_position) are
+    divided by the factor, pairs above it (more than beta_fast rotations) kept, a linear ramp in between.
     The base is computed in float32 the way Meta's and HF's code do, so imported checkpoints see the same angles.
     Always computed on the CPU (also under a meta-device context); callers copy it where it lives.
     """
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    rope_type = rope_type or ("default" if scaling_factor is None else "llama3")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not one of {ROPE_TYPES}")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     freqs = 1.0 / (theta ** exponents)
-    if scaling_factor is None:
+    if rope_type == "default":
         return freqs
+    if scaling_factor is None:
+        raise ValueError(f"rope_type {rope_type!r} needs a scaling factor")
+    if rope_type == "yarn":
+        return _yarn_frequencies(head_dim, theta, scaling_factor, original_max_position, beta_fast, beta_slow,
+                                 truncate)
     if not high_freq_factor > low_freq_factor:
         raise ValueError(f"rope high_freq_factor ({high_freq_factor}) must exceed low_freq_factor ({low_freq_factor})")
     wavelen = 2 * math.pi / freqs
@@ -41,6 +59,34 @@ def rope_frequencies(head_dim: int, theta: float, scaling_factor: float | None =
     return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
 
 
+def _yarn_frequencies(head_dim: int, theta: float, factor: float, original_max_position: int, beta_fast: float,
+                      beta_slow: float, truncate: bool) -> torch.Tensor:
+    """YaRN's NTK-by-parts blend of the original (extrapolated) and factor-divided (interpolated) frequencies."""
+    def correction_dim(rotations: float) -> float:  # the pair index that turns `rotations` times over the context
+        return head_dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, device="cpu").to(torch.float32) / head_dim)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate (divided by the factor)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def rope_attention_scaling(rope_type: str | None, scaling_factor: float | None,
+                           attention_factor: float | None = None) -> float:
+    """The factor cos and sin are multiplied by: YaRN's 0.1 ln(factor) + 1 unless given; 1 for the other types."""
+    if rope_type != "yarn":
+        return 1.0
+    if attention_factor is not None:
+        return float(attention_factor)
+    return 1.0 if scaling_factor is None or scaling_factor <= 1 else 0.1 * math.log(scaling_factor) + 1.0
+
+
 class RotaryEmbedding(nn.Module):
     """Holds the inverse frequencies and turns position ids into (cos, sin) for `apply_rotary`.
 
@@ -49,17 +95,24 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, theta: float, scaling_factor: float | None = None,
-                 low_freq_factor: float = 1.0, high_freq_factor: float = 4.0, original_max_position: int = 8192):
+                 low_freq_factor: float = 1.0, high_freq_factor: float = 4.0, original_max_position: int = 8192,
+                 **yarn):
         super().__init__()
         self.head_dim = head_dim
+        self.attention_scaling = 1.0
         self.register_buffer("inv_freq", torch.empty(head_dim // 2, dtype=torch.float32), persistent=False)
-        self.reset(theta, scaling_factor, low_freq_factor, high_freq_factor, original_max_position)
+        self.reset(theta, scaling_factor, low_freq_factor, high_freq_factor, original_max_position, **yarn)
 
     def reset(self, theta: float, scaling_factor: float | None = None, low_freq_factor: float = 1.0,
-              high_freq_factor: float = 4.0, original_max_position: int = 8192) -> None:
-        """Recompute `inv_freq` in place on the buffer's current device (also after `to_empty`)."""
+              high_freq_factor: float = 4.0, original_max_position: int = 8192, *, rope_type: str | None = None,
+              beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True,
+              attention_factor: float | None = None) -> None:
+        """Recompute `inv_freq` in place on the buffer's current device (also after `to_empty`), and the factor
+        cos/sin are scaled by (YaRN's attention factor; 1 otherwise)."""
         freqs = rope_frequencies(self.head_dim, theta, scaling_factor, low_freq_factor, high_freq_factor,
-                                 original_max_position)
+                                 original_max_position, rope_type=rope_type, beta_fast=beta_fast,
+                                 beta_slow=beta_slow, truncate=truncate)
+        self.attention_scaling = rope_attention_scaling(rope_type, scaling_factor, attention_factor)
         with torch.no_grad():
             self.inv_freq.copy_(freqs)
 
@@ -67,6 +120,8 @@ class RotaryEmbedding(nn.Module):
         """(B, S) integer positions -> cos, sin of shape (B, S, 1, head_dim // 2), float32 (1 broadcasts heads)."""
         angles = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq
         angles = angles.unsqueeze(-2)
+        if self.attention_scaling != 1.0:
+            return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
         return angles.cos(), angles.sin()
 
 

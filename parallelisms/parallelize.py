@@ -70,6 +70,7 @@ def materialize(model: torch.nn.Module, device: torch.device, cfg: Config, mesh:
     model.to_empty(device=device)
     if not uses_fsdp(cfg, mesh):
         model.to(getattr(torch, cfg.training.dtype))
+    model.tie_weights()  # to_empty / to replace parameters module by module (FSDP2 keeps a shared one itself)
     with torch.no_grad():
         model.init_weights(cfg.job.seed)
 

@@ -5,6 +5,7 @@ all-gather before attention / feed-forward and the reduce-scatter after them rep
 wq/wk/wv and w1/w3 are column-wise (each rank holds whole heads / a slice of the hidden dim) and wo/w2 row-wise, so
 attention sees its LOCAL heads as plain tensors (the model infers the head count from the projection size) and calls
 SDPA with unexpanded local K/V; under context parallelism that call becomes the ring over the CP group.
+A tied model keeps one parameter: embedding and output weight are the same Shard(0) DTensor.
 With loss parallelism the output projection stays sharded on the vocabulary and the cross entropy is computed on the
 shards (training/loss.py's `loss_context`), so the (tokens x vocab) logits are never gathered.
 
@@ -40,6 +41,10 @@ def _block_plan() -> dict:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        # Qwen3's per-head q/k norms see (B, S, local heads, head_dim): sharded on the head dim like a sequence,
+        # with the weight replicated, so its gradient is summed over the TP ranks.
+        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
@@ -66,6 +71,12 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel_enabled: bool = True) -> N
                                         use_local_output=not loss_parallel_enabled)
     if top:
         parallelize_module(model, tp_mesh, top)
+        # Tied embeddings: the vocabulary-parallel embedding and the column-wise output both hold Shard(0) of the
+        # (vocab x dim) matrix, so one sharded parameter serves both; the plans above each made their own copy.
+        model.tie_weights()
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan())
+        plan = _block_plan()
+        if block.attention.q_norm is None:  # plans name only modules that exist
+            plan = {k: v for k, v in plan.items() if not k.endswith(("q_norm", "k_norm"))}
+        parallelize_module(block, tp_mesh, plan)
 

@@ -28,7 +28,8 @@ def test_bad_input_is_one_line(args, nproc, expect):
     assert "Traceback" not in result.stdout + result.stderr
 
 
-def test_two_rank_run_writes_metrics_and_tensorboard(tmp_path):
+def test_two_rank_run_writes_metrics_and_tensorboard(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the launcher sets it, so torchrun prints no banner
     out = str(tmp_path / "run")
     result = run_train("--training.steps", "3", "--training.seq_len", "128", "--training.local_batch_size", "2",
                        "--job.dump_folder", out, timeout=180)
@@ -42,6 +43,7 @@ def test_two_rank_run_writes_metrics_and_tensorboard(tmp_path):
     assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 for r in records)
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(out, "tb")))
     assert "step     3/3" in result.stdout
+    assert "OMP_NUM_THREADS" not in result.stderr, result.stderr
 
 
 @pytest.mark.slow

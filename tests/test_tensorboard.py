@@ -68,9 +68,11 @@ def finished_run(tmp_path_factory):
 def tensorboard(finished_run):
     out, _ = finished_run
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", os.path.join(out, "tb"),
+    # Served from the run folder with a relative --logdir: the page shows the logdir as given ("tb"), and the
+    # screenshot that goes into docs/ must not show this machine's temporary path.
+    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", "tb",
                              "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=out)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from config import RecipeError
 from config.schema import CheckpointConfig
+from training.hf_export import write_export_extras
 from models.hf import (from_hf_config, load_hf_weights, quiet_single_process_dcp, read_hf_config,
                        save_hf)
 from models.llama import Llama
@@ -66,10 +67,11 @@ def merged_model(model_parts: Sequence[nn.Module]) -> nn.Module:
 
 
 def expected_model_shapes(model_config) -> dict[str, tuple]:
-    """Every parameter of the full model (all pipeline stages) and its global shape, from a meta-device build."""
+    """Every parameter of the full model (all pipeline stages) and its global shape, from a meta-device build; a tied
+    output weight under its own name too, as the model's state dict (and so a checkpoint) has it."""
     with torch.device("meta"):
         model = Llama(model_config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def check_model_shapes(stored: dict, expected: dict[str, tuple], where: str) -> None:
@@ -106,7 +108,7 @@ class Checkpointer:
     """
 
     def __init__(self, config: CheckpointConfig, dump_folder: str, model_parts: Sequence[nn.Module], optimizer,
-                 lr_scheduler, dataloader, model_config=None, description: dict | None = None):
+                 lr_scheduler, dataloader, model_config=None, description: dict | None = None, export_extras=None):
         self.config = config
         self.folder = os.path.join(dump_folder, config.folder)
         self.hf_export_root = os.path.join(dump_folder, config.hf_export_folder) if config.hf_export_folder else ""
@@ -117,6 +119,7 @@ class Checkpointer:
         self.dataloader = dataloader
         self.model_config = model_config if model_config is not None else getattr(model_parts[0], "config", None)
         self.description = description or {}
+        self.export_extras = export_extras  # training.hf_export.ExportExtras: tokenizer, generation config, ids
         self.stateful: dict[str, object] = {}  # more state_dict()/load_state_dict() objects, e.g. a ramp stage
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = None  # None = the default group
@@ -251,9 +254,13 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         self._barrier()
+        extras = self.export_extras
         with quiet_single_process_dcp():
-            save_hf(self.model_parts, partial, getattr(torch, self.config.hf_export_dtype), process_group=self.group)
+            save_hf(self.model_parts, partial, getattr(torch, self.config.hf_export_dtype), process_group=self.group,
+                    **(extras.model_config_fields if extras else {}))
         if self.rank == 0:
+            if extras:
+                write_export_extras(extras, partial)
             files.publish(partial, final)
             self._say(f"checkpoint: exported Hugging Face weights of step {step} to {final} "
                       f"in {time.perf_counter() - start:.2f} s")
@@ -367,7 +374,8 @@ def preflight_checkpoint(cfg, model_config) -> None:
             return
     if c.hf_load_path:
         hf = from_hf_config(read_hf_config(c.hf_load_path), where=os.path.join(c.hf_load_path, "config.json"))
-        for field in ("dim", "n_layers", "n_heads", "num_kv_heads", "vocab_size", "ffn_hidden_dim"):
+        for field in ("dim", "n_layers", "n_heads", "num_kv_heads", "vocab_size", "ffn_hidden_dim", "head_dim",
+                      "qkv_bias", "qk_norm"):
             if getattr(hf, field) != getattr(model_config, field):
                 raise RecipeError(f"checkpoint.hf_load_path '{c.hf_load_path}' has {field} {getattr(hf, field)} but "
                                   f"the recipe's model has {getattr(model_config, field)}; set [model] to match.")

@@ -63,6 +63,10 @@ def preflight(cfg: Config, world_size: int):
         except UnsupportedAttentionError as e:
             raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_impl = \"ulysses\" with cp {p.cp}: {e}") from None
     if p.pp > 1:
+        if mcfg.tie_embeddings:
+            raise RecipeError(f"{cfg.recipe_path}: a tied model ([model] tie_embeddings, e.g. Llama 3.2 1B/3B) cannot "
+                              f"be split into pipeline stages here (the first and last stage would share the "
+                              f"embedding); use pp = 1 with FSDP / TP / CP, or set --model.tie_embeddings untied.")
         if cfg.data.document_masking:
             raise RecipeError(f"{cfg.recipe_path}: data.document_masking is not supported with parallelism.pp > 1 "
                               f"(document ids are per batch, the pipeline splits batches). Set pp = 1.")

@@ -11,7 +11,7 @@
 
 A stage may change `seq_len`, `cp` (traded against dp_shard: their product is fixed, so FSDP, which shards over the
 flattened (dp_shard, cp) group, keeps every parameter where it is), RoPE (`rope_theta`, `rope_scaling_factor`,
--1 = off) and `local_batch_size`. With `training.tokens_per_step` the global batch of a stage is
+-1 = off, `rope_type` llama3 | yarn) and `local_batch_size`. With `training.tokens_per_step` the global batch of a stage is
 tokens_per_step / seq_len rows, split into local batches and gradient-accumulation micro-steps. Everything is
 resolved and checked before launch; a bad stage is a one-line error naming `ramp[i]`.
 """
@@ -139,6 +139,8 @@ def _stage_config(cfg: Config, previous: Config, i: int, table: RampTable, base:
         s.model.rope_theta = table.rope_theta
     if table.rope_scaling_factor:
         s.model.rope_scaling_factor = table.rope_scaling_factor
+    if table.rope_type:
+        s.model.rope_type = table.rope_type
     if table.local_batch_size:
         s.training.local_batch_size = table.local_batch_size
     if table.source_weights:

@@ -151,6 +151,7 @@ def fsdp_bytes_per_step(m: LlamaConfig, layout: Layout, dtype: str, grad_accum: 
 
 
 def parameter_count(m: LlamaConfig) -> float:
-    """Every parameter, embeddings and output included."""
+    """Every parameter, embeddings and output included (once when tied); q/k/v biases and q/k norms too."""
     block = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.num_kv_heads) + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
-    return m.n_layers * block + 2 * m.dim * m.vocab_size + m.dim
+    block += (m.n_heads + 2 * m.num_kv_heads) * m.head_dim * m.qkv_bias + 2 * m.head_dim * m.qk_norm
+    return m.n_layers * block + (1 if m.tie_embeddings else 2) * m.dim * m.vocab_size + m.dim

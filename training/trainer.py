@@ -18,6 +18,7 @@ from training import step
 from training.build import (build_model, build_optimizer, build_shared_tokenizer, build_stage_data, build_stores,
                             init_distributed)
 from training.checkpoint import Checkpointer
+from training.hf_export import export_extras
 from training.evaluation import run_long_doc_eval, run_passkey_eval
 from training.hardware import peak_flops
 from training.loss import global_label_tokens
@@ -51,7 +52,8 @@ class Trainer:
         """This rank's visible attention pairs in each micro-step of the last step (training/metrics.py)."""
         self.dataloader = self._enter_stage(first)
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizer,
-                                         self.scheduler, self.dataloader, first.model, vars(first.dims))
+                                         self.scheduler, self.dataloader, first.model, vars(first.dims),
+                                         export_extras(cfg, self.stages, self.tokenizer))
         self.step = self.checkpointer.load()  # 0, or the step of the checkpoint resumed
         resumed = stage_at(self.stages, self.step)
         if resumed is not self.stage:  # the data position carries over only inside the stage that saved it
@@ -79,8 +81,7 @@ class Trainer:
                                cfg.training.loss_chunk_tokens, sparse_labels=cfg.data.dataset != "text")
         m = stage.model
         for part in self.model_parts:
-            part.set_rope(m.rope_theta, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
-                          m.rope_original_max_position)
+            part.set_rope_from(m)
         self.placement = None
         if cfg.data.places_by_work():
             slots = StepSlots(stage.grad_accum_steps, self.mesh.dims.dp, cfg.training.local_batch_size,
@@ -175,10 +176,13 @@ class Trainer:
             return
         s, d, m = self.stage, self.stage.dims, self.stage.model
         where = f"{s.name} from step {s.start_step}: " if s.index >= 0 else ""
-        print(f"{where}training {m.n_layers}-layer dim-{m.dim} Llama on {d.world_size} rank(s) "
+        family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[m.family]
+        print(f"{where}training {m.n_layers}-layer dim-{m.dim} {family}{' (tied)' if m.tie_embeddings else ''} on "
+              f"{d.world_size} rank(s) "
               f"({self.device.type}/{self.device.backend}); mesh pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard "
               f"{d.dp_shard} x cp {d.cp} x tp {d.tp}; seq {s.cfg.training.seq_len}, global batch "
-              f"{s.global_batch_rows} ({s.grad_accum_steps} micro-step(s)), rope theta {m.rope_theta:g}, peak "
+              f"{s.global_batch_rows} ({s.grad_accum_steps} micro-step(s)), rope theta {m.rope_theta:g}"
+              f"{f' {m.rope_type} x{m.rope_scaling_factor:g}' if m.rope_scaling_factor else ''}, peak "
               f"{self.peak_flops / 1e9:.0f} GFLOP/s per rank ({self.peak_source})", flush=True)
 
     def close(self) -> None:

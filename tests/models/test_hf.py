@@ -121,10 +121,10 @@ def test_mismatched_or_unsupported_folders_are_refused(tmp_path):
         load_hf_weights([model], str(tmp_path))
     with open(tmp_path / "config.json") as f:
         cfg = json.load(f)
-    cfg["rope_parameters"]["rope_type"] = "yarn"
+    cfg["rope_parameters"]["rope_type"] = "dynamic"
     with open(tmp_path / "config.json", "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(RecipeError, match="RoPE type 'yarn' is not supported"):
+    with pytest.raises(RecipeError, match="rope_type 'dynamic' is not supported"):
         load_hf(str(tmp_path))
     with pytest.raises(RecipeError, match="config.json' does not exist"):
         load_hf(str(tmp_path / "nowhere"))
