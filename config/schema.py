@@ -26,6 +26,8 @@ ActivationCheckpointMode = Literal["none", "full", "selective", "op"]
 AsyncMode = Literal["disabled", "async"]
 ExportDtype = Literal["bfloat16", "float32", "float16"]
 DeviceKind = Literal["auto", "cuda", "cpu"]
+SourceFormat = Literal["text", "chat"]
+ChatTruncation = Literal["drop", "turns"]
 
 
 MIN_SEQ_LEN = 2
@@ -175,6 +177,13 @@ class SourceConfig:
     """Documents of at least this many tokens are upsampled by long_doc_upsample (0 = no upsampling)."""
     long_doc_upsample: float = 1.0
     """How many times as often long documents are seen, within the source (Fu et al. 2024)."""
+    format: SourceFormat = "text"
+    """text: documents in text_field | chat: conversations in messages_field, rendered with the tokenizer's
+    chat_template, labels on the assistant turns only (data/chat.py)."""
+    messages_field: str = "messages"
+    """chat: the JSON field (.jsonl) or column (.parquet) holding the list of {role, content} messages."""
+    truncate: ChatTruncation = "drop"
+    """chat: a conversation longer than seq_len is dropped (and counted) | cut after its last whole turn that fits."""
 
 
 @dataclass

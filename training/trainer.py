@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from config.schema import Config
+from data.sources import describe_chat_rows, labels_every_token
 from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import uses_loss_parallel
 from training import step
@@ -73,7 +74,7 @@ class Trainer:
         self.stage, cfg = stage, stage.cfg
         self.setup = StepSetup(self.model, self.mesh, cfg.parallelism, cfg.data.document_masking,
                                uses_loss_parallel(cfg, self.mesh), self.comm_stats, self.pipeline,
-                               cfg.training.loss_chunk_tokens, sparse_labels=cfg.data.dataset != "text")
+                               cfg.training.loss_chunk_tokens, sparse_labels=not labels_every_token(cfg))
         m = stage.model
         for part in self.model_parts:
             part.set_rope(m.rope_theta, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
@@ -91,7 +92,7 @@ class Trainer:
         """
         cfg, device = self.cfg, self.device.torch_device
         global_tokens = global_label_tokens(
-            batches, every_token_labelled=cfg.data.dataset == "text", rows_per_step=self.stage.global_batch_rows,
+            batches, every_token_labelled=labels_every_token(cfg), rows_per_step=self.stage.global_batch_rows,
             seq_len=cfg.training.seq_len, comm=self.dist.comm, data_group=self.mesh.data.get_group())
         loss = torch.zeros((), dtype=torch.float32, device=device)
         for batch in batches:
@@ -159,6 +160,9 @@ class Trainer:
               f"{d.dp_shard} x cp {d.cp} x tp {d.tp}; seq {s.cfg.training.seq_len}, global batch "
               f"{s.global_batch_rows} ({s.grad_accum_steps} micro-step(s)), rope theta {m.rope_theta:g}, peak "
               f"{self.peak_flops / 1e9:.0f} GFLOP/s per rank ({self.peak_source})", flush=True)
+        if self.stores:
+            for line in describe_chat_rows(s.cfg, self.dataloader.packed):
+                print(line, flush=True)
 
     def close(self) -> None:
         self.checkpointer.close()  # waits for an async save in flight
