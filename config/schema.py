@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Dtype = Literal["float32", "bfloat16"]
-Dataset = Literal["text", "passkey"]
+Dataset = Literal["text", "passkey", "niah"]
 OptimizerName = Literal["AdamW"]
 DecayType = Literal["linear", "cosine", "constant"]
 LoadBalancer = Literal["zigzag", "striped", "contiguous"]
@@ -205,7 +205,8 @@ class DataConfig:
     num_workers: int = 0
     """Data-loader worker processes per rank."""
     dataset: Dataset = "text"
-    """text: packed documents of `corpus`; passkey: synthetic passkey retrieval rows with `corpus` as filler text."""
+    """text: packed documents of `corpus`; passkey: synthetic passkey retrieval rows with `corpus` as filler text;
+    niah: synthetic needle-in-a-haystack rows (data/niah.py) at random depths, what the NIAH evaluation asks."""
 
 
 @dataclass
@@ -227,6 +228,23 @@ class EvalConfig:
     """With long_doc_loss: evaluate every this many steps as well as at the end (0 = only at the end)."""
     long_doc_rows: int = 8
     """With long_doc_loss: held-out rows evaluated (longest documents first), split over the data-parallel ranks."""
+    niah: bool = False
+    """Needle in a haystack (data/niah.py) by depth x context length on the training mesh: niah_eval.json, a PNG
+    heatmap and a TensorBoard image, every niah_interval steps and at the end. Haystacks come from held-out documents
+    (long_doc_heldout of each text source; the passkey filler when the run has no stores)."""
+    niah_lengths: list[int] = field(default_factory=list)
+    """Context lengths; each evaluation takes those up to its stage's seq_len (empty or none: the stage's seq_len).
+    Each must split over the CP ranks."""
+    niah_depths: int = 5
+    """Number of evenly spaced needle depths from 0 (start of the context) to 1 (just before the question)."""
+    niah_samples: int = 10
+    """Rows per (length, depth) cell."""
+    niah_interval: int = 0
+    """Evaluate every this many steps as well as at the end (0 = only at the end)."""
+    niah_keys: int = 1
+    """Needles for different words (RULER multi-key): the others are distractors."""
+    niah_values: int = 1
+    """Needles for the asked word (RULER multi-value): the answer is every value, in order."""
 
 
 @dataclass

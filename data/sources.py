@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 
+import numpy as np
+
 from data.corpus import PART_BYTES, read_part, source_files, source_parts
 from data.mixture import BlockPlan, MixtureRows, check_weights
 from data.prepare import StoreSpec, ensure_store, open_store, prepare_store
@@ -133,7 +135,7 @@ def prepare_data(cfg, vocab_size: int, log=print) -> dict:
 
 def heldout_fraction(cfg) -> float:
     """Documents held out of training for the long-document evaluation (none when it is off)."""
-    return cfg.eval.long_doc_heldout if cfg.eval.long_doc_loss else 0.0
+    return cfg.eval.long_doc_heldout if cfg.eval.long_doc_loss or cfg.eval.niah else 0.0
 
 
 def stage_rows(cfg, stores: dict):
@@ -167,6 +169,22 @@ def describe_chat_rows(cfg, rows) -> list[str]:
     """Start-up lines of the chat sources of a stage's row stream (conversations used, dropped, cut)."""
     parts = rows.sources if hasattr(rows, "sources") else [rows]
     return [line for s, part in zip(source_list(cfg), parts) if (line := part.describe(s.name))]
+
+
+def heldout_haystack(cfg, stores: dict, tokens: int) -> np.ndarray | None:
+    """Up to `tokens` token ids of the text sources' held-out documents, in turn (None when there are none)."""
+    pieces, total = [], 0
+    for s in source_list(cfg):
+        if s.format != "text" or s.name not in stores or heldout_fraction(cfg) <= 0:
+            continue
+        rows = StoreRows.heldout(stores[s.name], seq_len=cfg.training.seq_len, seed=cfg.job.seed,
+                                 fraction=heldout_fraction(cfg))
+        for doc in rows.order:
+            pieces.append(np.asarray(rows.store.document(int(doc)), dtype=np.int64))
+            total += len(pieces[-1])
+            if total >= tokens:
+                return np.concatenate(pieces)
+    return np.concatenate(pieces) if pieces else None
 
 
 def rows_per_source(cfg, start: int, stop: int) -> dict[str, int]:

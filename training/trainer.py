@@ -20,6 +20,7 @@ from training.build import (build_model, build_optimizer, build_shared_tokenizer
 from training.checkpoint import Checkpointer
 from training.evaluation import run_long_doc_eval, run_passkey_eval
 from training.hardware import peak_flops
+from training.niah_eval import run_niah_eval
 from training.loss import global_label_tokens
 from training.metrics import MetricsLogger, StepMetrics
 from training.preflight import preflight_stages
@@ -112,6 +113,7 @@ class Trainer:
     def run(self) -> None:
         self._announce()
         data_iter = iter(self.dataloader)
+        resumed_at = self.step
         while self.step < self.cfg.training.steps:
             stage = stage_at(self.stages, self.step)
             if stage is not self.stage:
@@ -132,6 +134,9 @@ class Trainer:
             last = self.step == self.cfg.training.steps
             self.checkpointer.maybe_save(self.step, last=last)
             evaluation = self._long_doc_eval() if self._long_doc_eval_due(last) else {}
+            if self._niah_due(last):
+                run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
+                              self.rank == 0, self.step)
             if self.step % self.cfg.metrics.log_freq == 0 or last or evaluation:
                 record = self.metrics.record(
                     self.stage, self.step, loss=loss, lr=lr, grad_norm=grad_norm, step_time=step_time,
@@ -139,8 +144,16 @@ class Trainer:
                 if self.stores:
                     record["source_tokens"] = source_tokens_seen(self.stages, self.step)
                 self.logger.log(self.step, {**record, **evaluation})
+        if self.cfg.eval.niah and self.step == resumed_at:
+            # resumed at the last step (nothing to train): evaluate the checkpoint, e.g. on another mesh
+            run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
+                          self.rank == 0, self.step)
         if self.cfg.eval.passkey:
             run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0)
+
+    def _niah_due(self, last: bool) -> bool:
+        e = self.cfg.eval
+        return e.niah and (last or (e.niah_interval > 0 and self.step % e.niah_interval == 0))
 
     def _long_doc_eval_due(self, last: bool) -> bool:
         e = self.cfg.eval
