@@ -15,7 +15,7 @@ def heatmap_figure(results: dict[tuple[int, float], float], title: str):
     lengths = sorted({n for n, _ in results})
     depths = sorted({d for _, d in results})
     grid = np.array([[results[(n, d)] for n in lengths] for d in depths]) * 100
-    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(lengths), 1.4 + 0.55 * len(depths)), dpi=110)
+    fig, ax = plt.subplots(figsize=(max(4.8, 2.2 + 0.9 * len(lengths)), 1.6 + 0.5 * len(depths)), dpi=110)
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
     for i in range(len(depths)):
         for j in range(len(lengths)):

@@ -12,7 +12,7 @@ import torch
 from config.schema import Config
 from data.niah import NiahRows
 from data.sources import heldout_haystack
-from training.evaluation import EVAL_SEED_OFFSET, format_passkey_table, passkey_accuracy
+from training.evaluation import EVAL_SEED_OFFSET, answer_hits, format_passkey_table
 from training.heatmap import log_heatmap_image, write_heatmap
 from training.step import StepSetup, cp_context
 
@@ -23,14 +23,15 @@ def niah_depths(count: int) -> list[float]:
 
 def evaluate_niah(model, tokenizer, haystack, *, lengths: list[int], depths: list[float], samples: int, seed: int,
                   keys: int, values: int, device, cp_context=None, cp_mesh=None, cp_size: int = 1,
-                  load_balancer: str = "zigzag") -> dict[tuple[int, float], float]:
-    """{(context length, depth): exact-answer accuracy} over `samples` rows each (the same rows on every mesh)."""
+                  load_balancer: str = "zigzag") -> dict[tuple[int, float], tuple[float, float]]:
+    """{(context length, depth): (exact-answer accuracy, answer-token accuracy)} over `samples` rows each (the same
+    rows on every mesh)."""
     results = {}
     for length in lengths:
         for depth in depths:
             rows = NiahRows(tokenizer, haystack, seq_len=length, seed=seed + EVAL_SEED_OFFSET, depth=depth,
                             keys=keys, values=values)
-            results[(length, depth)] = passkey_accuracy(model, rows, list(range(samples)), device, cp_context,
+            results[(length, depth)] = answer_hits(model, rows, list(range(samples)), device, cp_context,
                                                         cp_mesh, cp_size, load_balancer)
     return results
 
@@ -41,7 +42,7 @@ def variant_name(keys: int, values: int) -> str:
 
 
 def run_niah_eval(cfg: Config, setup: StepSetup, tokenizer, stores: dict, device: torch.device, is_writer: bool,
-                  step: int) -> dict[tuple[int, float], float]:
+                  step: int) -> dict[tuple[int, float], tuple[float, float]]:
     e, p = cfg.eval, cfg.parallelism
     # a ramp stage evaluates the lengths it has reached (the model has not seen longer rows yet)
     lengths = [n for n in e.niah_lengths if n <= cfg.training.seq_len] or [cfg.training.seq_len]
@@ -59,7 +60,8 @@ def run_niah_eval(cfg: Config, setup: StepSetup, tokenizer, stores: dict, device
 def write_niah_outputs(cfg: Config, results: dict, step: int, own_documents: bool) -> None:
     e, folder = cfg.eval, cfg.job.dump_folder
     variant = variant_name(e.niah_keys, e.niah_values)
-    print(format_passkey_table(results).replace("passkey accuracy", f"NIAH ({variant}) at step {step}: accuracy"),
+    exact = {cell: hits[0] for cell, hits in results.items()}
+    print(format_passkey_table(exact).replace("passkey accuracy", f"NIAH ({variant}) at step {step}: accuracy"),
           flush=True)
     path = os.path.join(folder, "niah_eval.json")
     history = []
@@ -68,10 +70,11 @@ def write_niah_outputs(cfg: Config, results: dict, step: int, own_documents: boo
             history = [r for r in json.load(f) if r["step"] != step]
     history.append({"step": step, "variant": variant, "keys": e.niah_keys, "values": e.niah_values,
                     "haystack": "held-out documents" if own_documents else "passkey filler",
-                    "cells": [{"context_length": n, "depth": d, "accuracy": a} for (n, d), a in results.items()]})
+                    "cells": [{"context_length": n, "depth": d, "accuracy": a, "answer_token_accuracy": t}
+                              for (n, d), (a, t) in results.items()]})
     with open(path, "w") as f:
         json.dump(history, f, indent=1)
     title = f"Needle in a haystack ({variant}), step {step}"
-    pixels = write_heatmap(results, title, os.path.join(folder, "niah_heatmap.png"))
+    pixels = write_heatmap(exact, title, os.path.join(folder, "niah_heatmap.png"))
     if cfg.metrics.enable_tensorboard:
         log_heatmap_image(os.path.join(folder, "tb"), "niah/heatmap", pixels, step)

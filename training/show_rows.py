@@ -13,7 +13,7 @@ import json
 import numpy as np
 
 from config.schema import Config
-from data.loader import GlobalRowStream
+from data.loader import GlobalRowStream, build_dataloader
 from data.passkey import IGNORE_INDEX
 from data.sources import build_run_tokenizer, check_sources, open_stores, source_list, stage_rows
 from training.ramp import resolve_stages
@@ -26,9 +26,15 @@ def first_rows(cfg: Config, count: int, vocab_size: int, world_size: int, log=pr
     stage_cfg = resolve_stages(cfg, world_size)[0].cfg
     check_sources(stage_cfg)
     tokenizer = build_run_tokenizer(stage_cfg, vocab_size)
-    rows = stage_rows(stage_cfg, open_stores(stage_cfg, tokenizer, log=log))
+    t, dataset = stage_cfg.training, stage_cfg.data.dataset
+    if dataset == "text":
+        rows = stage_rows(stage_cfg, open_stores(stage_cfg, tokenizer, log=log))
+        names = [s.name for s in source_list(stage_cfg)]
+    else:  # synthetic rows (passkey, niah): the loader's own
+        rows = build_dataloader(tokenizer, None, seq_len=t.seq_len, local_batch_size=1, dp_rank=0, dp_size=1,
+                                seed=stage_cfg.job.seed, dataset=dataset).packed
+        names = [dataset]
     stream = GlobalRowStream(rows, stage_cfg.job.seed)
-    names = [s.name for s in source_list(stage_cfg)]
     out = []
     for g in range(count):
         source = rows.locate(g)[0] if hasattr(rows, "locate") else 0
@@ -39,7 +45,11 @@ def first_rows(cfg: Config, count: int, vocab_size: int, world_size: int, log=pr
 def row_text(tokenizer, fields: dict) -> list[str]:
     """One line per document of the row: its decoded input tokens, those the model learns to predict marked."""
     ids, labels, documents = fields["input_ids"], fields["labels"], fields["document_ids"]
-    predicted = np.concatenate(([False], labels[:-1] != IGNORE_INDEX))  # input t is the target of position t - 1
+    positions = fields["position_ids"]
+    if labels[-1] != IGNORE_INDEX:  # the row's last target is no input: shown at the end of the last document
+        ids, documents = np.append(ids, labels[-1]), np.append(documents, documents[-1])
+        positions = np.append(positions, positions[-1] + 1)
+    predicted = np.concatenate(([False], labels != IGNORE_INDEX))[:len(ids)]  # token t is the target of t - 1
     lines = []
     for doc in np.unique(documents):
         where = np.flatnonzero(documents == doc)
@@ -49,8 +59,8 @@ def row_text(tokenizer, fields: dict) -> list[str]:
                 text = tokenizer.decode(ids[start:t])
                 pieces.append(f"{OPEN}{text}{CLOSE}" if predicted[start] else text)
                 start = t
-        lines.append(f"  document {int(doc)} ({len(where)} tokens, positions {int(fields['position_ids'][where[0]])}"
-                     f"..{int(fields['position_ids'][where[-1]])}): {''.join(pieces)!r}")
+        lines.append(f"  document {int(doc)} ({len(where)} tokens, positions {int(positions[where[0]])}"
+                     f"..{int(positions[where[-1]])}): {''.join(pieces)!r}")
     return lines
 
 

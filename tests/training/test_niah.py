@@ -58,3 +58,66 @@ def test_heatmap_png_and_tensorboard_image(tmp_path):
     events.Reload()
     image = events.Images("niah/heatmap")[0]
     assert image.step == 7 and (image.height, image.width) == pixels.shape[:2]
+
+
+NIAH_RUN = """
+[job]
+seed = 0
+[model]
+name = "debug"
+dim = 64
+n_layers = 2
+n_heads = 4
+[training]
+steps = 40
+seq_len = 128
+local_batch_size = 16
+[optimizer]
+lr = 3e-3
+[data]
+dataset = "niah"
+[parallelism]
+dp_shard = -1
+cp = 1
+[metrics]
+log_freq = 20
+enable_tensorboard = true
+[checkpoint]
+enable = true
+interval = 40
+[eval]
+niah = true
+niah_lengths = [64, 128]
+niah_depths = 3
+niah_samples = 8
+"""
+
+
+def read_cells(folder: str) -> dict:
+    import json
+
+    with open(os.path.join(folder, "niah_eval.json")) as f:
+        last = json.load(f)[-1]
+    return last["step"], {(c["context_length"], c["depth"]): (c["accuracy"], c["answer_token_accuracy"])
+                          for c in last["cells"]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_niah_eval_under_cp2_equals_cp1_per_cell(tmp_path):
+    """Trained briefly on 2 ranks (dp 2, cp 1), evaluated there; the checkpoint then evaluated again under cp 2 (a
+    resume at the last step only evaluates): every cell's exact and answer-token accuracy is the same."""
+    from tests.trainer_runs import run_train
+
+    recipe, out = tmp_path / "niah.toml", str(tmp_path / "run")
+    recipe.write_text(NIAH_RUN)
+    first = run_train(str(recipe), "--job.dump_folder", out, nproc=2, timeout=500)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    step, cp1 = read_cells(out)
+    assert step == 40 and os.path.exists(os.path.join(out, "niah_heatmap.png"))
+    second = run_train(str(recipe), "--job.dump_folder", out, "--parallelism.cp", "2", nproc=2, timeout=500)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    assert "cp 2" in second.stdout and "NIAH (single) at step 40" in second.stdout
+    step, cp2 = read_cells(out)
+    print("cp1", cp1, "\ncp2", cp2)
+    assert step == 40 and cp2 == cp1 and any(t > 0 for _, t in cp1.values())
