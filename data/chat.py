@@ -66,44 +66,42 @@ def load_chat_template(tokenizer_path: str, key: str) -> tuple[str, dict]:
     return template, variables
 
 
-class _GenerationTracker:
-    """The `{% generation %}` tag: records the character span of each block it wraps while a render is tracked."""
+def _generation_extension():
+    """The `{% generation %}` tag: records the character span of each block it wraps while a render is tracked
+    (built on first use: jinja2 is imported only by runs with chat sources)."""
+    import jinja2
+    from jinja2.ext import Extension
 
-    @staticmethod
-    def extension():
-        import jinja2
-        from jinja2.ext import Extension
+    class GenerationTag(Extension):
+        tags = {"generation"}
 
-        class GenerationTag(Extension):
-            tags = {"generation"}
+        def __init__(self, environment):
+            super().__init__(environment)
+            environment.extend(track_generation=self.track)
+            self._blocks = None
+            self._spans = None
 
-            def __init__(self, environment):
-                super().__init__(environment)
-                environment.extend(track_generation=self.track)
-                self._blocks = None
-                self._spans = None
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
 
-            def parse(self, parser):
-                lineno = next(parser.stream).lineno
-                body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-                return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+        def _mark(self, caller):
+            text = caller()
+            if self._blocks is not None:
+                start = len("".join(self._blocks))
+                self._spans.append((start, start + len(text)))
+            return text
 
-            def _mark(self, caller):
-                text = caller()
-                if self._blocks is not None:
-                    start = len("".join(self._blocks))
-                    self._spans.append((start, start + len(text)))
-                return text
+        @contextmanager
+        def track(self, blocks, spans):
+            self._blocks, self._spans = blocks, spans
+            try:
+                yield
+            finally:
+                self._blocks, self._spans = None, None
 
-            @contextmanager
-            def track(self, blocks, spans):
-                self._blocks, self._spans = blocks, spans
-                try:
-                    yield
-                finally:
-                    self._blocks, self._spans = None, None
-
-        return GenerationTag
+    return GenerationTag
 
 
 def compile_template(source: str):
@@ -118,7 +116,7 @@ def compile_template(source: str):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTracker.extension(), jinja2.ext.loopcontrols])
+                                        extensions=[_generation_extension(), jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
