@@ -73,10 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         check_sources(cfg)  # data paths (after the GPU check: on a laptop the GPU count is the news)
         preflight_checkpoint(cfg, model_cfg)
         if "--check" in flags:
-            if cfg.data.dataset == "text":  # before any process group: tokenizer and data errors, stale stores, and a
-                # missing store prepared here, once
-                open_stores(cfg, build_run_tokenizer(cfg, model_cfg.vocab_size),
-                            log=lambda line: print(line, file=sys.stderr))
+            if cfg.data.dataset == "text" or cfg.eval.niah:  # before any process group: tokenizer and data errors,
+                tokenizer = build_run_tokenizer(cfg, model_cfg.vocab_size)  # stale stores, too short NIAH lengths
+            if cfg.data.dataset == "text":  # and a missing store prepared here, once
+                open_stores(cfg, tokenizer, log=lambda line: print(line, file=sys.stderr))
+            if cfg.eval.niah:
+                from training.niah_eval import check_niah_lengths
+
+                check_niah_lengths(cfg, tokenizer)
             print(world)
             return 0
         trainer = Trainer(cfg)

@@ -23,11 +23,13 @@ from data.passkey import FILLER, IGNORE_INDEX
 WORDS = ("apple", "river", "candle", "forest", "marble", "pepper", "violin", "harbor", "saddle", "garden", "copper",
          "meadow", "anchor", "lantern", "orchid", "pillow", "rocket", "silver", "thunder", "walnut")
 VALUE_DIGITS = 7
-NEEDLE = " The special magic number for {word} is "
+# The value follows "is" / "are" with no space (as the passkey's key does): a space would be a token of its own that
+# the haystack uses everywhere, so the token before a value would no longer be unique to needles and answers.
+NEEDLE = " The special magic number for {word} is"
 QUESTION = " What is the special magic number for {word} mentioned in the provided text? The special magic number " \
-           "for {word} mentioned in the provided text is "
+           "for {word} mentioned in the provided text is"
 QUESTION_ALL = " What are all the special magic numbers for {word} mentioned in the provided text? The special " \
-               "magic numbers for {word} mentioned in the provided text are "
+               "magic numbers for {word} mentioned in the provided text are"
 _NIAH_STREAM = 19  # keeps needle randomness apart from other users of `seed`
 
 

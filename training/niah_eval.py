@@ -17,6 +17,14 @@ from training.heatmap import log_heatmap_image, write_heatmap
 from training.step import StepSetup, cp_context
 
 
+def check_niah_lengths(cfg: Config, tokenizer) -> None:
+    """Every evaluated length fits the needles and the question (a one-line error before any process group)."""
+    lengths = cfg.eval.niah_lengths or [cfg.training.seq_len]
+    for length in lengths:
+        NiahRows(tokenizer, None, seq_len=length, seed=0, depth=0.5, keys=cfg.eval.niah_keys,
+                 values=cfg.eval.niah_values)
+
+
 def niah_depths(count: int) -> list[float]:
     return [i / max(1, count - 1) for i in range(count)]
 

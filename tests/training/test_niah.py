@@ -14,7 +14,7 @@ from data.passkey import IGNORE_INDEX
 from tests.data.chat_fixtures import write_chat_tokenizer
 from data.hf_tokenizer import HFTokenizer
 
-NEEDLE = re.compile(r"special magic number for (\w+) is (\d{7})\.")
+NEEDLE = re.compile(r"special magic number for (\w+) is ?(\d{7})\.")
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ enable = true
 interval = 40
 [eval]
 niah = true
-niah_lengths = [64, 128]
+niah_lengths = [96, 128]
 niah_depths = 3
 niah_samples = 8
 """
@@ -121,3 +121,15 @@ def test_niah_eval_under_cp2_equals_cp1_per_cell(tmp_path):
     step, cp2 = read_cells(out)
     print("cp1", cp1, "\ncp2", cp2)
     assert step == 40 and cp2 == cp1 and any(t > 0 for _, t in cp1.values())
+
+
+def test_too_short_niah_length_is_one_line_before_torchrun(tmp_path):
+    from tests.trainer_runs import run_train
+
+    recipe = tmp_path / "niah.toml"
+    recipe.write_text(NIAH_RUN.replace("niah_lengths = [96, 128]", "niah_lengths = [32, 128]"))
+    result = run_train(str(recipe), nproc=2, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "eval.niah_lengths: 32 is too short" in errors[0], \
+        result.stderr[-2000:]
+    assert "torch.distributed.run" not in result.stderr
