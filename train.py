@@ -5,7 +5,8 @@ Launched by run_train.sh under torchrun:  train.py [RECIPE.toml] [--section.key 
 with a roofline step time (training/dry_run.py).
 `--check` validates the recipe and the launch (data paths, degrees vs ranks), prepares any missing token store and
 prints the number of ranks it needs, without starting a process group: run_train.sh calls it first so bad input
-fails in one line. `--prepare-data` tokenizes the recipe's sources into their stores and stops.
+fails in one line. `--prepare-data` tokenizes the recipe's sources into their stores and stops. `--show-rows N
+[--json]` prints the first N training rows of the first stage (training/show_rows.py) and stops.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from training.trainer import Trainer
 
 
 def parse_cli(argv: list[str]) -> tuple[str, list[str], set[str]]:
-    flags = {a for a in argv if a in ("--print-config", "--check", "--dry-run", "--prepare-data")}
+    flags = {a for a in argv if a in ("--print-config", "--check", "--dry-run", "--prepare-data", "--json")}
     rest = [a for a in argv if a not in flags]
     recipe = default_recipe()
     if rest and not rest[0].startswith("--"):
@@ -31,9 +32,21 @@ def parse_cli(argv: list[str]) -> tuple[str, list[str], set[str]]:
     return recipe, rest, flags
 
 
+def show_rows_count(argv: list[str]) -> tuple[int | None, list[str]]:
+    """`--show-rows N` taken out of argv: (N or None, the other arguments)."""
+    if "--show-rows" not in argv:
+        return None, argv
+    at = argv.index("--show-rows")
+    value = argv[at + 1] if at + 1 < len(argv) else ""
+    if not value.isdigit() or int(value) < 1:
+        raise RecipeError(f"--show-rows needs a number of rows >= 1 (e.g. --show-rows 4), got {value!r}.")
+    return int(value), argv[:at] + argv[at + 2:]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        show_count, argv = show_rows_count(argv)
         recipe, overrides, flags = parse_cli(argv)
         cfg = load_config(recipe, overrides)
         if "--print-config" in flags:
@@ -46,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_dry_run(cfg, world)
         preflight_stages(cfg, world, check_data=False)
         model_cfg = recipe_model_config(cfg)
+        if show_count is not None:  # one process, no GPU: the first training rows as the model gets them
+            from training.show_rows import show_rows
+
+            show_rows(cfg, show_count, "--json" in flags, model_cfg.vocab_size, world,
+                      log=lambda line: print(line, file=sys.stderr))
+            return 0
         if "--prepare-data" in flags:  # one process, any machine (a login node too): tokenize every source, stop
             check_sources(cfg)
             prepare_data(cfg, model_cfg.vocab_size)
@@ -54,10 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         check_sources(cfg)  # data paths (after the GPU check: on a laptop the GPU count is the news)
         preflight_checkpoint(cfg, model_cfg)
         if "--check" in flags:
-            if cfg.data.dataset == "text":  # before any process group: tokenizer and data errors, stale stores, and a
-                # missing store prepared here, once
-                open_stores(cfg, build_run_tokenizer(cfg, model_cfg.vocab_size),
-                            log=lambda line: print(line, file=sys.stderr))
+            if cfg.data.dataset == "text" or cfg.eval.niah:  # before any process group: tokenizer and data errors,
+                tokenizer = build_run_tokenizer(cfg, model_cfg.vocab_size)  # stale stores, too short NIAH lengths
+            if cfg.data.dataset == "text":  # and a missing store prepared here, once
+                open_stores(cfg, tokenizer, log=lambda line: print(line, file=sys.stderr))
+            if cfg.eval.niah:
+                from training.niah_eval import check_niah_lengths
+
+                check_niah_lengths(cfg, tokenizer)
             print(world)
             return 0
         trainer = Trainer(cfg)

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/plot_cp_variants.py results.json docs/cp_variants.png
 
-Needs matplotlib (requirements-bench.txt); the benchmark itself does not.
+Needs matplotlib (requirements.txt); the benchmark itself does not.
 """
 from __future__ import annotations
 

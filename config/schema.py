@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Dtype = Literal["float32", "bfloat16"]
-Dataset = Literal["text", "passkey"]
+Dataset = Literal["text", "passkey", "niah"]
 Placement = Literal["auto", "work", "loader"]
 OptimizerName = Literal["AdamW"]
 DecayType = Literal["linear", "cosine", "constant"]
@@ -29,6 +29,8 @@ ExportDtype = Literal["bfloat16", "float32", "float16"]
 DeviceKind = Literal["auto", "cuda", "cpu"]
 TieMode = Literal["auto", "tied", "untied"]
 RopeScaling = Literal["auto", "llama3", "yarn"]
+SourceFormat = Literal["text", "chat"]
+ChatTruncation = Literal["drop", "turns"]
 
 
 MIN_SEQ_LEN = 2
@@ -198,6 +200,13 @@ class SourceConfig:
     """Documents of at least this many tokens are upsampled by long_doc_upsample (0 = no upsampling)."""
     long_doc_upsample: float = 1.0
     """How many times as often long documents are seen, within the source (Fu et al. 2024)."""
+    format: SourceFormat = "text"
+    """text: documents in text_field | chat: conversations in messages_field, rendered with the tokenizer's
+    chat_template, labels on the assistant turns only (data/chat.py)."""
+    messages_field: str = "messages"
+    """chat: the JSON field (.jsonl) or column (.parquet) holding the list of {role, content} messages."""
+    truncate: ChatTruncation = "drop"
+    """chat: a conversation longer than seq_len is dropped (and counted) | cut after its last whole turn that fits."""
 
 
 @dataclass
@@ -219,7 +228,8 @@ class DataConfig:
     num_workers: int = 0
     """Data-loader worker processes per rank."""
     dataset: Dataset = "text"
-    """text: packed documents of `corpus`; passkey: synthetic passkey retrieval rows with `corpus` as filler text."""
+    """text: packed documents of `corpus`; passkey: synthetic passkey retrieval rows with `corpus` as filler text;
+    niah: synthetic needle-in-a-haystack rows (data/niah.py) at random depths, what the NIAH evaluation asks."""
     placement: Placement = "auto"
     """How an optimizer step's rows reach the data-parallel ranks. work: every rank reads the whole step and its
     document segments are re-packed across ranks and micro-steps by attention work (data/placement.py; needs
@@ -250,6 +260,23 @@ class EvalConfig:
     """With long_doc_loss: evaluate every this many steps as well as at the end (0 = only at the end)."""
     long_doc_rows: int = 8
     """With long_doc_loss: held-out rows evaluated (longest documents first), split over the data-parallel ranks."""
+    niah: bool = False
+    """Needle in a haystack (data/niah.py) by depth x context length on the training mesh: niah_eval.json, a PNG
+    heatmap and a TensorBoard image, every niah_interval steps and at the end. Haystacks come from held-out documents
+    (long_doc_heldout of each text source; the passkey filler when the run has no stores)."""
+    niah_lengths: list[int] = field(default_factory=list)
+    """Context lengths; each evaluation takes those up to its stage's seq_len (empty or none: the stage's seq_len).
+    Each must split over the CP ranks."""
+    niah_depths: int = 5
+    """Number of evenly spaced needle depths from 0 (start of the context) to 1 (just before the question)."""
+    niah_samples: int = 10
+    """Rows per (length, depth) cell."""
+    niah_interval: int = 0
+    """Evaluate every this many steps as well as at the end (0 = only at the end)."""
+    niah_keys: int = 1
+    """Needles for different words (RULER multi-key): the others are distractors."""
+    niah_values: int = 1
+    """Needles for the asked word (RULER multi-value): the answer is every value, in order."""
 
 
 @dataclass

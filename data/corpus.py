@@ -16,7 +16,7 @@ import glob
 import gzip
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace as _replace
 
 from config import RecipeError
 
@@ -36,6 +36,8 @@ class SourcePart:
     stop: int = -1  # jsonl: end byte; parquet: end row group; -1 = to the end
     text_field: str = "text"
     key: str = "data.corpus"
+    format: str = "text"
+    """text: `text_field` holds a string; chat: it holds a conversation (checked by data/chat.py)."""
 
 
 def load_documents(paths, text_field: str = "text", key: str = "data.corpus") -> list[str]:
@@ -89,8 +91,15 @@ def source_files(paths, key: str = "data.corpus") -> list[str]:
 
 
 def source_parts(paths, text_field: str = "text", key: str = "data.corpus",
-                 part_bytes: int = PART_BYTES) -> list[SourcePart]:
+                 part_bytes: int = PART_BYTES, format: str = "text") -> list[SourcePart]:
     """The entries' files cut into preparation parts, in a fixed order."""
+    if format == "chat":
+        parts = source_parts(paths, text_field, key, part_bytes)
+        for part in parts:
+            if part.kind in ("pydoc", "txt"):
+                raise RecipeError(f"{key}: a chat source reads .jsonl, .jsonl.gz or .parquet conversations, not "
+                                  f"'{part.paths[0]}'; point its path at conversation files.")
+        return [_replace(part, format=format) for part in parts]
     parts: list[SourcePart] = []
     txt_run: list[str] = []
     txt_bytes = 0
@@ -187,10 +196,10 @@ def _parquet_parts(path: str, text_field: str, key: str, part_bytes: int) -> lis
         meta = pq.ParquetFile(path).metadata
     except Exception as err:  # pyarrow raises several types for a file that is not parquet
         raise RecipeError(f"{key}: '{path}' is not a readable parquet file ({err}); fix or remove it.") from None
-    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    names = list(meta.schema.to_arrow_schema().names)  # top-level columns (a chat column is a list of structs)
     if text_field not in names:
         raise RecipeError(f"{key}: parquet file '{path}' has no column '{text_field}' (columns: {', '.join(names)}); "
-                          f"set the source's text_field to the column that holds the text.")
+                          f"set the source's text_field (messages_field for chat) to the column that holds it.")
     parts, start, run_bytes = [], 0, 0
     for group in range(meta.num_row_groups):
         run_bytes += meta.row_group(group).total_byte_size
@@ -210,6 +219,9 @@ def _read_parquet(part: SourcePart):
         column = reader.read_row_group(group, columns=[part.text_field]).column(0)
         for value in column.to_pylist():
             if value is None:
+                continue
+            if part.format == "chat":
+                yield value
                 continue
             if not isinstance(value, str):
                 raise RecipeError(f"{part.key}: parquet file '{part.paths[0]}' column '{part.text_field}' holds "
@@ -240,6 +252,8 @@ def _jsonl_text(part: SourcePart, where: str, line: str) -> str:
     if not isinstance(record, dict) or field not in record:
         raise RecipeError(f"{where} has no \"{field}\" field; every line must be an object like "
                           f"{{\"{field}\": \"...\"}}, or set the source's text_field.")
+    if part.format == "chat":
+        return record[field]
     if not isinstance(record[field], str):
         raise RecipeError(f"{where}: \"{field}\" must be a string, got {type(record[field]).__name__}.")
     return record[field]

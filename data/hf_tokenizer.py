@@ -54,6 +54,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str):
+        """The `tokenizers.Encoding` (ids, offsets, char_to_token) without special tokens added: chat rendering."""
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
     def encode_batch(self, texts: list[str], threads: int | None = None) -> list[list[int]]:
         """`threads` is set by the `tokenizers` library per process (RAYON_NUM_THREADS); the store's workers set 1."""
         return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]

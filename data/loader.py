@@ -28,6 +28,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from data.packing import PackedRows, pack_documents
+from data.niah import NiahRows
 from data.passkey import PasskeyRows
 from config import RecipeError
 from config.schema import MIN_SEQ_LEN
@@ -161,6 +162,8 @@ def build_dataloader(tokenizer, documents: list[str] | None, *, seq_len: int, lo
         raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
     if dataset == "passkey":
         packed = PasskeyRows(tokenizer, seq_len=seq_len, seed=seed)
+    elif dataset == "niah":
+        packed = NiahRows(tokenizer, seq_len=seq_len, seed=seed)
     elif rows is not None:
         packed = rows
     else:

@@ -16,6 +16,7 @@ import numpy as np
 
 from config import RecipeError
 from config.schema import MIN_SEQ_LEN
+from data.passkey import IGNORE_INDEX
 
 FIELDS = ("input_ids", "labels", "position_ids", "document_ids")
 
@@ -52,12 +53,17 @@ class PackedRows:
         return row_fields(self.rows[index], self.eos_id, self.document_masking)
 
 
-def row_fields(tokens: np.ndarray, eos_id: int, document_masking: bool) -> dict[str, np.ndarray]:
-    """The four training buffers of one row of seq_len + 1 tokens (labels shifted here, before any sharding)."""
+def row_fields(tokens: np.ndarray, eos_id: int, document_masking: bool, *, labelled: np.ndarray | None = None,
+               ends_document: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The four training buffers of one row of seq_len + 1 tokens (labels shifted here, before any sharding).
+    Chat rows pass `labelled` (per token: it carries a label; the others get IGNORE_INDEX) and `ends_document` (per
+    token: the EOS that ends a document), since their tokenizer's EOS id may also end every turn."""
     seq_len = len(tokens) - 1
     input_ids = tokens[:-1].astype(np.int64)
     labels = tokens[1:].astype(np.int64)
-    ends_document = input_ids == eos_id
+    if labelled is not None:
+        labels[~labelled[1:]] = IGNORE_INDEX
+    ends_document = input_ids == eos_id if ends_document is None else ends_document[:-1]
     document_ids = np.zeros(seq_len, dtype=np.int64)
     np.cumsum(ends_document[:-1], out=document_ids[1:])
     positions = np.arange(seq_len, dtype=np.int64)

@@ -45,9 +45,16 @@ class StoreSpec:
     key: str = "data.corpus"
     part_bytes: int = PART_BYTES
     """Source bytes per shard: the unit of parallel work and of resumption."""
+    format: str = "text"
+    """text | chat (conversations in `text_field`, rendered with the tokenizer's chat template, data/chat.py)."""
+    chat_template: str = ""
+    """chat: the template source, part of the store's key (the same tokenizer.json with another template differs)."""
 
     def folder(self, tokenizer) -> str:
-        ident = json.dumps([FORMAT, list(self.entries), self.text_field, tokenizer.fingerprint, self.part_bytes])
+        key = [FORMAT, list(self.entries), self.text_field, tokenizer.fingerprint, self.part_bytes]
+        if self.format == "chat":
+            key += ["chat", hashlib.sha256(self.chat_template.encode()).hexdigest()]
+        ident = json.dumps(key)
         digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
         return os.path.join(self.cache_dir, "stores", f"{_safe(self.name)}-{digest}")
 
@@ -100,7 +107,7 @@ def prepare_store(spec: StoreSpec, tokenizer, workers: int, *, log=print, progre
     """Tokenizes `spec`'s sources into its store (resuming a partial one) and publishes it; returns the folder."""
     folder = spec.folder(tokenizer)
     files = files_fingerprint(spec)
-    parts = source_parts(list(spec.entries), spec.text_field, spec.key, spec.part_bytes)
+    parts = source_parts(list(spec.entries), spec.text_field, spec.key, spec.part_bytes, spec.format)
     partial = f"{folder}.partial"
     _start_or_resume(partial, files, len(parts))
     todo = [i for i in range(len(parts)) if finished_shard(partial, i) is None]
@@ -109,13 +116,14 @@ def prepare_store(spec: StoreSpec, tokenizer, workers: int, *, log=print, progre
         f"{max(1, min(workers, len(todo) or 1))} worker(s) -> {folder}")
     dtype = token_dtype(tokenizer.vocab_size)
     started = time.perf_counter()
-    tokens = _run_parts(parts, todo, partial, tokenizer, dtype, workers, progress, spec.name)
+    tokens = _run_parts(parts, todo, partial, tokenizer, dtype, workers, progress, spec)
     shards = [finished_shard(partial, i) for i in range(len(parts))]
     manifest = {"format": FORMAT, "name": spec.name, "entries": list(spec.entries), "text_field": spec.text_field,
                 "tokenizer": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "dtype": dtype.name,
                 "eos_id": tokenizer.eos_id, "bos_added": bool(getattr(tokenizer, "add_bos", False)), "files": files,
                 "shards": shards, "tokens": sum(s["tokens"] for s in shards),
-                "documents": sum(s["documents"] for s in shards)}
+                "documents": sum(s["documents"] for s in shards),
+                "source_format": spec.format, "label_mask": spec.format == "chat"}
     write_manifest(partial, manifest)
     _publish(partial, folder)
     seconds = time.perf_counter() - started
@@ -143,9 +151,10 @@ def _start_or_resume(partial: str, files: list, num_parts: int) -> None:
         json.dump(plan, f)
 
 
-def _run_parts(parts, todo, partial, tokenizer, dtype, workers, progress, name) -> int:
+def _run_parts(parts, todo, partial, tokenizer, dtype, workers, progress, spec) -> int:
     from tqdm import tqdm
 
+    name = spec.name
     bar = tqdm(total=len(parts), initial=len(parts) - len(todo), unit="part", desc=f"prepare {name}",
                disable=not progress, file=sys.stderr, dynamic_ncols=True)
     done_tokens, started = 0, time.perf_counter()
@@ -153,11 +162,12 @@ def _run_parts(parts, todo, partial, tokenizer, dtype, workers, progress, name) 
     workers = max(1, min(workers, len(jobs) or 1))
     try:
         if workers == 1:
-            _init_worker(_tokenizer_recipe(tokenizer))
+            _init_worker(_tokenizer_recipe(tokenizer), spec.format == "chat")
             results = map(_prepare_part, jobs)
             pool = None
         else:
-            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (_tokenizer_recipe(tokenizer),))
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker,
+                                                                 (_tokenizer_recipe(tokenizer), spec.format == "chat"))
             results = pool.imap_unordered(_prepare_part, jobs)
         for record in results:
             done_tokens += record["tokens"]
@@ -184,7 +194,7 @@ def _tokenizer_recipe(tokenizer) -> tuple:
     return ("hf", tokenizer.source)
 
 
-def _init_worker(recipe: tuple) -> None:
+def _init_worker(recipe: tuple, chat: bool = False) -> None:
     # One core per worker: data.prepare_workers is the one knob for parallelism (the Rust tokenizer reads this
     # before its thread pool starts, which is later, in this fresh process).
     os.environ["RAYON_NUM_THREADS"] = "1"
@@ -195,10 +205,15 @@ def _init_worker(recipe: tuple) -> None:
     else:
         from data.hf_tokenizer import HFTokenizer
         _WORKER_TOKENIZER["tokenizer"] = HFTokenizer(value)
+    if chat:
+        from data.chat import build_renderer
+        _WORKER_TOKENIZER["chat"] = build_renderer(_WORKER_TOKENIZER["tokenizer"], "data.sources")
 
 
 def _prepare_part(job) -> dict:
     part, index, partial, dtype = job
+    if part.format == "chat":
+        return _prepare_chat_part(part, index, partial, dtype)
     tokenizer = _WORKER_TOKENIZER["tokenizer"]
     prefix = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []
     documents, batch = [], []
@@ -215,6 +230,21 @@ def _prepare_part(job) -> dict:
             encode_pending()
     encode_pending()
     return write_shard(partial, index, documents, np.dtype(dtype))
+
+
+def _prepare_chat_part(part, index, partial, dtype) -> dict:
+    """Each conversation rendered with the chat template: its ids and its mask (labels on assistant turns)."""
+    from data.chat import check_messages
+
+    renderer = _WORKER_TOKENIZER["chat"]
+    documents, masks = [], []
+    where = f"{part.key}: '{part.paths[0]}'"
+    for number, value in enumerate(read_part(part), start=1):
+        messages = check_messages(value, part.text_field, f"{where} conversation {number} of this part")
+        ids, mask = renderer.encode(messages, where)
+        documents.append(np.asarray(ids, dtype=dtype))
+        masks.append(mask)
+    return write_shard(partial, index, documents, np.dtype(dtype), masks)
 
 
 def _publish(partial: str, folder: str) -> None:

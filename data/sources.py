@@ -11,11 +11,14 @@ from __future__ import annotations
 import os
 import shutil
 
+import numpy as np
+
 from data.corpus import PART_BYTES, read_part, source_files, source_parts
 from data.mixture import BlockPlan, MixtureRows, check_weights
 from data.prepare import StoreSpec, ensure_store, open_store, prepare_store
 from data.store_rows import StoreRows
-from config.schema import SourceConfig
+from config.schema import ChatTruncation, SourceConfig, SourceFormat, choices
+from data.chat import load_chat_template
 from config import RecipeError
 
 TOKENIZER_SAMPLE_BYTES = 32 << 20  # a tokenizer we train ourselves learns from the first 32 MiB of text
@@ -48,6 +51,7 @@ def check_sources(cfg) -> None:
             raise RecipeError(f"{where}: {key}.long_doc_upsample must be >= 1 (how many times as often long "
                               f"documents are seen), got {source.long_doc_upsample}.")
         source_files(source.path, f"{where}: {key}.path")
+        check_chat_source(cfg, source, f"{where}: {key}")
     check_weights(names, [s.weight for s in sources], f"{where}: data.sources")
     if cfg.data.tokenizer_path and not os.path.exists(cfg.data.tokenizer_path):
         raise RecipeError(f"{where}: data.tokenizer_path '{cfg.data.tokenizer_path}' does not exist. Point it at a "
@@ -55,10 +59,28 @@ def check_sources(cfg) -> None:
                           f"to train one.")
 
 
+def check_chat_source(cfg, source: SourceConfig, key: str) -> None:
+    """A chat source's format keys and its tokenizer's chat template (one small JSON read)."""
+    if source.format not in choices(SourceFormat):
+        raise RecipeError(f"{key}.format = {source.format!r} is not one of {', '.join(choices(SourceFormat))}.")
+    if source.truncate not in choices(ChatTruncation):
+        raise RecipeError(f"{key}.truncate = {source.truncate!r} is not one of {', '.join(choices(ChatTruncation))}.")
+    if source.format == "chat":
+        if not source.messages_field:
+            raise RecipeError(f"{key}.messages_field is empty; name the field that holds the messages list.")
+        load_chat_template(cfg.data.tokenizer_path, key)
+
+
+def chat_template_of(cfg, source: SourceConfig) -> str:
+    return load_chat_template(cfg.data.tokenizer_path, source.name)[0] if source.format == "chat" else ""
+
+
 def tokenizer_training_documents(cfg) -> list[str]:
     """The text a tokenizer we train ourselves learns from: every source's documents in order, up to a budget."""
     documents, size = [], 0
     for source in source_list(cfg):
+        if source.format == "chat":  # chat sources need a Hugging Face tokenizer with a template: none is trained
+            continue
         for part in source_parts(source.path, source.text_field, f"data.sources '{source.name}'", PART_BYTES):
             for text in read_part(part):
                 documents.append(text)
@@ -77,8 +99,9 @@ def build_run_tokenizer(cfg, vocab_size: int):
 
 
 def store_specs(cfg) -> list[StoreSpec]:
-    return [StoreSpec(s.name, tuple(s.path), s.text_field, cfg.data.cache_dir, f"data.sources '{s.name}'")
-            for s in source_list(cfg)]
+    return [StoreSpec(s.name, tuple(s.path), s.messages_field if s.format == "chat" else s.text_field,
+                      cfg.data.cache_dir, f"data.sources '{s.name}'", format=s.format,
+                      chat_template=chat_template_of(cfg, s)) for s in source_list(cfg)]
 
 
 def prepare_workers(cfg) -> int:
@@ -112,7 +135,7 @@ def prepare_data(cfg, vocab_size: int, log=print) -> dict:
 
 def heldout_fraction(cfg) -> float:
     """Documents held out of training for the long-document evaluation (none when it is off)."""
-    return cfg.eval.long_doc_heldout if cfg.eval.long_doc_loss else 0.0
+    return cfg.eval.long_doc_heldout if cfg.eval.long_doc_loss or cfg.eval.niah else 0.0
 
 
 def stage_rows(cfg, stores: dict):
@@ -123,7 +146,7 @@ def stage_rows(cfg, stores: dict):
     rows = [StoreRows(stores[s.name], seq_len=t.seq_len, seed=seed, document_masking=cfg.data.document_masking,
                       min_doc_tokens=s.min_doc_tokens, long_doc_tokens=s.long_doc_tokens,
                       long_doc_upsample=s.long_doc_upsample, heldout_fraction=heldout_fraction(cfg),
-                      key=f"data.sources '{s.name}'") for s in sources]
+                      key=f"data.sources '{s.name}'", truncate=s.truncate) for s in sources]
     if len(rows) == 1:
         return rows[0]
     return MixtureRows([s.name for s in sources], rows, [s.weight for s in sources], seed=seed,
@@ -135,6 +158,33 @@ def heldout_rows(cfg, stores: dict) -> list:
     return [StoreRows.heldout(stores[s.name], seq_len=cfg.training.seq_len, seed=cfg.job.seed,
                               fraction=heldout_fraction(cfg), document_masking=cfg.data.document_masking)
             for s in source_list(cfg)]
+
+
+def labels_every_token(cfg) -> bool:
+    """Every token of every row carries a label (text sources only), so a step's label count needs no counting."""
+    return cfg.data.dataset == "text" and all(s.format == "text" for s in source_list(cfg))
+
+
+def describe_chat_rows(cfg, rows) -> list[str]:
+    """Start-up lines of the chat sources of a stage's row stream (conversations used, dropped, cut)."""
+    parts = rows.sources if hasattr(rows, "sources") else [rows]
+    return [line for s, part in zip(source_list(cfg), parts) if (line := part.describe(s.name))]
+
+
+def heldout_haystack(cfg, stores: dict, tokens: int) -> np.ndarray | None:
+    """Up to `tokens` token ids of the text sources' held-out documents, in turn (None when there are none)."""
+    pieces, total = [], 0
+    for s in source_list(cfg):
+        if s.format != "text" or s.name not in stores or heldout_fraction(cfg) <= 0:
+            continue
+        rows = StoreRows.heldout(stores[s.name], seq_len=cfg.training.seq_len, seed=cfg.job.seed,
+                                 fraction=heldout_fraction(cfg))
+        for doc in rows.order:
+            pieces.append(np.asarray(rows.store.document(int(doc)), dtype=np.int64))
+            total += len(pieces[-1])
+            if total >= tokens:
+                return np.concatenate(pieces)
+    return np.concatenate(pieces) if pieces else None
 
 
 def rows_per_source(cfg, start: int, stop: int) -> dict[str, int]:

@@ -8,11 +8,17 @@ row's tokens are gathered from the memory-mapped shards when the loader asks for
 Per-source selection happens here too: `min_doc_tokens` drops shorter documents, and documents of at least
 `long_doc_tokens` tokens appear `long_doc_upsample` times as often (an integer part, plus one more copy with the
 fractional part's probability, drawn per document from the seed), as in Fu et al. 2024's per-source length upsampling.
+
+Chat stores (their mask marks the assistant tokens, data/chat.py): only marked tokens carry labels (the EOS between
+conversations carries none), document boundaries come from the store rather than from EOS ids (a chat tokenizer's EOS
+may end every turn), and a conversation longer than seq_len is dropped, or with truncate = "turns" cut before the
+first message that does not fit (dropped all the same when what is left has no assistant token); both are counted.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from data.chat import LABEL, TURN_START
 from data.packing import row_fields
 from data.token_store import TokenStore
 from config import RecipeError
@@ -34,11 +40,11 @@ class StoreRows:
 
     def __init__(self, store: TokenStore, *, seq_len: int, seed: int, document_masking: bool = False,
                  min_doc_tokens: int = 0, long_doc_tokens: int = 0, long_doc_upsample: float = 1.0,
-                 heldout_fraction: float = 0.0, key: str = "data"):
+                 heldout_fraction: float = 0.0, key: str = "data", truncate: str = "drop"):
         if seq_len < 2:
             raise RecipeError(f"training.seq_len must be >= 2 (one input and one label token per row), got "
                               f"{seq_len}; set e.g. --training.seq_len 512.")
-        lengths = store.doc_lengths.astype(np.int64)
+        lengths = self._fitted_lengths(store, seq_len, truncate)
         copies = np.where(lengths >= max(min_doc_tokens, 1), 1.0, 0.0)
         if heldout_fraction > 0:
             copies[heldout_documents(store, heldout_fraction, seed)] = 0.0
@@ -53,25 +59,56 @@ class StoreRows:
                               f"{min_doc_tokens}, longest document {int(lengths.max(initial=0))} tokens); lower "
                               f"min_doc_tokens or add data.")
         self._use_order(store, instances[np.random.default_rng(seed).permutation(len(instances))], seq_len,
-                        document_masking)
+                        document_masking, lengths)
 
     @classmethod
     def heldout(cls, store: TokenStore, *, seq_len: int, seed: int, fraction: float,
                 document_masking: bool = False) -> "StoreRows":
         """Rows of the held-out documents, longest first (so the first rows carry the longest contexts)."""
-        held = np.flatnonzero(heldout_documents(store, fraction, seed))
-        order = held[np.argsort(-store.doc_lengths[held].astype(np.int64), kind="stable")]
         rows = cls.__new__(cls)
-        rows._use_order(store, order, seq_len, document_masking)
+        lengths = rows._fitted_lengths(store, seq_len, "drop")
+        held = np.flatnonzero(heldout_documents(store, fraction, seed) & (lengths > 0))
+        order = held[np.argsort(-lengths[held], kind="stable")]
+        rows._use_order(store, order, seq_len, document_masking, lengths)
         return rows
 
-    def _use_order(self, store: TokenStore, order: np.ndarray, seq_len: int, document_masking: bool) -> None:
+    def _fitted_lengths(self, store: TokenStore, seq_len: int, truncate: str) -> np.ndarray:
+        """Tokens used of each document: all of a text document; of a conversation, all when it fits in seq_len,
+        else 0 (dropped) or, with truncate = "turns", up to the start of the first message that does not fit."""
+        lengths = store.doc_lengths.astype(np.int64)
+        self.dropped = self.truncated = 0
+        if not store.has_label_mask:
+            return lengths
+        fitted = lengths.copy()
+        for doc in np.flatnonzero(lengths > seq_len):
+            fitted[doc] = 0
+            if truncate == "turns":
+                mask = np.asarray(store.document_mask(int(doc))[:seq_len + 1])
+                starts = np.flatnonzero(mask & TURN_START)
+                cut = int(starts[starts <= seq_len].max(initial=0))
+                if cut and (mask[:cut] & LABEL).any():
+                    fitted[doc] = cut
+                    self.truncated += 1
+                    continue
+            self.dropped += 1
+        return fitted
+
+    def describe(self, name: str) -> str:
+        """The start-up line of a chat source: conversations used, dropped and cut for this seq_len."""
+        if not self.store.has_label_mask:
+            return ""
+        return (f"data: chat source '{name}' at seq_len {self.seq_len}: {self.num_documents:,} conversation(s) used, "
+                f"{self.dropped:,} longer than seq_len dropped, {self.truncated:,} cut at a turn boundary")
+
+    def _use_order(self, store: TokenStore, order: np.ndarray, seq_len: int, document_masking: bool,
+                   lengths: np.ndarray) -> None:
         self.store = store
+        self.lengths = lengths
         self.seq_len = seq_len
         self.eos_id = store.eos_id
         self.document_masking = document_masking
         self.order = order
-        self.ends = np.cumsum(store.doc_lengths.astype(np.int64)[order] + 1)  # +1: the EOS after each document
+        self.ends = np.cumsum(lengths[order] + 1)  # +1: the EOS after each document
         self.corpus_tokens = int(self.ends[-1]) if len(order) else 0
         self.num_documents = len(order)
         self.num_rows = max(1, self.corpus_tokens // (seq_len + 1))
@@ -86,23 +123,37 @@ class StoreRows:
 
     def row_tokens(self, index: int) -> np.ndarray:
         """Tokens [index * (seq_len + 1), (index + 1) * (seq_len + 1)) of the (periodic) document stream."""
+        return self._row(index)[0]
+
+    def _row(self, index: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """(tokens, labelled per token or None when every token is, True at each document-ending EOS) of a row."""
         width = self.seq_len + 1
         out = np.empty(width, dtype=np.int64)
+        chat = self.store.has_label_mask
+        labelled = np.zeros(width, dtype=bool) if chat else None
+        ends = np.zeros(width, dtype=bool)
         position = (index * width) % self.corpus_tokens
         filled = 0
         k = int(np.searchsorted(self.ends, position, side="right"))
         offset = position - (int(self.ends[k - 1]) if k else 0)
         while filled < width:
-            document = self.store.document(int(self.order[k]))
-            piece = document[offset:]
+            doc = int(self.order[k])
+            length = int(self.lengths[doc])
+            piece = self.store.document(doc)[offset:length]
             take = min(len(piece), width - filled)
             out[filled:filled + take] = piece[:take]
+            if chat:
+                labelled[filled:filled + take] = (self.store.document_mask(doc)[offset:offset + take] & LABEL) > 0
             filled += take
-            if filled < width and offset + take == len(document):
+            if filled < width and offset + take == length:
                 out[filled] = self.eos_id
+                ends[filled] = True
                 filled += 1
             k, offset = (k + 1) % len(self.order), 0
-        return out
+        return out, labelled, ends
 
     def row_fields(self, index: int) -> dict[str, np.ndarray]:
-        return row_fields(self.row_tokens(index), self.eos_id, self.document_masking)
+        tokens, labelled, ends = self._row(index)
+        if labelled is None:
+            return row_fields(tokens, self.eos_id, self.document_masking)
+        return row_fields(tokens, self.eos_id, self.document_masking, labelled=labelled, ends_document=ends)

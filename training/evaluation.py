@@ -35,9 +35,16 @@ def _full_predictions(logits: torch.Tensor, cp_mesh, cp_size: int, load_balancer
 def passkey_accuracy(model, rows: PasskeyRows, indices: list[int], device: torch.device, cp_context, cp_mesh,
                      cp_size: int, load_balancer: str, batch_size: int = 8) -> float:
     """Fraction of rows `indices` whose key the model retrieves. `cp_context(batch)` shards the batch like training."""
+    return answer_hits(model, rows, indices, device, cp_context, cp_mesh, cp_size, load_balancer, batch_size)[0]
+
+
+@torch.no_grad()
+def answer_hits(model, rows, indices: list[int], device: torch.device, cp_context, cp_mesh, cp_size: int,
+                load_balancer: str, batch_size: int = 8) -> tuple[float, float]:
+    """(fraction of rows whose every answer token is the argmax, fraction of answer tokens that are)."""
     was_training = model.training
     model.eval()
-    correct = 0
+    correct, tokens_right, tokens = 0, 0, 0
     for start in range(0, len(indices), batch_size):
         fields = [rows.row_fields(i) for i in indices[start:start + batch_size]]
         batch = {k: torch.from_numpy(np.stack([f[k] for f in fields])).to(device) for k in fields[0]}
@@ -48,8 +55,10 @@ def passkey_accuracy(model, rows: PasskeyRows, indices: list[int], device: torch
         answer = labels != IGNORE_INDEX
         hits = ((predictions == labels) | ~answer).all(dim=1)
         correct += int(hits.sum())
+        tokens_right += int(((predictions == labels) & answer).sum())
+        tokens += int(answer.sum())
     model.train(was_training)
-    return correct / len(indices)
+    return correct / len(indices), tokens_right / max(tokens, 1)
 
 
 def evaluate_passkey(model, tokenizer, filler_documents: list[str] | None, *, context_lengths: list[int],

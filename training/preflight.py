@@ -79,6 +79,15 @@ def preflight(cfg: Config, world_size: int):
         for length in cfg.eval.passkey_lengths:
             check_sequence_split(cfg, length, "eval.passkey_lengths")
     e = cfg.eval
+    if e.niah:
+        if p.pp > 1:
+            raise RecipeError(f"{cfg.recipe_path}: eval.niah runs the whole model on each rank and is not supported "
+                              f"with parallelism.pp > 1. Evaluate a checkpoint with pp = 1.")
+        if e.niah_depths < 1 or e.niah_samples < 1 or e.niah_interval < 0:
+            raise RecipeError(f"{cfg.recipe_path}: eval.niah_depths and niah_samples must be >= 1 and niah_interval "
+                              f">= 0 (got {e.niah_depths}, {e.niah_samples}, {e.niah_interval}).")
+        for length in e.niah_lengths:
+            check_sequence_split(cfg, length, "eval.niah_lengths")
     if e.long_doc_loss:
         if p.pp > 1:
             raise RecipeError(f"{cfg.recipe_path}: eval.long_doc_loss runs the whole model on each rank and is not "

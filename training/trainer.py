@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from config.schema import Config
 from data.placement import StepPlacement, StepSlots
+from data.sources import describe_chat_rows, labels_every_token
 from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import uses_loss_parallel
 from training import step
@@ -21,6 +22,7 @@ from training.checkpoint import Checkpointer
 from training.hf_export import export_extras
 from training.evaluation import run_long_doc_eval, run_passkey_eval
 from training.hardware import peak_flops
+from training.niah_eval import run_niah_eval
 from training.loss import global_label_tokens
 from training.metrics import MetricsLogger, StepMetrics, visible_pairs
 from training.preflight import preflight_stages
@@ -78,7 +80,7 @@ class Trainer:
         self.stage, cfg = stage, stage.cfg
         self.setup = StepSetup(self.model, self.mesh, cfg.parallelism, cfg.data.document_masking,
                                uses_loss_parallel(cfg, self.mesh), self.comm_stats, self.pipeline,
-                               cfg.training.loss_chunk_tokens, sparse_labels=cfg.data.dataset != "text")
+                               cfg.training.loss_chunk_tokens, sparse_labels=not labels_every_token(cfg))
         m = stage.model
         for part in self.model_parts:
             part.set_rope_from(m)
@@ -100,7 +102,7 @@ class Trainer:
         """
         cfg, device = self.cfg, self.device.torch_device
         global_tokens = global_label_tokens(
-            batches, every_token_labelled=cfg.data.dataset == "text", rows_per_step=self.stage.global_batch_rows,
+            batches, every_token_labelled=labels_every_token(cfg), rows_per_step=self.stage.global_batch_rows,
             seq_len=cfg.training.seq_len, comm=self.dist.comm, data_group=self.mesh.data.get_group())
         loss = torch.zeros((), dtype=torch.float32, device=device)
         pairs = []
@@ -124,6 +126,7 @@ class Trainer:
     def run(self) -> None:
         self._announce()
         data_iter = iter(self.dataloader)
+        resumed_at = self.step
         while self.step < self.cfg.training.steps:
             stage = stage_at(self.stages, self.step)
             if stage is not self.stage:
@@ -144,6 +147,9 @@ class Trainer:
             last = self.step == self.cfg.training.steps
             self.checkpointer.maybe_save(self.step, last=last)
             evaluation = self._long_doc_eval() if self._long_doc_eval_due(last) else {}
+            if self._niah_due(last):
+                run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
+                              self.rank == 0, self.step)
             if self.step % self.cfg.metrics.log_freq == 0 or last or evaluation:
                 record = self.metrics.record(
                     self.stage, self.step, loss=loss, lr=lr, grad_norm=grad_norm, step_time=step_time,
@@ -154,6 +160,10 @@ class Trainer:
                 if self.placement is not None:  # steps of this process that moved whole rows (no exact fill)
                     record["placement_whole_row_steps"] = self.placement.whole_row_steps
                 self.logger.log(self.step, {**record, **evaluation})
+        if self.cfg.eval.niah and self.step == resumed_at:
+            # resumed at the last step (nothing to train): evaluate the checkpoint, e.g. on another mesh
+            run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
+                          self.rank == 0, self.step)
         if self.cfg.eval.passkey:
             run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0)
 
@@ -162,6 +172,10 @@ class Trainer:
         if self.placement is not None:
             return self.placement.take(data_iter)
         return [next(data_iter) for _ in range(self.stage.grad_accum_steps)]
+
+    def _niah_due(self, last: bool) -> bool:
+        e = self.cfg.eval
+        return e.niah and (last or (e.niah_interval > 0 and self.step % e.niah_interval == 0))
 
     def _long_doc_eval_due(self, last: bool) -> bool:
         e = self.cfg.eval
@@ -184,6 +198,9 @@ class Trainer:
               f"{s.global_batch_rows} ({s.grad_accum_steps} micro-step(s)), rope theta {m.rope_theta:g}"
               f"{f' {m.rope_type} x{m.rope_scaling_factor:g}' if m.rope_scaling_factor else ''}, peak "
               f"{self.peak_flops / 1e9:.0f} GFLOP/s per rank ({self.peak_source})", flush=True)
+        if self.stores:
+            for line in describe_chat_rows(s.cfg, self.dataloader.packed):
+                print(line, flush=True)
 
     def close(self) -> None:
         self.checkpointer.close()  # waits for an async save in flight
