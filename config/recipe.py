@@ -220,8 +220,23 @@ def validate(cfg: Config) -> None:
     if ck.load_step > 0 and not ck.enable:
         raise RecipeError(f"{where}: checkpoint.load_step = {ck.load_step} needs checkpoint.enable = true.")
     check_offload(cfg)
+    check_documents_layout(cfg)
     if not cfg.data.corpus:
         raise RecipeError(f"{where}: data.corpus is empty. Use [\"pydoc\"] or local .txt/.jsonl paths.")
+
+
+def check_documents_layout(cfg: Config) -> None:
+    """The documents layout is planned from the document ids, and only the ring and all-gather read its plan."""
+    p = cfg.parallelism
+    if p.cp_load_balancer != "documents":
+        return
+    if not cfg.data.document_masking:
+        raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_load_balancer = \"documents\" places documents, so it "
+                          f"needs data.document_masking = true. Turn it on or use cp_load_balancer = \"zigzag\".")
+    if p.cp_impl in ("ulysses", "hybrid"):
+        raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_impl = \"{p.cp_impl}\" does not read the per-row "
+                          f"documents layout (parallelism.cp_load_balancer = \"documents\"). Use cp_impl = \"ring\" "
+                          f"(or allgather, auto), or cp_load_balancer = \"zigzag\".")
 
 
 def check_offload(cfg: Config) -> None:

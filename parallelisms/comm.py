@@ -98,6 +98,28 @@ class RingLinks:
         return dist.batch_isend_irecv(ops) if ops else []
 
 
+class ShiftLinks:
+    """Point-to-point with the ranks at any offset of a group (the documents layout's sparse ring, ring_sparse.py)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def peer(self, offset: int) -> int:
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor, int]],
+                 receives: Sequence[tuple[int, torch.Tensor, int]]) -> list:
+        """Posts every (offset, buffer, tag) send to rank + offset and receive from rank + offset as ONE group (none
+        when both are empty). Peers must post matching lists in the same order (NCCL pairs the k-th send of a pair
+        with its k-th receive; gloo gets the tags)."""
+        check_contiguous(*(t for _, t, _ in sends), *(t for _, t, _ in receives))
+        ops = [dist.P2POp(dist.isend, t, self.peer(off), self.group, tag) for off, t, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.peer(off), self.group, tag) for off, t, tag in receives]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+
 def wait_all(works: Sequence) -> None:
     for work in works:
         work.wait()

@@ -6,7 +6,7 @@ ring again together with float32 dK/dV accumulators, and one last hop returns ea
 the block. Every block backward uses the final output and log-sum-exp; nothing else is recomputed. P = 1 runs the same
 code with no transfers; so does `local_segment_attention` (no group at all: Ulysses after its all-to-all). With
 documents every block is computed as mask-free pieces (ring_plan.py). The shared parts (block spec, accumulator,
-packing, autograd) are in cp_toolkit.py.
+packing, autograd) are in cp_toolkit.py. The "documents" layout runs the sparse shifts of ring_sparse.py instead.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAt
                                      block_backward, block_forward, count_sent, lse_for_backward, nbytes, pack_kv,
                                      prepare_call, unpack_kv)
 from parallelisms.ring_plan import DocumentShards
+from parallelisms.ring_sparse import sparse_backward, sparse_forward
 
 KV_TAG = 0
 
@@ -130,6 +131,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     """
     pg, docs = prepare_call(q, k, v, group, load_balancer, document_ids, _documents)
     spec = BlockSpec(pg, is_causal, scale, load_balancer, docs, stats)
+    if load_balancer == "documents":  # only the rows each rank can see travel (ring_sparse.py)
+        return LseAttentionFunction.apply(q, k, v, spec, sparse_forward, sparse_backward)
     return LseAttentionFunction.apply(q, k, v, spec, ring_forward, ring_backward)
 
 

@@ -1,0 +1,124 @@
+"""The "documents" CP layout: the plan's shape rules, zigzag for a row of one document, and the sparse ring's forward
+and backward against every document run alone through plain SDPA, under NCCL's rules (tests/nccl_rules.py)."""
+import pytest
+import torch
+
+from parallelisms.document_layout import DocumentLayout
+from parallelisms.sequence_sharding import local_positions, shard_sequence
+from tests.nccl_rules import run_ring_ranks
+from tests.parallelisms.attention_reference import per_document_attention, relative_error
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _row(lengths: list[int]) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+def _mixed_rows(seq: int, generator: torch.Generator) -> torch.Tensor:
+    """(3, seq) ids: random short documents, a long one among short ones (split over every rank), one document."""
+    short = []
+    while sum(short) < seq:
+        short.append(int(torch.randint(1, seq // 6, (1,), generator=generator)))
+    short[-1] -= sum(short) - seq
+    long = [seq // 10, seq // 2 + 3, seq - seq // 10 - seq // 2 - 3]
+    return torch.stack([_row(short), _row([3, 5, *long[1:2], seq - 8 - long[1]]), _row([seq])])
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_plan_gives_every_rank_its_share_of_every_row_once(cp):
+    seq = 48 * cp
+    ids = _mixed_rows(seq, torch.Generator().manual_seed(cp))
+    layout = DocumentLayout.plan(ids, cp)
+    assert layout.positions.shape == (cp, 3, seq // cp)
+    for b in range(3):
+        held = layout.positions[:, b]
+        assert torch.equal(held.flatten().sort().values, torch.arange(seq))  # a permutation
+        assert bool((held[:, 1:] > held[:, :-1]).all())  # increasing on every rank
+    full = torch.randn(3, seq, 5)
+    assert torch.equal(layout.unshard([layout.shard(full, 1, r) for r in range(cp)], 1), full)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_a_row_of_one_document_gets_zigzags_layout(cp):
+    seq = 24 * cp
+    layout = DocumentLayout.plan(torch.zeros(2, seq, dtype=torch.long), cp)
+    for r in range(cp):
+        zigzag = local_positions(seq, r, cp, "zigzag")
+        assert torch.equal(layout.positions[r], zigzag.expand(2, -1))
+
+
+def test_short_documents_stay_whole_and_balance_their_work():
+    lengths = [40, 30, 30, 20, 20, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10]  # 256 tokens
+    ids = _row(lengths)[None]
+    layout = DocumentLayout.plan(ids, 4)
+    split = {int(d) for d in ids[0].unique() if len({r for r in range(4) if (ids[0][layout.positions[r, 0]] == d).any()}) > 1}
+    assert len(split) <= 3  # at most the documents that straddle a share's boundary
+    work = [sum(int((ids[0][layout.positions[r, 0]] == d).sum()) ** 2 for d in ids[0].unique()) for r in range(4)]
+    assert max(work) / (sum(work) / 4) < 1.3, work
+
+
+def _documents_ring(group, q, k, v, grad_out, ids):
+    from parallelisms.context_parallel import ring_attention
+    from parallelisms.cp_toolkit import CommStats
+    from parallelisms.ring_plan import DocumentShards
+
+    layout = DocumentLayout.plan(ids, group.size)
+
+    def shard(x):  # (B, H, S, D) -> this rank's (B, H, S / P, D), as the model's (B, S, H, D) projections are sharded
+        return layout.shard(x.transpose(1, 2), 1, group.rank).transpose(1, 2)
+
+    local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    stats = CommStats()
+    out = ring_attention(*local, group, is_causal=True, load_balancer="documents", stats=stats,
+                         _documents=DocumentShards.from_layout(ids, layout))
+    out.backward(shard(grad_out))
+    return [out.detach(), *(t.grad for t in local)], stats
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_sparse_ring_matches_every_document_alone_forward_and_backward(monkeypatch, cp):
+    gen = torch.Generator().manual_seed(10 + cp)
+    seq = 24 * cp
+    ids = _mixed_rows(seq, gen)
+    q = torch.randn(3, 4, seq, 8, generator=gen)
+    k, v = (torch.randn(3, 2, seq, 8, generator=gen) for _ in range(2))
+    grad_out = torch.randn(3, 4, seq, 8, generator=gen)
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = per_document_attention(*full, True, ids)
+    expected.backward(grad_out.double())
+    per_rank = run_ring_ranks(lambda g: _documents_ring(g, q, k, v, grad_out, ids), cp, monkeypatch)
+    layout = DocumentLayout.plan(ids, cp)
+    for got, want in zip(zip(*[r[0] for r in per_rank]), [expected, *(t.grad for t in full)]):
+        for r in range(cp):
+            want_local = layout.shard(want.transpose(1, 2), 1, r).transpose(1, 2)
+            assert relative_error(got[r], want_local) <= 1e-5
+
+
+def _zigzag_ring(group, q, k, v, grad_out, ids):
+    from parallelisms.context_parallel import ring_attention
+    from parallelisms.cp_toolkit import CommStats
+
+    def shard(x, dim=2):
+        return shard_sequence(x, dim, group.rank, group.size, "zigzag")
+
+    local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    stats = CommStats()
+    out = ring_attention(*local, group, is_causal=True, load_balancer="zigzag", stats=stats,
+                         document_ids=shard(ids, 1))
+    out.backward(shard(grad_out))
+    return stats
+
+
+def test_sparse_ring_sends_only_visible_rows_and_skips_empty_steps(monkeypatch):
+    """Documents of 8 tokens at cp 4: no document crosses a rank, so nothing is sent at all; zigzag ships every
+    K/V block around the ring."""
+    cp, seq = 4, 64
+    ids = (torch.arange(seq) // 8)[None]
+    gen = torch.Generator().manual_seed(1)
+    q, grad_out = (torch.randn(1, 4, seq, 8, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 2, seq, 8, generator=gen) for _ in range(2))
+    documents = run_ring_ranks(lambda g: _documents_ring(g, q, k, v, grad_out, ids)[1], cp, monkeypatch)
+    zigzag = run_ring_ranks(lambda g: _zigzag_ring(g, q, k, v, grad_out, ids), cp, monkeypatch)
+    assert all(s.bytes_sent == 0 for s in documents)
+    assert all(s.forward_bytes_sent > 0 for s in zigzag)
