@@ -6,8 +6,8 @@ can see. The plan below is computed on the host from a row's document ids, which
 rank computes the same plan with no collective:
 
 1. every rank holds exactly S / P tokens of each row (equal shapes for every collective and for sequence parallel);
-2. a document longer than a share, or whose work alone exceeds a rank's ideal work, is split head-tail over all ranks
-   as zigzag splits one sequence (rank r holds its r-th head piece and its r-th tail piece), which balances its work
+2. a document longer than a share, or whose work exceeds a fraction of a rank's ideal work (the largest of
+   SPREAD_FRACTIONS that balances the plan), is split head-tail over all ranks as zigzag splits one sequence (rank r holds its r-th head piece and its r-th tail piece), which balances its work
    and every ring step of it; a row that is one document therefore gets exactly zigzag's layout;
 3. the other documents are placed whole, largest first, each on the least-loaded rank (by len^2) that has room
    (LPT); a document that fits on no rank whole fills the roomiest ranks in turn (only documents that straddle a
@@ -49,17 +49,19 @@ def _split_over_all(start: int, length: int, room: np.ndarray, owned: list[list[
     room -= counts
 
 
-def plan_row(ids: np.ndarray, cp_size: int) -> np.ndarray:
-    """(P, S / P) int64: the increasing global positions each rank holds of one row with document ids `ids`."""
-    seq_len = ids.size
-    share = seq_len // cp_size
-    starts, lengths = _runs(ids)
+SPREAD_FRACTIONS = (1.0, 0.5, 0.25, 0.125, 0.0625)
+"""A document is split over all ranks when its work exceeds this fraction of a rank's ideal work; the largest
+fraction whose plan is balanced within BALANCED is used (every split document's K/V travels to every rank)."""
+BALANCED = 1.02
+
+
+def _place(starts: np.ndarray, lengths: np.ndarray, spread: np.ndarray, cp_size: int, share: int):
+    """(per-rank position arrays, per-rank work estimate) with the `spread` documents split over all ranks and
+    the others placed whole by LPT (straddling documents fill the roomiest ranks in turn)."""
     work = lengths.astype(np.float64) ** 2
-    ideal = work.sum() / cp_size
     room = np.full(cp_size, share, dtype=np.int64)
     load = np.zeros(cp_size)
     owned: list[list[np.ndarray]] = [[] for _ in range(cp_size)]
-    spread = (lengths > share) | (work > ideal)
     for i in np.flatnonzero(spread):
         _split_over_all(int(starts[i]), int(lengths[i]), room, owned)
         load += work[i] / cp_size
@@ -81,7 +83,24 @@ def plan_row(ids: np.ndarray, cp_size: int) -> np.ndarray:
             load[r] += float(take) ** 2
             start, length = start + take, length - take
     assert not room.any(), room  # every share filled exactly (the lengths sum to S)
-    return np.stack([np.sort(np.concatenate(parts)) for parts in owned])
+    return owned, load
+
+
+def plan_row(ids: np.ndarray, cp_size: int) -> np.ndarray:
+    """(P, S / P) int64: the increasing global positions each rank holds of one row with document ids `ids`."""
+    share = ids.size // cp_size
+    starts, lengths = _runs(ids)
+    work = lengths.astype(np.float64) ** 2
+    ideal = work.sum() / cp_size
+    best = None
+    for fraction in SPREAD_FRACTIONS:
+        owned, load = _place(starts, lengths, (lengths > share) | (work > fraction * ideal), cp_size, share)
+        imbalance = load.max() / load.mean()
+        if best is None or imbalance < best[0]:
+            best = (imbalance, owned)
+        if imbalance <= BALANCED:
+            break
+    return np.stack([np.sort(np.concatenate(parts)) for parts in best[1]])
 
 
 @dataclass(frozen=True)

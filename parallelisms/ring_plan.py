@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from parallelisms.sequence_sharding import local_positions
@@ -197,10 +198,11 @@ class DocumentShards:
         """Flat (batch * L + row) indices, increasing, of `src`'s K/V rows that `rank`'s pieces read (int64, host)."""
         key = ("rows", rank, src, is_causal)
         if key not in self._pieces:
-            local_len = self.per_rank[src].size(1)
-            rows = [torch.arange(p.batch.start * local_len + p.kv_rows.start, p.batch.start * local_len + p.kv_rows.stop)
-                    for p in self.layout_pieces(rank, src, is_causal)]
-            self._pieces[key] = torch.cat(rows).unique() if rows else torch.zeros(0, dtype=torch.int64)
+            batch, local_len = self.per_rank[src].shape
+            seen = np.zeros(batch * local_len, dtype=bool)
+            for p in self.layout_pieces(rank, src, is_causal):
+                seen[p.batch.start * local_len + p.kv_rows.start:p.batch.start * local_len + p.kv_rows.stop] = True
+            self._pieces[key] = torch.from_numpy(np.flatnonzero(seen))
         return self._pieces[key]
 
     @classmethod
