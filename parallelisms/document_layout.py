@@ -49,7 +49,7 @@ def _split_over_all(start: int, length: int, room: np.ndarray, owned: list[list[
     room -= counts
 
 
-SPREAD_FRACTIONS = (1.0, 0.5, 0.25, 0.125, 0.0625)
+SPREAD_FRACTIONS = (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625)
 """A document is split over all ranks when its work exceeds this fraction of a rank's ideal work; the largest
 fraction whose plan is balanced within BALANCED is used (every split document's K/V travels to every rank)."""
 BALANCED = 1.02
@@ -75,13 +75,14 @@ def _place(starts: np.ndarray, lengths: np.ndarray, spread: np.ndarray, cp_size:
             room[r] -= length
             load[r] += work[i]
             continue
+        before = 0  # tokens of this document already placed (earlier positions): the next piece sees them all
         while length:  # straddles: fill the roomiest ranks in turn
             r = int(np.argmax(room))
             take = min(length, int(room[r]))
             owned[r].append(np.arange(start, start + take))
             room[r] -= take
-            load[r] += float(take) ** 2
-            start, length = start + take, length - take
+            load[r] += float(take) ** 2 + 2.0 * before * take
+            start, length, before = start + take, length - take, before + take
     assert not room.any(), room  # every share filled exactly (the lengths sum to S)
     return owned, load
 
