@@ -7,7 +7,7 @@ rank computes the same plan with no collective:
 
 1. every rank holds exactly S / P tokens of each row (equal shapes for every collective and for sequence parallel);
 2. a document longer than a share, or whose work exceeds a fraction of a rank's ideal work (the largest of
-   SPREAD_FRACTIONS that balances the plan), is split head-tail over all ranks as zigzag splits one sequence (rank r holds its r-th head piece and its r-th tail piece), which balances its work
+   SPREAD_FRACTIONS that balances the plan's ranks and ring steps), is split head-tail over all ranks as zigzag splits one sequence (rank r holds its r-th head piece and its r-th tail piece), which balances its work
    and every ring step of it; a row that is one document therefore gets exactly zigzag's layout;
 3. the other documents are placed whole, largest first, each on the least-loaded rank (by len^2) that has room
    (LPT); a document that fits on no rank whole fills the roomiest ranks in turn (only documents that straddle a
@@ -51,40 +51,49 @@ def _split_over_all(start: int, length: int, room: np.ndarray, owned: list[list[
 
 SPREAD_FRACTIONS = (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625)
 """A document is split over all ranks when its work exceeds this fraction of a rank's ideal work; the largest
-fraction whose plan is balanced within BALANCED is used (every split document's K/V travels to every rank)."""
-BALANCED = 1.02
+fraction whose plan is balanced (BALANCED, STEP_EFFICIENCY) is used (a split document's K/V goes to every rank)."""
+BALANCED, STEP_EFFICIENCY = 1.02, 0.95
 
 
 def _place(starts: np.ndarray, lengths: np.ndarray, spread: np.ndarray, cp_size: int, share: int):
-    """(per-rank position arrays, per-rank work estimate) with the `spread` documents split over all ranks and
-    the others placed whole by LPT (straddling documents fill the roomiest ranks in turn)."""
+    """(per-rank position arrays, (P ranks, P shifts) work estimate in len^2 units) with the `spread` documents split
+    over all ranks and the others placed whole by LPT (straddling documents fill the roomiest ranks in turn)."""
     work = lengths.astype(np.float64) ** 2
     room = np.full(cp_size, share, dtype=np.int64)
-    load = np.zeros(cp_size)
+    steps = np.zeros((cp_size, cp_size))  # [rank, shift]: work of rank against the K/V of rank - shift
     owned: list[list[np.ndarray]] = [[] for _ in range(cp_size)]
     for i in np.flatnonzero(spread):
         _split_over_all(int(starts[i]), int(lengths[i]), room, owned)
-        load += work[i] / cp_size
+        steps += work[i] / cp_size ** 2  # zigzag's split: the same work at every rank and shift
     whole = np.flatnonzero(~spread)
     for i in whole[np.argsort(-lengths[whole], kind="stable")]:
         start, length = int(starts[i]), int(lengths[i])
         fits = np.flatnonzero(room >= length)
         if fits.size:
-            r = fits[np.argmin(load[fits])]
+            r = fits[np.argmin(steps[fits].sum(axis=1))]
             owned[r].append(np.arange(start, start + length))
             room[r] -= length
-            load[r] += work[i]
+            steps[r, 0] += work[i]
             continue
-        before = 0  # tokens of this document already placed (earlier positions): the next piece sees them all
+        placed: list[tuple[int, int]] = []  # (rank, tokens) of this document's earlier pieces: later ones see them
         while length:  # straddles: fill the roomiest ranks in turn
             r = int(np.argmax(room))
             take = min(length, int(room[r]))
             owned[r].append(np.arange(start, start + take))
             room[r] -= take
-            load[r] += float(take) ** 2 + 2.0 * before * take
-            start, length, before = start + take, length - take, before + take
+            steps[r, 0] += float(take) ** 2
+            for earlier, n in placed:
+                steps[r, (r - earlier) % cp_size] += 2.0 * n * take
+            placed.append((r, take))
+            start, length = start + take, length - take
     assert not room.any(), room  # every share filled exactly (the lengths sum to S)
-    return owned, load
+    return owned, steps
+
+
+def _quality(steps: np.ndarray) -> tuple[float, float]:
+    """(busiest / mean rank, ring-step efficiency) of a work estimate."""
+    load = steps.sum(axis=1)
+    return load.max() / load.mean(), steps.mean(axis=0).sum() / steps.max(axis=0).sum()
 
 
 def plan_row(ids: np.ndarray, cp_size: int) -> np.ndarray:
@@ -95,11 +104,11 @@ def plan_row(ids: np.ndarray, cp_size: int) -> np.ndarray:
     ideal = work.sum() / cp_size
     best = None
     for fraction in SPREAD_FRACTIONS:
-        owned, load = _place(starts, lengths, (lengths > share) | (work > fraction * ideal), cp_size, share)
-        imbalance = load.max() / load.mean()
-        if best is None or imbalance < best[0]:
-            best = (imbalance, owned)
-        if imbalance <= BALANCED:
+        owned, steps = _place(starts, lengths, (lengths > share) | (work > fraction * ideal), cp_size, share)
+        imbalance, efficiency = _quality(steps)
+        if best is None or efficiency / imbalance > best[0]:
+            best = (efficiency / imbalance, owned)
+        if imbalance <= BALANCED and efficiency >= STEP_EFFICIENCY:
             break
     return np.stack([np.sort(np.concatenate(parts)) for parts in best[1]])
 
