@@ -180,10 +180,23 @@ def load_config(recipe_path: str, overrides: list[str] | None = None) -> Config:
                               f"{_nearest(section, SECTIONS)}")
         for key, value in table.items():
             _set(cfg, section, key, value, recipe_path, from_text=False)
-    for section, key, text in parse_overrides(overrides or []):
+    overrides = parse_overrides(overrides or [])
+    for section, key, text in overrides:
         _set(cfg, section, key, text, f"command line (recipe {recipe_path})", from_text=True)
+    named = "cp_load_balancer" in raw.get("parallelism", {}) or \
+        any((section, key) == ("parallelism", "cp_load_balancer") for section, key, _ in overrides)
+    if not named:
+        default_load_balancer(cfg)
     validate(cfg)
     return cfg
+
+
+def default_load_balancer(cfg: Config) -> None:
+    """A recipe that names no CP load balancer gets "documents" with document masking (it balances the visible
+    pairs and sends only what other ranks see: bench/bench_cp_balance.py) when its cp_impl reads that layout, else
+    the schema's zigzag."""
+    if cfg.data.document_masking and cfg.parallelism.cp_impl not in ("ulysses", "hybrid"):
+        cfg.parallelism.cp_load_balancer = "documents"
 
 
 def validate(cfg: Config) -> None:

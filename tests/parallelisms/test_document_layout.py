@@ -130,3 +130,22 @@ def test_sparse_ring_sends_only_visible_rows_and_skips_empty_steps(monkeypatch):
     zigzag = run_ring_ranks(lambda g: _zigzag_ring(g, q, k, v, grad_out, ids), cp, monkeypatch)
     assert all(s.bytes_sent == 0 for s in documents)
     assert all(s.forward_bytes_sent > 0 for s in zigzag)
+
+
+def test_recipes_with_document_masking_default_to_the_documents_layout_and_bad_pairs_are_refused(tmp_path):
+    from config import RecipeError
+    from config.recipe import load_config
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[data]\ncorpus = ["pydoc"]\n')
+    assert load_config(str(recipe)).parallelism.cp_load_balancer == "zigzag"
+    assert load_config(str(recipe), ["--data.document_masking", "true"]).parallelism.cp_load_balancer == "documents"
+    named = ["--data.document_masking", "true", "--parallelism.cp_load_balancer", "zigzag"]
+    assert load_config(str(recipe), named).parallelism.cp_load_balancer == "zigzag"
+    ulysses = ["--data.document_masking", "true", "--parallelism.cp_impl", "ulysses"]
+    assert load_config(str(recipe), ulysses).parallelism.cp_load_balancer == "zigzag"
+    with pytest.raises(RecipeError, match="cp_load_balancer = \"documents\".*needs data.document_masking = true"):
+        load_config(str(recipe), ["--parallelism.cp_load_balancer", "documents"])
+    with pytest.raises(RecipeError, match="cp_impl = \"hybrid\" does not read"):
+        load_config(str(recipe), [*named[:2], "--parallelism.cp_load_balancer", "documents",
+                                  "--parallelism.cp_impl", "hybrid"])
