@@ -53,6 +53,15 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None,
     return scatter(output, input, group=group, async_op=async_op)
 
 
+def all_to_all_rows(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                    group=None, async_op: bool = False):
+    """all_to_all_single with variable splits (element counts per peer, in group rank order; a zero split moves
+    nothing between that pair). Every rank must post it, with splits that match its peers'."""
+    check_contiguous(output, input)
+    return dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                                  group=group, async_op=async_op)
+
+
 class Collectives:
     """The bookkeeping collectives of one run, on the run's device."""
 

@@ -66,8 +66,9 @@ def test_documents_are_whole_spread_over_every_rank_or_straddle_a_share_and_work
     assert max(work) / (sum(work) / cp) <= 1.05, work
 
 
-def _documents_ring(group, q, k, v, grad_out, ids):
+def _documents_ring(group, q, k, v, grad_out, ids, impl="ring"):
     from parallelisms.context_parallel import ring_attention
+    from parallelisms.cp_allgather import allgather_attention
     from parallelisms.cp_toolkit import CommStats
     from parallelisms.ring_plan import DocumentShards
 
@@ -78,14 +79,16 @@ def _documents_ring(group, q, k, v, grad_out, ids):
 
     local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
     stats = CommStats()
-    out = ring_attention(*local, group, is_causal=True, load_balancer="documents", stats=stats,
-                         _documents=DocumentShards.from_layout(ids, layout))
+    attention = ring_attention if impl == "ring" else allgather_attention
+    out = attention(*local, group, is_causal=True, load_balancer="documents", stats=stats,
+                    _documents=DocumentShards.from_layout(ids, layout))
     out.backward(shard(grad_out))
     return [out.detach(), *(t.grad for t in local)], stats
 
 
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_sparse_ring_matches_every_document_alone_forward_and_backward(monkeypatch, cp):
+def test_sparse_ring_and_allgather_match_every_document_alone_forward_and_backward(monkeypatch, cp, impl):
     gen = torch.Generator().manual_seed(10 + cp)
     seq = 24 * cp
     ids = _mixed_rows(seq, gen)
@@ -95,7 +98,8 @@ def test_sparse_ring_matches_every_document_alone_forward_and_backward(monkeypat
     full = [t.double().requires_grad_() for t in (q, k, v)]
     expected = per_document_attention(*full, True, ids)
     expected.backward(grad_out.double())
-    per_rank = run_ring_ranks(lambda g: _documents_ring(g, q, k, v, grad_out, ids), cp, monkeypatch)
+    per_rank = run_ring_ranks(lambda g: _documents_ring(g, q, k, v, grad_out, ids, impl), cp, monkeypatch)
+    assert all(stats.bytes_sent > 0 for _, stats in per_rank)  # the long documents cross ranks
     layout = DocumentLayout.plan(ids, cp)
     for got, want in zip(zip(*[r[0] for r in per_rank]), [expected, *(t.grad for t in full)]):
         for r in range(cp):
@@ -118,7 +122,8 @@ def _zigzag_ring(group, q, k, v, grad_out, ids):
     return stats
 
 
-def test_sparse_ring_sends_only_visible_rows_and_skips_empty_steps(monkeypatch):
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
+def test_sparse_variants_send_only_visible_rows_and_skip_empty_steps(monkeypatch, impl):
     """Documents of 8 tokens at cp 4: no document crosses a rank, so nothing is sent at all; zigzag ships every
     K/V block around the ring."""
     cp, seq = 4, 64
@@ -126,7 +131,7 @@ def test_sparse_ring_sends_only_visible_rows_and_skips_empty_steps(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     q, grad_out = (torch.randn(1, 4, seq, 8, generator=gen) for _ in range(2))
     k, v = (torch.randn(1, 2, seq, 8, generator=gen) for _ in range(2))
-    documents = run_ring_ranks(lambda g: _documents_ring(g, q, k, v, grad_out, ids)[1], cp, monkeypatch)
+    documents = run_ring_ranks(lambda g: _documents_ring(g, q, k, v, grad_out, ids, impl)[1], cp, monkeypatch)
     zigzag = run_ring_ranks(lambda g: _zigzag_ring(g, q, k, v, grad_out, ids), cp, monkeypatch)
     assert all(s.bytes_sent == 0 for s in documents)
     assert all(s.forward_bytes_sent > 0 for s in zigzag)
