@@ -7,8 +7,9 @@ rank computes the same plan with no collective:
 
 1. every rank holds exactly S / P tokens of each row (equal shapes for every collective and for sequence parallel);
 2. a document longer than a share, or whose work exceeds a fraction of a rank's ideal work (the largest of
-   SPREAD_FRACTIONS that balances the plan's ranks and ring steps), is split head-tail over all ranks as zigzag splits one sequence (rank r holds its r-th head piece and its r-th tail piece), which balances its work
-   and every ring step of it; a row that is one document therefore gets exactly zigzag's layout;
+   SPREAD_FRACTIONS that balances the plan's ranks and ring steps), is split head-tail over all ranks as zigzag
+   splits one sequence (rank r holds its r-th head piece and its r-th tail piece), which balances its work and every
+   ring step of it; a row that is one document therefore gets exactly zigzag's layout;
 3. the other documents are placed whole, largest first, each on the least-loaded rank (by len^2) that has room
    (LPT); a document that fits on no rank whole fills the roomiest ranks in turn (only documents that straddle a
    share's boundary are split).
