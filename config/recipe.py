@@ -195,7 +195,7 @@ def default_load_balancer(cfg: Config) -> None:
     """A recipe that names no CP load balancer gets "documents" with document masking (it balances the visible
     pairs and sends only what other ranks see: bench/bench_cp_balance.py) when its cp_impl reads that layout, else
     the schema's zigzag."""
-    if cfg.data.document_masking and cfg.parallelism.cp_impl not in ("ulysses", "hybrid"):
+    if cfg.data.document_masking and cfg.parallelism.cp_impl != "hybrid":
         cfg.parallelism.cp_load_balancer = "documents"
 
 
@@ -239,17 +239,17 @@ def validate(cfg: Config) -> None:
 
 
 def check_documents_layout(cfg: Config) -> None:
-    """The documents layout is planned from the document ids, and only the ring and all-gather read its plan."""
+    """The documents layout is planned from the document ids, and hybrid CP does not read its plan."""
     p = cfg.parallelism
     if p.cp_load_balancer != "documents":
         return
     if not cfg.data.document_masking:
         raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_load_balancer = \"documents\" places documents, so it "
                           f"needs data.document_masking = true. Turn it on or use cp_load_balancer = \"zigzag\".")
-    if p.cp_impl in ("ulysses", "hybrid"):
-        raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_impl = \"{p.cp_impl}\" does not read the per-row "
+    if p.cp_impl == "hybrid":
+        raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_impl = \"hybrid\" does not read the per-row "
                           f"documents layout (parallelism.cp_load_balancer = \"documents\"). Use cp_impl = \"ring\" "
-                          f"(or allgather, auto), or cp_load_balancer = \"zigzag\".")
+                          f"(or allgather, ulysses, auto), or cp_load_balancer = \"zigzag\".")
 
 
 def check_offload(cfg: Config) -> None:

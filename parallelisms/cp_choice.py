@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from parallelisms.cp_allgather import allgather_attention
 from parallelisms.cp_hybrid import check_hybrid, hybrid_attention, hybrid_groups, hybrid_plan, ring_documents
-from parallelisms.cp_ulysses import document_segments, global_order_plan, ulysses_attention, ulysses_feasible
+from parallelisms.cp_ulysses import (concatenated_documents, concatenated_order_plan, document_segments,
+                                     global_order_plan, ulysses_attention, ulysses_feasible)
 from parallelisms.cp_toolkit import CommStats
 from parallelisms.ring_attention import ring_attention
 from parallelisms.ring_plan import DocumentShards
@@ -178,6 +179,10 @@ class CPAttention:
             return ring_attention(q, k, v, self.group, _documents=self.documents, **common)
         if choice.impl == "allgather":
             return allgather_attention(q, k, v, self.group, _documents=self.documents, **common)
+        if choice.impl == "ulysses" and self.load_balancer == "documents":
+            plan = self._cached(("plan", seq_len), lambda: concatenated_order_plan(self.group, seq_len))
+            segments = self._cached("segments", lambda: concatenated_documents(self.documents))
+            return ulysses_attention(q, k, v, self.group, _plan=plan, _documents=segments, **common)
         if choice.impl == "ulysses":
             plan = self._cached(("plan", seq_len), lambda: global_order_plan(self.group, seq_len, self.load_balancer))
             segments = None

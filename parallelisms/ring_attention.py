@@ -140,6 +140,8 @@ def local_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
                             is_causal: bool = True, scale: float | None = None) -> torch.Tensor:
     """Exact attention over one whole sequence held by this rank (q (B, Hq, S, D), k/v (B, Hkv, S, D), positions in
     order), with `documents` of that sequence (one shard): the ring's pieces at P = 1 without a process group. Ulysses
-    runs this after its all-to-all, so documents never need an (S, S) mask there either."""
-    spec = BlockSpec(None, is_causal, scale, "contiguous", documents, None)
+    runs this after its all-to-all, so documents never need an (S, S) mask there either. `documents` with positions
+(the documents layout, in any order) are cut by position segments instead."""
+    layout = "documents" if documents is not None and documents.positions is not None else "contiguous"
+    spec = BlockSpec(None, is_causal, scale, layout, documents, None)
     return LseAttentionFunction.apply(q, k, v, spec, ring_forward, ring_backward)

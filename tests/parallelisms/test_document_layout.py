@@ -107,6 +107,41 @@ def test_sparse_ring_and_allgather_match_every_document_alone_forward_and_backwa
             assert relative_error(got[r], want_local) <= 1e-5
 
 
+def _documents_ulysses(group, q, k, v, grad_out, ids):
+    from parallelisms.cp_ulysses import concatenated_documents, concatenated_order_plan, ulysses_attention
+    from parallelisms.ring_plan import DocumentShards
+
+    layout = DocumentLayout.plan(ids, group.size)
+
+    def shard(x):
+        return layout.shard(x.transpose(1, 2), 1, group.rank).transpose(1, 2)
+
+    local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    segments = concatenated_documents(DocumentShards.from_layout(ids, layout))
+    out = ulysses_attention(*local, group, is_causal=True, load_balancer="documents",
+                            _plan=concatenated_order_plan(group, ids.size(1)), _documents=segments)
+    out.backward(shard(grad_out))
+    return [out.detach(), *(t.grad for t in local)]
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_ulysses_accepts_and_undoes_the_documents_layout(monkeypatch, cp):
+    """Ulysses needs no layout: it attends over the rank-ordered gathered sequence by each token's position."""
+    gen = torch.Generator().manual_seed(20 + cp)
+    seq = 24 * cp
+    ids = _mixed_rows(seq, gen)
+    q, grad_out = (torch.randn(3, 12, seq, 8, generator=gen) for _ in range(2))
+    k, v = (torch.randn(3, 2, seq, 8, generator=gen) for _ in range(2))
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = per_document_attention(*full, True, ids)
+    expected.backward(grad_out.double())
+    per_rank = run_ring_ranks(lambda g: _documents_ulysses(g, q, k, v, grad_out, ids), cp, monkeypatch)
+    layout = DocumentLayout.plan(ids, cp)
+    for got, want in zip(zip(*per_rank), [expected, *(t.grad for t in full)]):
+        for r in range(cp):
+            assert relative_error(got[r], layout.shard(want.transpose(1, 2), 1, r).transpose(1, 2)) <= 1e-5
+
+
 def _zigzag_ring(group, q, k, v, grad_out, ids):
     from parallelisms.context_parallel import ring_attention
     from parallelisms.cp_toolkit import CommStats
@@ -148,7 +183,9 @@ def test_recipes_with_document_masking_default_to_the_documents_layout_and_bad_p
     named = ["--data.document_masking", "true", "--parallelism.cp_load_balancer", "zigzag"]
     assert load_config(str(recipe), named).parallelism.cp_load_balancer == "zigzag"
     ulysses = ["--data.document_masking", "true", "--parallelism.cp_impl", "ulysses"]
-    assert load_config(str(recipe), ulysses).parallelism.cp_load_balancer == "zigzag"
+    assert load_config(str(recipe), ulysses).parallelism.cp_load_balancer == "documents"
+    hybrid = ["--data.document_masking", "true", "--parallelism.cp_impl", "hybrid"]
+    assert load_config(str(recipe), hybrid).parallelism.cp_load_balancer == "zigzag"
     with pytest.raises(RecipeError, match="cp_load_balancer = \"documents\".*needs data.document_masking = true"):
         load_config(str(recipe), ["--parallelism.cp_load_balancer", "documents"])
     with pytest.raises(RecipeError, match="cp_impl = \"hybrid\" does not read"):
