@@ -193,9 +193,8 @@ def load_config(recipe_path: str, overrides: list[str] | None = None) -> Config:
 
 def default_load_balancer(cfg: Config) -> None:
     """A recipe that names no CP load balancer gets "documents" with document masking (it balances the visible
-    pairs and sends only what other ranks see: bench/bench_cp_balance.py) when its cp_impl reads that layout, else
-    the schema's zigzag."""
-    if cfg.data.document_masking and cfg.parallelism.cp_impl != "hybrid":
+    pairs and sends only what other ranks see: bench/bench_cp_balance.py), else the schema's zigzag."""
+    if cfg.data.document_masking:
         cfg.parallelism.cp_load_balancer = "documents"
 
 
@@ -239,17 +238,13 @@ def validate(cfg: Config) -> None:
 
 
 def check_documents_layout(cfg: Config) -> None:
-    """The documents layout is planned from the document ids, and hybrid CP does not read its plan."""
+    """The documents layout is planned from the document ids."""
     p = cfg.parallelism
     if p.cp_load_balancer != "documents":
         return
     if not cfg.data.document_masking:
         raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_load_balancer = \"documents\" places documents, so it "
                           f"needs data.document_masking = true. Turn it on or use cp_load_balancer = \"zigzag\".")
-    if p.cp_impl == "hybrid":
-        raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_impl = \"hybrid\" does not read the per-row "
-                          f"documents layout (parallelism.cp_load_balancer = \"documents\"). Use cp_impl = \"ring\" "
-                          f"(or allgather, ulysses, auto), or cp_load_balancer = \"zigzag\".")
 
 
 def check_offload(cfg: Config) -> None:

@@ -234,9 +234,8 @@ class ParallelismConfig:
     """Tensor-parallel degree (with sequence parallelism)."""
     cp_load_balancer: LoadBalancer = "zigzag"
     """How sequence chunks are laid out on CP ranks: zigzag | striped | contiguous | documents (per row, documents
-    placed by attention work; needs data.document_masking and cp_impl ring, allgather or auto;
-    parallelisms/document_layout.py). A recipe that names none gets documents when data.document_masking is on
-    (and cp_impl reads it), else zigzag."""
+    placed by attention work; needs data.document_masking; parallelisms/document_layout.py). A recipe that names
+    none gets documents when data.document_masking is on, else zigzag."""
     cp_impl: CpImpl = "ring"
     """CP attention: ring | allgather (one K/V all-gather) | ulysses (all-to-all over heads) | hybrid (Ulysses in-node,
     ring across nodes) | auto (chosen from heads, degree and topology, and logged). All exact; docs/cp_variants.md."""

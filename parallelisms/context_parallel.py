@@ -86,14 +86,10 @@ def _check_buffers(buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[in
 
 
 def _documents_impl(cp_impl: str, document_ids) -> str:
-    """The variant that runs the documents layout: the sparse ring (auto resolves to it), the sparse all-gather or
-    Ulysses."""
+    """The documents layout is planned from the ids; every variant reads it (auto resolves to the sparse ring)."""
     if document_ids is None:
         raise ValueError("context_parallel: load_balancer='documents' plans the layout from the document ids; "
                          "pass document_ids=")
-    if cp_impl == "hybrid":
-        raise UnsupportedAttentionError("context_parallel: cp_impl='hybrid' does not read the per-row documents "
-                                        "layout; use cp_impl='ring' (or 'allgather', 'ulysses')")
     return "ring" if cp_impl == "auto" else cp_impl
 
 
@@ -111,7 +107,7 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     `stats`: a CommStats the ring adds its counters to. `cp_impl`: one of CP_IMPLS ("ring" is the default and the
     path above; see cp_choice.py); `ulysses_degree`: the Ulysses group size of cp_impl="hybrid" (None: in-node ranks).
     `load_balancer="documents"` plans each row's layout from `document_ids` (document_layout.py) and runs the sparse
-    ring (ring_sparse.py; auto resolves to it), the sparse all-gather or Ulysses.
+    ring (ring_sparse.py; auto resolves to it), the sparse all-gather, Ulysses or hybrid.
     """
     group = resolve_group(cp_mesh)
     check_load_balancer(load_balancer)

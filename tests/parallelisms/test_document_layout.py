@@ -142,6 +142,42 @@ def test_ulysses_accepts_and_undoes_the_documents_layout(monkeypatch, cp):
             assert relative_error(got[r], layout.shard(want.transpose(1, 2), 1, r).transpose(1, 2)) <= 1e-5
 
 
+def _documents_hybrid(group, q, k, v, grad_out, ids):
+    from parallelisms.cp_hybrid import documents_ring_shards, hybrid_attention, hybrid_groups
+    from parallelisms.cp_ulysses import concatenated_order_plan
+    from parallelisms.ring_plan import DocumentShards
+
+    layout = DocumentLayout.plan(ids, group.size)
+
+    def shard(x):
+        return layout.shard(x.transpose(1, 2), 1, group.rank).transpose(1, 2)
+
+    local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    plan = concatenated_order_plan(hybrid_groups(group, 2)[0], 2 * local[0].size(2))
+    docs = documents_ring_shards(DocumentShards.from_layout(ids, layout), 2)
+    out = hybrid_attention(*local, group, ulysses_degree=2, is_causal=True, load_balancer="documents",
+                           _plan=plan, _documents=docs)
+    out.backward(shard(grad_out))
+    return [out.detach(), *(t.grad for t in local)]
+
+
+def test_hybrid_2x2_runs_the_documents_layout(monkeypatch):
+    """Ulysses over 2 x the sparse ring over 2 ring ranks, on the documents layout of cp 4."""
+    gen = torch.Generator().manual_seed(31)
+    seq = 96
+    ids = _mixed_rows(seq, gen)
+    q, grad_out = (torch.randn(3, 12, seq, 8, generator=gen) for _ in range(2))
+    k, v = (torch.randn(3, 2, seq, 8, generator=gen) for _ in range(2))
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = per_document_attention(*full, True, ids)
+    expected.backward(grad_out.double())
+    per_rank = run_ring_ranks(lambda g: _documents_hybrid(g, q, k, v, grad_out, ids), 4, monkeypatch)
+    layout = DocumentLayout.plan(ids, 4)
+    for got, want in zip(zip(*per_rank), [expected, *(t.grad for t in full)]):
+        for r in range(4):
+            assert relative_error(got[r], layout.shard(want.transpose(1, 2), 1, r).transpose(1, 2)) <= 1e-5
+
+
 def _zigzag_ring(group, q, k, v, grad_out, ids):
     from parallelisms.context_parallel import ring_attention
     from parallelisms.cp_toolkit import CommStats
@@ -172,7 +208,7 @@ def test_sparse_variants_send_only_visible_rows_and_skip_empty_steps(monkeypatch
     assert all(s.forward_bytes_sent > 0 for s in zigzag)
 
 
-def test_recipes_with_document_masking_default_to_the_documents_layout_and_bad_pairs_are_refused(tmp_path):
+def test_recipes_with_document_masking_default_to_the_documents_layout_which_needs_masking(tmp_path):
     from config import RecipeError
     from config.recipe import load_config
 
@@ -185,9 +221,6 @@ def test_recipes_with_document_masking_default_to_the_documents_layout_and_bad_p
     ulysses = ["--data.document_masking", "true", "--parallelism.cp_impl", "ulysses"]
     assert load_config(str(recipe), ulysses).parallelism.cp_load_balancer == "documents"
     hybrid = ["--data.document_masking", "true", "--parallelism.cp_impl", "hybrid"]
-    assert load_config(str(recipe), hybrid).parallelism.cp_load_balancer == "zigzag"
+    assert load_config(str(recipe), hybrid).parallelism.cp_load_balancer == "documents"
     with pytest.raises(RecipeError, match="cp_load_balancer = \"documents\".*needs data.document_masking = true"):
         load_config(str(recipe), ["--parallelism.cp_load_balancer", "documents"])
-    with pytest.raises(RecipeError, match="cp_impl = \"hybrid\" does not read"):
-        load_config(str(recipe), [*named[:2], "--parallelism.cp_load_balancer", "documents",
-                                  "--parallelism.cp_impl", "hybrid"])
