@@ -24,13 +24,11 @@ class RowsPlan:
     def __init__(self, spec: BlockSpec, device: torch.device, width: int):
         group, docs, causal = spec.group, spec.docs, spec.is_causal
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        empty = torch.zeros(0, dtype=torch.int64)
-        self.send = [docs.visible_rows(dst, self.rank, causal) if dst != self.rank else empty
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        self.send = [docs.visible_rows_on(device, dst, self.rank, causal) if dst != self.rank else empty
                      for dst in range(self.size)]
-        self.recv = [docs.visible_rows(self.rank, src, causal) if src != self.rank else empty
+        self.recv = [docs.visible_rows_on(device, self.rank, src, causal) if src != self.rank else empty
                      for src in range(self.size)]
-        self.send = [rows.to(device) for rows in self.send]
-        self.recv = [rows.to(device) for rows in self.recv]
         self.send_splits = [2 * rows.numel() * width for rows in self.send]  # K and V of each row
         self.recv_splits = [2 * rows.numel() * width for rows in self.recv]
         self.anyone_sends = any(docs.visible_rows(r, s, causal).numel()

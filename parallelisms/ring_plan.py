@@ -205,6 +205,13 @@ class DocumentShards:
             self._pieces[key] = torch.from_numpy(np.flatnonzero(seen))
         return self._pieces[key]
 
+    def visible_rows_on(self, device: torch.device, rank: int, src: int, is_causal: bool) -> torch.Tensor:
+        """`visible_rows` on `device`, copied there once per batch (every layer reuses it, no copy per call)."""
+        key = ("rows on", str(device), rank, src, is_causal)
+        if key not in self._pieces:
+            self._pieces[key] = self.visible_rows(rank, src, is_causal).to(device)
+        return self._pieces[key]
+
     @classmethod
     def from_full(cls, full_ids: torch.Tensor, cp_size: int, load_balancer: str) -> "DocumentShards":
         seq_len = full_ids.size(1)

@@ -57,8 +57,8 @@ class ShiftPlan:
         # shifts in which some rank sees some row of the rank s before it
         self.shifts = [s for s in range(1, size)
                        if any(docs.visible_rows((r + s) % size, r, causal).numel() for r in range(size))]
-        self.send_rows = {s: docs.visible_rows((rank + s) % size, rank, causal).to(device) for s in self.shifts}
-        self.recv_rows = {s: docs.visible_rows(rank, (rank - s) % size, causal).to(device) for s in self.shifts}
+        self.send_rows = {s: docs.visible_rows_on(device, (rank + s) % size, rank, causal) for s in self.shifts}
+        self.recv_rows = {s: docs.visible_rows_on(device, rank, (rank - s) % size, causal) for s in self.shifts}
 
     def source(self, shift: int) -> int:
         return (self.rank - shift) % self.size
