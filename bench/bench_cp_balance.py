@@ -8,11 +8,15 @@ drawn; the worst row's busiest/mean and ring-step efficiency are printed, and th
 rank's CP bytes documents / zigzag. Targets: busiest/mean <= 1.05 and ring-step efficiency >= 0.9 at CP 4, 8, 16;
 bytes <= 0.3 on web-like at CP 4 and 8.
 
+Attention alone: 4 gloo ranks x 1 thread, fwd+bwd of the ring on one web-like row at seq 16K, zigzag vs documents,
+interleaved: the busiest rank's CPU time (what a step takes when every rank has its own core) and the wall time.
+
 Timed: the trainer (train.py under torch.distributed.run) on 4 gloo ranks, cp 4, debug model, seq 16K, pydoc
 documents with document masking, once per layout (alternating order over --rounds); the summed step times after the
 warm-up steps. Target: documents / zigzag <= 0.85.
 
-    python bench/bench_cp_balance.py [--rows 4] [--seqs 131072,1048576] [--no-trainer] [--steps 6 --warmup 2]
+    python bench/bench_cp_balance.py [--rows 4] [--seqs 131072,1048576] [--attention-reps 3] [--no-trainer]
+                                     [--steps 6 --warmup 2 --rounds 1]
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.cp_balance_counts import MIXES, layout_figures, packed_row  # noqa: E402
+from parallelisms.document_layout import DocumentLayout  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "recipes", "debug.toml")
 
@@ -87,6 +92,62 @@ def timed_steps(steps: int, warmup: int, seq_len: int, rounds: int) -> None:
         print(f"attention_balance of the documents run (metrics.jsonl): mean {statistics.fmean(balance):.3f}")
 
 
+def _attention_rank(rank, size, ids, shape, reps):
+    """(wall of the slowest rank, CPU seconds of the busiest rank) per layout: the fastest of `reps` interleaved
+    attention fwd+bwd calls on this rank's shard (the CPU time is what a rank with its own core would take)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from parallelisms.comm import Collectives
+    from parallelisms.context_parallel import ring_attention
+    from parallelisms.ring_plan import DocumentShards
+
+    heads, kv_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(rank)
+    local = ids.size(1) // size
+    q, grad = (torch.randn(1, heads, local, head_dim, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, kv_heads, local, head_dim, generator=gen) for _ in range(2))
+    shards = {lb: DocumentShards.from_layout(ids, DocumentLayout.plan(ids, size)) if lb == "documents"
+              else DocumentShards.from_full(ids, size, lb) for lb in ("zigzag", "documents")}
+
+    def step(lb):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        ring_attention(*leaves, dist.group.WORLD, is_causal=True, load_balancer=lb,
+                       _documents=shards[lb]).backward(grad)
+
+    def worst(value):
+        return Collectives(torch.device("cpu")).reduce_values([value], op="max")[0]
+
+    best = {}
+    for i in range(reps + 1):
+        for lb in ("zigzag", "documents"):
+            dist.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            step(lb)
+            measured = (worst(time.perf_counter() - wall), worst(time.process_time() - cpu))
+            if i:  # the first round warms up
+                best[lb] = tuple(min(a, b) for a, b in zip(best.get(lb, measured), measured))
+    return best
+
+
+def attention_steps(seq_len: int, reps: int, seed: int) -> None:
+    """The attention alone, 4 gloo ranks x 1 thread, on one web-like row (pydoc's documents are ~1.5K tokens)."""
+    from bench.cp_balance_counts import web_like
+    from tests.distributed import run_ranks
+
+    ids = packed_row(web_like, seq_len, np.random.default_rng(seed))[None]
+    shape = (16, 4, 16)  # the debug model's attention: 16 query heads, 4 K/V heads, head dim 16
+    best = run_ranks(_attention_rank, 4, args=(ids, shape, reps), threads=1, timeout=1800)[0]
+    (zw, zc), (dw, dc) = best["zigzag"], best["documents"]
+    print(f"\nattention fwd+bwd alone, 4 gloo ranks x 1 thread, seq {seq_len}, one web-like row, heads 16/4, dim 16, "
+          f"fastest of {reps}:")
+    print(f"busiest-rank CPU time: zigzag {zc:.3f} s, documents {dc:.3f} s: documents / zigzag = {dc / zc:.3f}")
+    print(f"wall time of the slowest rank: zigzag {zw:.3f} s, documents {dw:.3f} s: {dw / zw:.3f} "
+          f"({os.cpu_count()} cores shared by 4 ranks: wall time measures the total CPU work, not the balance)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4, help="rows drawn per (length, mix)")
@@ -98,8 +159,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--attention-reps", type=int, default=3, help="0: skip the attention-alone timing")
     args = parser.parse_args()
     count_table([int(s) for s in args.seqs.split(",")], [int(c) for c in args.cps.split(",")], args.rows, args.seed)
+    if args.attention_reps:
+        attention_steps(args.seq_len, args.attention_reps, args.seed)
     if not args.no_trainer:
         timed_steps(args.steps, args.warmup, args.seq_len, args.rounds)
 
