@@ -186,10 +186,22 @@ def load_config(recipe_path: str, overrides: list[str] | None = None) -> Config:
                               f"{_nearest(section, SECTIONS)}")
         for key, value in table.items():
             _set(cfg, section, key, value, recipe_path, from_text=False)
-    for section, key, text in parse_overrides(overrides or []):
+    overrides = parse_overrides(overrides or [])
+    for section, key, text in overrides:
         _set(cfg, section, key, text, f"command line (recipe {recipe_path})", from_text=True)
+    named = "cp_load_balancer" in raw.get("parallelism", {}) or \
+        any((section, key) == ("parallelism", "cp_load_balancer") for section, key, _ in overrides)
+    if not named:
+        default_load_balancer(cfg)
     validate(cfg)
     return cfg
+
+
+def default_load_balancer(cfg: Config) -> None:
+    """A recipe that names no CP load balancer gets "documents" with document masking (it balances the visible
+    pairs and sends only what other ranks see: bench/bench_cp_balance.py), else the schema's zigzag."""
+    if cfg.data.document_masking:
+        cfg.parallelism.cp_load_balancer = "documents"
 
 
 def validate(cfg: Config) -> None:
@@ -230,8 +242,19 @@ def validate(cfg: Config) -> None:
         raise RecipeError(f"{where}: data.placement = \"work\" moves document segments between rows, which needs "
                           f"data.document_masking = true and data.dataset = \"text\". Set those or placement = "
                           f"\"loader\".")
+    check_documents_layout(cfg)
     if not cfg.data.corpus:
         raise RecipeError(f"{where}: data.corpus is empty. Use [\"pydoc\"] or local .txt/.jsonl paths.")
+
+
+def check_documents_layout(cfg: Config) -> None:
+    """The documents layout is planned from the document ids."""
+    p = cfg.parallelism
+    if p.cp_load_balancer != "documents":
+        return
+    if not cfg.data.document_masking:
+        raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_load_balancer = \"documents\" places documents, so it "
+                          f"needs data.document_masking = true. Turn it on or use cp_load_balancer = \"zigzag\".")
 
 
 def check_offload(cfg: Config) -> None:

@@ -17,7 +17,7 @@ Dataset = Literal["text", "passkey", "niah"]
 Placement = Literal["auto", "work", "loader"]
 OptimizerName = Literal["AdamW"]
 DecayType = Literal["linear", "cosine", "constant"]
-LoadBalancer = Literal["zigzag", "striped", "contiguous"]
+LoadBalancer = Literal["zigzag", "striped", "contiguous", "documents"]
 CpImpl = Literal["ring", "allgather", "ulysses", "hybrid", "auto"]
 ReshardPolicy = Literal["default", "always", "never"]
 SingleStageSchedule = Literal["GPipe", "1F1B"]
@@ -292,7 +292,9 @@ class ParallelismConfig:
     tp: int = 1
     """Tensor-parallel degree (with sequence parallelism)."""
     cp_load_balancer: LoadBalancer = "zigzag"
-    """How sequence chunks are laid out on CP ranks: zigzag | striped | contiguous."""
+    """How sequence chunks are laid out on CP ranks: zigzag | striped | contiguous | documents (per row, documents
+    placed by attention work; needs data.document_masking; parallelisms/document_layout.py). A recipe that names
+    none gets documents when data.document_masking is on, else zigzag."""
     cp_impl: CpImpl = "ring"
     """CP attention: ring | allgather (one K/V all-gather) | ulysses (all-to-all over heads) | hybrid (Ulysses in-node,
     ring across nodes) | auto (chosen from heads, degree and topology, and logged). All exact; docs/cp_variants.md."""

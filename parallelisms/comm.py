@@ -53,6 +53,15 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None,
     return scatter(output, input, group=group, async_op=async_op)
 
 
+def all_to_all_rows(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                    group=None, async_op: bool = False):
+    """all_to_all_single with variable splits (element counts per peer, in group rank order; a zero split moves
+    nothing between that pair). Every rank must post it, with splits that match its peers'."""
+    check_contiguous(output, input)
+    return dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                                  group=group, async_op=async_op)
+
+
 class Collectives:
     """The bookkeeping collectives of one run, on the run's device."""
 
@@ -95,6 +104,28 @@ class RingLinks:
         check_contiguous(*send_next, *recv_prev)
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send_next]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv_prev]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+
+class ShiftLinks:
+    """Point-to-point with the ranks at any offset of a group (the documents layout's sparse ring, ring_sparse.py)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def peer(self, offset: int) -> int:
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor, int]],
+                 receives: Sequence[tuple[int, torch.Tensor, int]]) -> list:
+        """Posts every (offset, buffer, tag) send to rank + offset and receive from rank + offset as ONE group (none
+        when both are empty). Peers must post matching lists in the same order (NCCL pairs the k-th send of a pair
+        with its k-th receive; gloo gets the tags)."""
+        check_contiguous(*(t for _, t, _ in sends), *(t for _, t, _ in receives))
+        ops = [dist.P2POp(dist.isend, t, self.peer(off), self.group, tag) for off, t, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.peer(off), self.group, tag) for off, t, tag in receives]
         return dist.batch_isend_irecv(ops) if ops else []
 
 

@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from parallelisms.cp_choice import CP_IMPLS, CPAttention, check_cp_impl
 from parallelisms.cp_toolkit import CommStats, UnsupportedAttentionError
+from parallelisms.document_layout import DocumentLayout
 from parallelisms.ring_attention import ring_attention
 from parallelisms.ring_plan import DocumentShards
 from parallelisms.sequence_sharding import (LOAD_BALANCERS, check_load_balancer, check_sequence_length,
@@ -84,6 +85,14 @@ def _check_buffers(buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[in
             raise ValueError(f"context_parallel: document_ids must be (batch, seq), got {tuple(document_ids.shape)}")
 
 
+def _documents_impl(cp_impl: str, document_ids) -> str:
+    """The documents layout is planned from the ids; every variant reads it (auto resolves to the sparse ring)."""
+    if document_ids is None:
+        raise ValueError("context_parallel: load_balancer='documents' plans the layout from the document ids; "
+                         "pass document_ids=")
+    return "ring" if cp_impl == "auto" else cp_impl
+
+
 @contextlib.contextmanager
 def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
                      no_restore_buffers: Sequence[torch.Tensor] | None = None, load_balancer: str = "zigzag",
@@ -97,6 +106,8 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     call then masks attention to each token's own document, combined with causality when the call is causal.
     `stats`: a CommStats the ring adds its counters to. `cp_impl`: one of CP_IMPLS ("ring" is the default and the
     path above; see cp_choice.py); `ulysses_degree`: the Ulysses group size of cp_impl="hybrid" (None: in-node ranks).
+    `load_balancer="documents"` plans each row's layout from `document_ids` (document_layout.py) and runs the sparse
+    ring (ring_sparse.py; auto resolves to it), the sparse all-gather, Ulysses or hybrid.
     """
     group = resolve_group(cp_mesh)
     check_load_balancer(load_balancer)
@@ -105,8 +116,12 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     for buf, dim in zip(buffers, buffer_seq_dims):
         check_sequence_length(buf.size(dim), cp_size, load_balancer)
-    documents = None
-    if document_ids is not None:  # every rank's ids, taken before sharding (no collective needed)
+    documents, layout = None, None
+    if load_balancer == "documents":  # per row, planned from the full ids (identical on every rank)
+        cp_impl = _documents_impl(cp_impl, document_ids)
+        layout = DocumentLayout.plan(document_ids, cp_size)
+        documents = DocumentShards.from_layout(document_ids.detach(), layout)
+    elif document_ids is not None:  # every rank's ids, taken before sharding (no collective needed)
         documents = DocumentShards.from_full(document_ids.detach(), cp_size, load_balancer)
     variant = None
     if cp_impl != "ring":
@@ -116,7 +131,9 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     originals = []
     with torch.no_grad():
         for buf, dim in zip(buffers, buffer_seq_dims):
-            local = shard_sequence(buf, dim, cp_rank, cp_size, load_balancer).clone(memory_format=torch.contiguous_format)
+            local = (layout.shard(buf, dim, cp_rank) if layout is not None
+                     else shard_sequence(buf, dim, cp_rank, cp_size, load_balancer))
+            local = local.clone(memory_format=torch.contiguous_format)
             if id(buf) not in keep:
                 originals.append((buf, torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf)))
             buf.set_(local)

@@ -5,7 +5,8 @@ collective instead of P-1 hops. The local (diagonal) block is computed while the
 share their batch and query rows and are full rectangles are concatenated along the keys and computed in ONE kernel
 call (zigzag without documents: at most three calls per rank whatever P is), so the kernels see long blocks.
 Backward gathers K/V again (nothing P-sized is kept between forward and backward) and returns each block's dK/dV to
-its owner with a reduce-scatter in float32.
+its owner with a reduce-scatter in float32. The "documents" layout runs cp_allgather_sparse.py instead (only the
+visible rows move, by an all-to-all with variable splits).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from parallelisms.comm import all_gather_single, reduce_scatter_single
 from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAttentionFunction, RowBuffer,
                                      block_backward, block_forward, count_sent, lse_for_backward, nbytes, pack_kv,
                                      prepare_call, unpack_kv)
+from parallelisms.cp_allgather_sparse import sparse_allgather_backward, sparse_allgather_forward
 from parallelisms.ring_plan import FULL, DocumentShards, Piece
 
 
@@ -148,4 +150,6 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     """Exact attention of this rank's queries; same arguments, layouts and results as `ring_attention`."""
     pg, docs = prepare_call(q, k, v, group, load_balancer, document_ids, _documents)
     spec = BlockSpec(pg, is_causal, scale, load_balancer, docs, stats)
+    if load_balancer == "documents":  # only the rows each rank can see move (cp_allgather_sparse.py)
+        return LseAttentionFunction.apply(q, k, v, spec, sparse_allgather_forward, sparse_allgather_backward)
     return LseAttentionFunction.apply(q, k, v, spec, allgather_forward, allgather_backward)

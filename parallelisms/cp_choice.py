@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.cp_allgather import allgather_attention
-from parallelisms.cp_hybrid import check_hybrid, hybrid_attention, hybrid_groups, hybrid_plan, ring_documents
-from parallelisms.cp_ulysses import document_segments, global_order_plan, ulysses_attention, ulysses_feasible
+from parallelisms.cp_hybrid import (check_hybrid, documents_ring_shards, hybrid_attention, hybrid_groups, hybrid_plan,
+                                    ring_documents)
+from parallelisms.cp_ulysses import (concatenated_documents, concatenated_order_plan, document_segments,
+                                     global_order_plan, ulysses_attention, ulysses_feasible)
 from parallelisms.cp_toolkit import CommStats
 from parallelisms.ring_attention import ring_attention
 from parallelisms.ring_plan import DocumentShards
@@ -178,6 +180,10 @@ class CPAttention:
             return ring_attention(q, k, v, self.group, _documents=self.documents, **common)
         if choice.impl == "allgather":
             return allgather_attention(q, k, v, self.group, _documents=self.documents, **common)
+        if choice.impl == "ulysses" and self.load_balancer == "documents":
+            plan = self._cached(("plan", seq_len), lambda: concatenated_order_plan(self.group, seq_len))
+            segments = self._cached("segments", lambda: concatenated_documents(self.documents))
+            return ulysses_attention(q, k, v, self.group, _plan=plan, _documents=segments, **common)
         if choice.impl == "ulysses":
             plan = self._cached(("plan", seq_len), lambda: global_order_plan(self.group, seq_len, self.load_balancer))
             segments = None
@@ -186,6 +192,12 @@ class CPAttention:
             return ulysses_attention(q, k, v, self.group, _plan=plan, _documents=segments, **common)
         degree = choice.ulysses_degree
         ulysses_group = hybrid_groups(self.group, degree)[0]
+        if self.load_balancer == "documents":
+            plan = self._cached(("plan", seq_len), lambda: concatenated_order_plan(ulysses_group,
+                                                                                   q.size(2) * degree))
+            docs = self._cached("docs", lambda: documents_ring_shards(self.documents, degree))
+            return hybrid_attention(q, k, v, self.group, ulysses_degree=degree, _plan=plan, _documents=docs,
+                                    **common)
         plan = self._cached(("plan", seq_len), lambda: hybrid_plan(ulysses_group, seq_len, dist.get_rank(self.group),
                                                         dist.get_world_size(self.group), degree, self.load_balancer))
         docs = None

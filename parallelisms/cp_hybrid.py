@@ -5,7 +5,9 @@ the all-to-all stays on the fast in-node links and only K/V cross nodes). No new
 P, the U consecutive ranks rho*U .. rho*U+U-1 hold exactly the chunks that zigzag over R gives ring rank rho (their
 head chunks form its head, their tail chunks its tail); the same holds for contiguous. So the buffers are sharded as
 for every other variant, the all-to-all places the group's tokens in ring rank rho's local order, and the ring runs
-unchanged over R ranks with U-times fewer heads. Striped does not decompose this way and is refused.
+unchanged over R ranks with U-times fewer heads. Striped does not decompose this way and is refused. The
+"documents" layout needs no decomposition: the all-to-all keeps the group's tokens in member order and the sparse
+ring (ring_sparse.py) runs over the R ring ranks on their ids and positions (`documents_ring_shards`).
 
 The sub-groups are derived from the 1-D CP group with `new_group(..., use_local_synchronization=True)` (only the CP
 ranks take part; the 5-D mesh is untouched) and kept in a per-process cache, since creating communicators is slow.
@@ -67,6 +69,16 @@ def ring_documents(full_ids: torch.Tensor, cp_size: int, ulysses_degree: int, lo
     return DocumentShards.from_full(full_ids, cp_size // ulysses_degree, load_balancer)
 
 
+def documents_ring_shards(documents: DocumentShards, ulysses_degree: int) -> DocumentShards:
+    """On the documents layout, ring rank rho attends over its U members' tokens concatenated in member order
+    (cp_ulysses.concatenated_order_plan): their ids and positions, the sparse ring's plan over the R ring ranks."""
+    size = len(documents.per_rank)
+    ids = [torch.cat(documents.per_rank[rho:rho + ulysses_degree], dim=1) for rho in range(0, size, ulysses_degree)]
+    positions = torch.stack([torch.cat(list(documents.positions[rho:rho + ulysses_degree]), dim=1)
+                             for rho in range(0, size, ulysses_degree)])
+    return DocumentShards(ids, positions)
+
+
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, ulysses_degree: int,
                      is_causal: bool = True, scale: float | None = None, load_balancer: str = "zigzag",
                      document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
@@ -79,6 +91,9 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=No
     seq_len = q.size(2) * size
     check_sequence_length(seq_len, size, load_balancer)
     check_hybrid(size, ulysses_degree, load_balancer)
+    if load_balancer == "documents" and (_plan is None or _documents is None):
+        raise UnsupportedAttentionError("hybrid_attention on the documents layout needs its plan and documents: call "
+                                        "it through context_parallel(..., load_balancer='documents', cp_impl='hybrid')")
     ulysses_pg, ring_pg = hybrid_groups(pg, ulysses_degree)
     plan = _plan or hybrid_plan(ulysses_pg, seq_len, rank, size, ulysses_degree, load_balancer)
     docs = _documents

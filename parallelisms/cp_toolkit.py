@@ -92,6 +92,10 @@ def prepare_call(q, k, v, group, load_balancer: str, document_ids, documents: Do
     check_attention_inputs(q, k, v, document_ids)
     size = dist.get_world_size(pg)
     check_sequence_length(q.size(2) * size, size, load_balancer)
+    if load_balancer == "documents" and (documents is None or documents.positions is None):
+        raise UnsupportedAttentionError("load_balancer='documents' is planned per row from the full document ids: "
+                                        "call it through context_parallel(..., load_balancer='documents', "
+                                        "document_ids=...)")
     if documents is None and document_ids is not None:
         documents = gather_document_shards(document_ids, pg)
     return pg, documents
@@ -119,6 +123,8 @@ class BlockSpec:
 
     def pieces(self, rank: int, src: int, size: int, local_len: int) -> list[Piece]:
         """The mask-free kernel calls `rank` makes against the K/V of rank `src` (cached per batch with documents)."""
+        if self.load_balancer == "documents":
+            return self.docs.layout_pieces(rank, src, self.is_causal)
         tasks = block_tasks(rank, src, size, local_len, self.load_balancer, self.is_causal)
         if self.docs is None:
             return plain_pieces(tasks)

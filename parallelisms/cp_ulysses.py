@@ -4,7 +4,9 @@ Each rank starts with all heads of its S/P tokens and, after one all-to-all of Q
 the whole sequence in global order; plain SDPA runs on them and a second all-to-all brings the output back. Its
 bytes per rank do not shrink with P (ring's K/V do), and its degree is capped by the heads, but the attention itself
 is one full-length kernel call with no log-sum-exp merges. With documents the attention after the all-to-all is the
-ring's at P = 1 (`local_segment_attention`): mask-free pieces per document, never an (S, S) mask.
+ring's at P = 1 (`local_segment_attention`): mask-free pieces per document, never an (S, S) mask. On the
+"documents" layout the gathered sequence stays in rank order (`concatenated_order_plan`) and the pieces follow each
+token's position (`concatenated_documents`), so the layout is undone by the output's all-to-all back.
 
 GQA: K/V heads are split too. When the degree does not divide the K/V heads, each K/V head is replicated just enough
 (to lcm(kv_heads, P) heads) that every rank gets whole groups; its gradients fold back through autograd. The query
@@ -205,6 +207,24 @@ def global_order_plan(group: dist.ProcessGroup, seq_len: int, load_balancer: str
         return ExchangePlan.build(group, members, torch.arange(seq_len, device="cpu"))
 
 
+def concatenated_order_plan(group: dist.ProcessGroup, seq_len: int) -> ExchangePlan:
+    """The documents layout's plan: member j's tokens at [j * L, (j + 1) * L) of the gathered sequence, in local
+    order. That layout is per row, so no one order serves every row; none is needed either: the pieces of
+    `concatenated_documents` follow each token's true position wherever it sits."""
+    size = dist.get_world_size(group)
+    local = seq_len // size
+    with unset_fake_temporarily():
+        members = [torch.arange(j * local, (j + 1) * local) for j in range(size)]
+        return ExchangePlan.build(group, members, torch.arange(seq_len, device="cpu"))
+
+
+def concatenated_documents(documents: DocumentShards) -> DocumentShards:
+    """Every rank's ids and positions of the documents layout, concatenated in rank order as one shard (what each
+    rank attends over after `concatenated_order_plan`'s all-to-all)."""
+    positions = torch.cat(list(documents.positions), dim=1)  # (B, S)
+    return DocumentShards([torch.cat(documents.per_rank, dim=1)], positions[None])
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,
                       scale: float | None = None, load_balancer: str = "zigzag",
                       document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
@@ -218,6 +238,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     """
     pg = resolve_group(group)
     check_load_balancer(load_balancer)
+    if load_balancer == "documents" and (_plan is None or _documents is None):
+        raise UnsupportedAttentionError("ulysses_attention on the documents layout needs its plan and documents: call "
+                                        "it through context_parallel(..., load_balancer='documents', cp_impl='ulysses')")
     size = dist.get_world_size(pg)
     seq_len = q.size(2) * size
     check_sequence_length(seq_len, size, load_balancer)

@@ -6,7 +6,7 @@ ring again together with float32 dK/dV accumulators, and one last hop returns ea
 the block. Every block backward uses the final output and log-sum-exp; nothing else is recomputed. P = 1 runs the same
 code with no transfers; so does `local_segment_attention` (no group at all: Ulysses after its all-to-all). With
 documents every block is computed as mask-free pieces (ring_plan.py). The shared parts (block spec, accumulator,
-packing, autograd) are in cp_toolkit.py.
+packing, autograd) are in cp_toolkit.py. The "documents" layout runs the sparse shifts of ring_sparse.py instead.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAt
                                      block_backward, block_forward, count_sent, lse_for_backward, nbytes, pack_kv,
                                      prepare_call, unpack_kv)
 from parallelisms.ring_plan import DocumentShards
+from parallelisms.ring_sparse import sparse_backward, sparse_forward
 
 KV_TAG = 0
 
@@ -130,6 +131,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     """
     pg, docs = prepare_call(q, k, v, group, load_balancer, document_ids, _documents)
     spec = BlockSpec(pg, is_causal, scale, load_balancer, docs, stats)
+    if load_balancer == "documents":  # only the rows each rank can see travel (ring_sparse.py)
+        return LseAttentionFunction.apply(q, k, v, spec, sparse_forward, sparse_backward)
     return LseAttentionFunction.apply(q, k, v, spec, ring_forward, ring_backward)
 
 
@@ -137,6 +140,8 @@ def local_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
                             is_causal: bool = True, scale: float | None = None) -> torch.Tensor:
     """Exact attention over one whole sequence held by this rank (q (B, Hq, S, D), k/v (B, Hkv, S, D), positions in
     order), with `documents` of that sequence (one shard): the ring's pieces at P = 1 without a process group. Ulysses
-    runs this after its all-to-all, so documents never need an (S, S) mask there either."""
-    spec = BlockSpec(None, is_causal, scale, "contiguous", documents, None)
+    runs this after its all-to-all, so documents never need an (S, S) mask there either. `documents` with positions
+(the documents layout, in any order) are cut by position segments instead."""
+    layout = "documents" if documents is not None and documents.positions is not None else "contiguous"
+    spec = BlockSpec(None, is_causal, scale, layout, documents, None)
     return LseAttentionFunction.apply(q, k, v, spec, ring_forward, ring_backward)

@@ -15,11 +15,18 @@ task's causal triangle. `task_pieces` writes it as `Piece`s (batch rows, query r
 rectangles and top-left causal squares, which every kernel computes without a mask; pieces are disjoint, so their
 (out, lse) merge exactly. A (S x S) mask would cost 32 GiB per block at 128K tokens per rank; pieces cost O(runs) and
 the work is the visible pairs. Rows that see nothing get no piece (out 0, lse -inf in the accumulator).
+
+The "documents" layout (document_layout.py) is planned per row, so no fixed block task describes it. Its pieces come
+from position segments instead (runs of one document at consecutive global positions): two segments of one document
+on different ranks hold disjoint position intervals, so a query segment sees a key segment whole (keys earlier),
+not at all (keys later), or as a causal square (the same segment). `visible_rows` lists the K/V rows of a source
+that a rank's pieces read: all the sparse ring (ring_sparse.py) sends.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from parallelisms.sequence_sharding import local_positions
@@ -125,16 +132,85 @@ def plain_pieces(tasks: list[BlockTask]) -> list[Piece]:
     return [Piece(FULL, t.q_rows, t.kv_rows, t.is_causal) for t in tasks]
 
 
+Segment = tuple[int, int, int, int]  # (document id, first local row, end local row, first global position)
+
+
+def position_segments(ids: torch.Tensor, positions: torch.Tensor) -> list[list[Segment]]:
+    """Per batch row of host (B, L) ids and global positions: the runs of one document at consecutive positions."""
+    segments = []
+    for row_ids, row_pos in zip(ids, positions):
+        breaks = (row_ids[1:] != row_ids[:-1]) | (row_pos[1:] != row_pos[:-1] + 1)
+        starts = [0, *(torch.nonzero(breaks).flatten() + 1).tolist()]
+        ends = starts[1:] + [row_ids.numel()]
+        segments.append(list(zip(row_ids[starts].tolist(), starts, ends, row_pos[starts].tolist())))
+    return segments
+
+
+def segment_pieces(q_segs: list[list[Segment]], k_segs: list[list[Segment]], same_rank: bool,
+                   is_causal: bool) -> list[Piece]:
+    """The mask-free pieces of one rank's query segments against a source's key segments, row by row."""
+    pieces = []
+    for row, (qs, ks) in enumerate(zip(q_segs, k_segs)):
+        keys: dict[int, list[Segment]] = {}
+        for seg in ks:
+            keys.setdefault(seg[0], []).append(seg)
+        for doc, a, b, qpos in qs:
+            for _, c, d, kpos in keys.get(doc, ()):
+                if not is_causal or kpos + (d - c) <= qpos:
+                    pieces.append(Piece(slice(row, row + 1), slice(a, b), slice(c, d), False))
+                elif same_rank and kpos == qpos:
+                    pieces.append(Piece(slice(row, row + 1), slice(a, b), slice(c, d), True))
+    return pieces
+
+
 class DocumentShards:
     """Every CP rank's document ids (B, L_local), so any rank can cut any K/V block it receives into pieces.
 
     The runs are read on the host once (one device sync) and the pieces of each (rank, source) are cached here, so
     every layer of a step reuses them (context_parallel builds one DocumentShards per batch)."""
 
-    def __init__(self, per_rank: list[torch.Tensor]):
+    def __init__(self, per_rank: list[torch.Tensor], positions: torch.Tensor | None = None):
         self.per_rank = per_rank
+        self.positions = positions  # (P, B, L) host positions of the "documents" layout, else None
         self._runs: list[list[list[Run]]] | None = None
+        self._segments: list[list[list[Segment]]] | None = None
         self._pieces: dict = {}
+
+    @classmethod
+    def from_layout(cls, full_ids: torch.Tensor, layout) -> "DocumentShards":
+        """Every rank's ids and positions under a DocumentLayout (the documents load balancer)."""
+        return cls([layout.shard(full_ids, 1, r) for r in range(layout.cp_size)], layout.positions)
+
+    def segments(self, rank: int) -> list[list[Segment]]:
+        if self._segments is None:
+            host = torch.stack(self.per_rank).cpu()
+            self._segments = [position_segments(ids, pos) for ids, pos in zip(host, self.positions)]
+        return self._segments[rank]
+
+    def layout_pieces(self, rank: int, src: int, is_causal: bool) -> list[Piece]:
+        """The pieces of `rank`'s queries against `src`'s keys under the documents layout (cached)."""
+        key = ("layout", rank, src, is_causal)
+        if key not in self._pieces:
+            self._pieces[key] = segment_pieces(self.segments(rank), self.segments(src), rank == src, is_causal)
+        return self._pieces[key]
+
+    def visible_rows(self, rank: int, src: int, is_causal: bool) -> torch.Tensor:
+        """Flat (batch * L + row) indices, increasing, of `src`'s K/V rows that `rank`'s pieces read (int64, host)."""
+        key = ("rows", rank, src, is_causal)
+        if key not in self._pieces:
+            batch, local_len = self.per_rank[src].shape
+            seen = np.zeros(batch * local_len, dtype=bool)
+            for p in self.layout_pieces(rank, src, is_causal):
+                seen[p.batch.start * local_len + p.kv_rows.start:p.batch.start * local_len + p.kv_rows.stop] = True
+            self._pieces[key] = torch.from_numpy(np.flatnonzero(seen))
+        return self._pieces[key]
+
+    def visible_rows_on(self, device: torch.device, rank: int, src: int, is_causal: bool) -> torch.Tensor:
+        """`visible_rows` on `device`, copied there once per batch (every layer reuses it, no copy per call)."""
+        key = ("rows on", str(device), rank, src, is_causal)
+        if key not in self._pieces:
+            self._pieces[key] = self.visible_rows(rank, src, is_causal).to(device)
+        return self._pieces[key]
 
     @classmethod
     def from_full(cls, full_ids: torch.Tensor, cp_size: int, load_balancer: str) -> "DocumentShards":

@@ -10,8 +10,9 @@ test finds what would hang a real run:
 - the k-th send from a to b matches the k-th receive at b from a on the same communicator (NCCL has no tags), and
   only while both sit in the group their rank is running; sizes and dtypes must agree (NCCL would silently
   reinterpret the bytes);
-- a collective (`all_gather`, `all_gather_single`, `reduce_scatter_single`, `all_to_all_single`, with equal splits)
-  is a group of its own in the same stream order: it runs once every member of its communicator is running its k-th
+- a collective (`all_gather`, `all_gather_single`, `reduce_scatter_single`, `all_to_all_single`, with equal or
+  variable splits: rank i's j-th input split must be rank j's i-th output split) is a group of its own in the same
+  stream order: it runs once every member of its communicator is running its k-th
   collective on that communicator, and they must all be the same kind with the same sizes;
 - `new_group(ranks)` makes a sub-communicator (hybrid CP's Ulysses and ring groups);
 - buffers must be contiguous;
@@ -47,6 +48,7 @@ class _Op:
     done: bool = False
     collective: str | None = None  # kind of collective, None for point-to-point
     output: object = None  # a collective's output tensor (a list of tensors for all_gather)
+    splits: tuple | None = None  # all_to_all_single with variable splits: (output splits, input splits)
 
     def describe(self) -> str:
         if self.collective is not None:
@@ -99,8 +101,34 @@ def _check_contiguous(rank: int, *tensors: torch.Tensor) -> None:
             raise ValueError(f"rank {rank}: NCCL needs contiguous buffers, got strides {t.stride()}")
 
 
+def _all_to_all_v(ops: list[_Op]) -> str | None:
+    """all_to_all_single with variable splits: rank i's j-th input split must be rank j's i-th output split."""
+    n = len(ops)
+    for op in ops:
+        out_splits, in_splits = op.splits
+        if len(out_splits) != n or len(in_splits) != n or sum(in_splits) != op.tensor.numel() \
+                or sum(out_splits) != op.output.numel() or op.output.dtype != op.tensor.dtype:
+            return f"all_to_all_single on ranks {list(op.comm)}: rank {op.rank}'s splits {op.splits} do not fit its " \
+                   f"input {op.tensor.numel()} / output {op.output.numel()} x {op.tensor.dtype}"
+    for i, a in enumerate(ops):
+        for j, b in enumerate(ops):
+            if a.splits[1][j] != b.splits[0][i]:
+                return f"all_to_all_single on ranks {list(a.comm)}: rank {a.rank} sends {a.splits[1][j]} elements " \
+                       f"to rank {b.rank}, which expects {b.splits[0][i]}"
+    with torch.no_grad():
+        for i, a in enumerate(ops):
+            out_at = [sum(a.splits[0][:j]) for j in range(n)]
+            for j, b in enumerate(ops):
+                at = sum(b.splits[1][:i])
+                a.output.view(-1)[out_at[j]:out_at[j] + a.splits[0][j]].copy_(
+                    b.tensor.reshape(-1)[at:at + b.splits[1][i]])
+    return None
+
+
 def _execute(kind: str, ops: list[_Op]) -> str | None:
     """Runs one collective over its members' ops (in communicator rank order); returns an error or None."""
+    if kind == "all_to_all_single_v":
+        return _all_to_all_v(ops)
     n, inputs = len(ops), [op.tensor for op in ops]
     if len({(t.numel(), t.dtype) for t in inputs}) != 1:
         return f"{kind} on ranks {list(ops[0].comm)}: inputs differ: {[(t.numel(), t.dtype) for t in inputs]}"
@@ -165,13 +193,14 @@ class NcclP2PWorld:
             self.cond.notify_all()
             return [_Work(self, op) for op in group.ops]
 
-    def collective(self, rank: int, comm: tuple, kind: str, output, tensor: torch.Tensor) -> _Work:
+    def collective(self, rank: int, comm: tuple, kind: str, output, tensor: torch.Tensor, splits=None) -> _Work:
         """A collective is a group of its own, in stream order with the point-to-point groups."""
         with self.cond:
             _check_contiguous(rank, tensor, *(output if isinstance(output, list) else [output]))
             count = self.collective_counts.get((comm, rank), 0)
             self.collective_counts[(comm, rank)] = count + 1
-            op = _Op(False, rank, -1, tensor, len(self.groups[rank]), count, comm, collective=kind, output=output)
+            op = _Op(False, rank, -1, tensor, len(self.groups[rank]), count, comm, collective=kind, output=output,
+                     splits=splits)
             self.groups[rank].append(_Group([op]))
             self._progress()
             self.cond.notify_all()
@@ -289,9 +318,9 @@ def _patched_dist(world: NcclP2PWorld, local: threading.local) -> dict:
     def group_of(group) -> SimGroup:
         return group if isinstance(group, SimGroup) else local.world_group
 
-    def run(group, kind, output, tensor, async_op):
+    def run(group, kind, output, tensor, async_op, splits=None):
         g = group_of(group)
-        work = world.collective(g.global_rank, g.members, kind, output, tensor)
+        work = world.collective(g.global_rank, g.members, kind, output, tensor, splits)
         if async_op:
             return work
         work.wait()
@@ -317,7 +346,10 @@ def _patched_dist(world: NcclP2PWorld, local: threading.local) -> dict:
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False):
         if output_split_sizes is not None or input_split_sizes is not None:
-            raise NotImplementedError("the NCCL-rule double runs all_to_all_single with equal splits only")
+            n = group_of(group).size
+            splits = (tuple(output_split_sizes or [output.numel() // n] * n),
+                      tuple(input_split_sizes or [input.numel() // n] * n))
+            return run(group, "all_to_all_single_v", output, input, async_op, splits)
         return run(group, "all_to_all_single", output, input, async_op)
 
     def new_group(ranks=None, *args, **kwargs):

@@ -22,12 +22,14 @@ from training.step import StepSetup, cp_context
 EVAL_SEED_OFFSET = 1_000_003
 
 
-def _full_predictions(logits: torch.Tensor, cp_mesh, cp_size: int, load_balancer: str) -> torch.Tensor:
+def _full_predictions(logits: torch.Tensor, cp_mesh, cp_size: int, load_balancer: str,
+                      document_ids: torch.Tensor | None) -> torch.Tensor:
     if hasattr(logits, "full_tensor"):  # tensor-parallel logits are sharded over the vocabulary
         logits = logits.full_tensor()
     predictions = logits.argmax(dim=-1)
     if cp_size > 1:
-        predictions = unshard_sequence(predictions.contiguous(), 1, cp_mesh, load_balancer=load_balancer)
+        predictions = unshard_sequence(predictions.contiguous(), 1, cp_mesh, load_balancer=load_balancer,
+                                       document_ids=document_ids)
     return predictions
 
 
@@ -49,9 +51,10 @@ def answer_hits(model, rows, indices: list[int], device: torch.device, cp_contex
         fields = [rows.row_fields(i) for i in indices[start:start + batch_size]]
         batch = {k: torch.from_numpy(np.stack([f[k] for f in fields])).to(device) for k in fields[0]}
         labels = batch["labels"].clone()
+        full_ids = batch["document_ids"].clone() if "document_ids" in batch else None  # the documents layout's plan
         with cp_context(batch) if cp_context else contextlib.nullcontext():
             logits = model(batch["input_ids"], batch["position_ids"])
-        predictions = _full_predictions(logits, cp_mesh, cp_size, load_balancer)
+        predictions = _full_predictions(logits, cp_mesh, cp_size, load_balancer, full_ids)
         answer = labels != IGNORE_INDEX
         hits = ((predictions == labels) | ~answer).all(dim=1)
         correct += int(hits.sum())
@@ -130,7 +133,8 @@ def long_document_loss(model, sources: list, rows: int, *, device: torch.device,
             token_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                                                            reduction="none").view(1, -1)
         if cp_size > 1:
-            token_loss = unshard_sequence(token_loss.contiguous(), 1, cp_mesh, load_balancer=load_balancer)
+            token_loss = unshard_sequence(token_loss.contiguous(), 1, cp_mesh, load_balancer=load_balancer,
+                                          document_ids=torch.from_numpy(fields["document_ids"][None]))
         token_loss = token_loss[0].double().cpu().numpy()
         valid = labels[0].cpu().numpy() != IGNORE_INDEX
         for b, (lo, hi) in enumerate(buckets):

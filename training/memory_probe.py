@@ -146,7 +146,8 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
     """Runs on an initialised (fake) process group; builds, parallelizes and steps the model under fake tensors.
 
     The micro-step is the trainer's own (training/step.py), without document masking: document ids are data, and
-    fake tensors hold none (a masked ring skips blocks, so causal attention is the upper bound)."""
+    fake tensors hold none (a masked ring skips blocks, so causal attention is the upper bound). The documents CP
+    layout is measured as its row of one document, zigzag's layout: the same S / P tokens per rank."""
     p, t = cfg.parallelism, cfg.training
     dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
     mesh = dims.build_mesh("cpu")
@@ -155,6 +156,8 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
         model = Llama(mcfg)
     model = parallelize(model, mesh, cfg)
     global_tokens = t.global_batch_rows(dims.dp) * t.seq_len
+    if p.cp_load_balancer == "documents":  # no ids to plan from: its one-document row, which is zigzag's layout
+        p = dataclasses.replace(p, cp_load_balancer="zigzag")
     setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
                       stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
     with FakeTensorMode(allow_non_fake_inputs=True), _sharding_propagation_in_its_own_fake_mode():

@@ -68,3 +68,25 @@ def test_ring_forward_and_backward_keep_nccls_grouping_rule(monkeypatch, size, b
     for got, want in zip(zip(*per_rank), [expected, *(t.grad for t in full)]):
         want_local = [shard_sequence(want, 2, r, size, balancer) for r in range(size)]
         assert max(relative_error(a, b) for a, b in zip(got, want_local)) < 1e-5
+
+
+def _variable_all_to_all(group, lie: bool):
+    import torch.distributed as dist
+
+    from parallelisms.comm import all_to_all_rows
+
+    # rank r sends r + 1 + j elements to rank j; rank 1 claims one element too many from rank 0 when `lie`
+    send = torch.cat([torch.full((group.rank + 1 + j,), float(group.rank)) for j in range(group.size)])
+    out_splits = [r + 1 + group.rank for r in range(group.size)]
+    if lie and group.rank == 1:
+        out_splits[0] += 1
+    recv = torch.empty(sum(out_splits))
+    all_to_all_rows(recv, send, out_splits, [group.rank + 1 + j for j in range(group.size)], group)
+    return recv
+
+
+def test_the_double_runs_all_to_all_with_variable_splits_and_refuses_mismatched_ones(monkeypatch):
+    received = run_ring_ranks(lambda g: _variable_all_to_all(g, False), 3, monkeypatch)
+    assert received[2].tolist() == [0.0] * 3 + [1.0] * 4 + [2.0] * 5
+    with pytest.raises(Exception, match="rank 0 sends 2 elements to rank 1, which expects 3"):
+        run_ring_ranks(lambda g: _variable_all_to_all(g, True), 3, monkeypatch)

@@ -1,0 +1,47 @@
+"""The trainer with parallelism.cp_load_balancer = "documents" (slow tier): its losses are those of every document
+run alone through a plain model (cp2 x tp2), and a dp_shard2 x cp2 run resumed from a zigzag checkpoint onto the
+documents layout continues the zigzag run's losses."""
+import os
+import shutil
+
+import pytest
+
+from bench.loss_parity import max_relative_error, reference_run, trainer_run
+from tests.trainer_runs import read_metrics, run_train
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
+
+DOCUMENTS = ["--data.document_masking", "true", "--parallelism.cp_load_balancer", "documents"]
+
+
+def test_documents_layout_on_cp2_tp2_matches_every_document_run_alone():
+    steps, seq = 3, 192
+    alone = reference_run(steps, seq, document_masking=True)
+    records = trainer_run(dict(cp=2, tp=2, dp_shard=1), steps, seq, extra=DOCUMENTS, timeout=300)
+    errors = {key: max_relative_error(alone, records, key) for key in ("loss", "grad_norm")}
+    print(f"documents layout, cp2 x tp2: max relative error vs documents run alone: {errors}")
+    assert errors["loss"] <= 1e-5 and errors["grad_norm"] <= 1e-5, (records, alone)
+
+
+RESUME = ["--training.steps", "6", "--training.seq_len", "128", "--training.local_batch_size", "2",
+          "--parallelism.dp_shard", "2", "--parallelism.cp", "2", "--checkpoint.enable", "true",
+          "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0", "--metrics.enable_tensorboard", "false",
+          "--data.document_masking", "true"]
+
+
+def _train(folder: str, *extra: str):
+    result = run_train(*RESUME, "--job.dump_folder", folder, *extra, nproc=4, timeout=300, forked=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, {r["step"]: r["loss"] for r in read_metrics(folder)}
+
+
+def test_resume_from_a_zigzag_checkpoint_onto_the_documents_layout(tmp_path):
+    source, resumed = str(tmp_path / "zigzag"), str(tmp_path / "documents")
+    _, reference = _train(source, "--parallelism.cp_load_balancer", "zigzag")
+    os.makedirs(os.path.join(resumed, "checkpoints"))
+    shutil.copytree(os.path.join(source, "checkpoints", "step-3"), os.path.join(resumed, "checkpoints", "step-3"))
+    result, losses = _train(resumed, "--parallelism.cp_load_balancer", "documents")
+    assert "resumed from" in result.stdout and "(step 3)" in result.stdout
+    worst = max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in range(4, 7))
+    print(f"dp_shard2 x cp2, zigzag -> documents at step 3: max relative loss difference, steps 4-6: {worst:.2e}")
+    assert worst <= 1e-5, (reference, losses)
