@@ -13,7 +13,7 @@ from config import RecipeError
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2**30
 TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--model.vocab_size", "256", "--training.seq_len", "256", "--training.steps", "9", "--training.local_batch_size", "1",
+        "--model.vocab_size", "512", "--training.seq_len", "256", "--training.steps", "9", "--training.local_batch_size", "1",
         "--activation_checkpoint.mode", "full", "--training.dtype", "bfloat16"]
 
 
@@ -181,3 +181,36 @@ def test_impossible_target_names_the_smallest_gpu_count():
     assert "\n" not in result["message"] and "smallest GPU count that fits is" in result["message"]
     assert result["named"] > 1
     assert result["named"] == 2 or result["peak_below"] > 2.5 / 1024
+
+
+# ---- end to end -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_planned_recipe_passes_check_and_dry_run_unchanged(tmp_path):
+    """plan -> the written file -> --check -> --dry-run, through the launcher, the file untouched in between."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    env.pop("NPROC", None)
+    out = tmp_path / "tiny_8k_4gpu.toml"
+
+    def launch(*args):
+        return subprocess.run([os.path.join(ROOT, "run_train.sh"), *map(str, args)], capture_output=True, text=True,
+                              env=env, cwd=ROOT, timeout=300)
+
+    planned = launch("recipes/debug.toml", "--plan-ramp", "--gpus", 4, "--target-seq-len", 8192, "--stages", 3,
+                     "--out", out, *TINY, "--hardware.device_memory_gib", _memory_gib(12.0),
+                     "--training.tokens_per_step", 32768, "--data.cache_dir", tmp_path / "cache")
+    assert planned.returncode == 0, planned.stdout + planned.stderr[-2000:]
+    assert "total:" in planned.stdout and "GPU-hours" in planned.stdout
+    written = out.read_text()
+    checked = launch(out, "--check")
+    assert checked.returncode == 0 and checked.stdout.strip().splitlines()[-1] == "4", checked.stderr[-2000:]
+    dry = launch(out, "--dry-run", "--job.dump_folder", tmp_path / "dry")
+    assert dry.returncode == 0, dry.stdout + dry.stderr[-2000:]
+    assert out.read_text() == written
+    stages = json.loads((tmp_path / "dry" / "dry_run.json").read_text())["stages"]
+    assert [(s["seq_len"], s["fits"]) for s in stages] == [(256, True), (2048, True), (8192, True)]
+    assert stages[-1]["cp"] > 1
