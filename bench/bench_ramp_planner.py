@@ -52,9 +52,10 @@ def main() -> int:
         half = stage_candidate(base, args.gpus, last.chosen.tp, last.chosen.cp // 2, last.chosen.offload,
                                last.seq_len, last.rope_theta, 2 * plan.tokens_per_step)
         peak = measure_row(PlanRow("half", half), args.gpus, base.hardware.gpus_per_node).peak_gib
+        verdict = "fits" if peak <= plan.usable_gib else "does not fit"
         print(f"last stage ({last.seq_len:,} tokens): cp {last.chosen.cp} peak {last.measured.peak_gib:.1f} GiB; "
-              f"cp {last.chosen.cp // 2} (measured) {peak:.1f} GiB: {'fits' if peak <= plan.usable_gib else 'does not fit'}"
-              f" in {plan.usable_gib:g} GiB; with this batch: {'; '.join(last.rejected) or '-'}")
+              f"cp {last.chosen.cp // 2} (measured) {peak:.1f} GiB: {verdict} in {plan.usable_gib:g} GiB; with this "
+              f"batch: {'; '.join(last.rejected) or '-'}")
     if args.compare:
         hand = load_config(args.compare)
         by_length = {row.cfg.training.seq_len: row for row in plan_rows(hand, args.gpus)}

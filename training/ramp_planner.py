@@ -146,8 +146,8 @@ def stage_candidate(base: Config, gpus: int, tp: int, cp: int, offload: bool, se
 def tp_options(base: Config, gpus: int) -> list[int]:
     """The base's TP, then doublings (more TP only when nothing fits without it): within a node, dividing the KV
     heads and the GPUs."""
-    m, tp, out = recipe_model_config(base), base.parallelism.tp, []
-    while tp <= base.hardware.gpus_per_node and m.num_kv_heads % tp == 0 and gpus % (tp * base.parallelism.dp_replicate) == 0:
+    m, tp, out, replicas = recipe_model_config(base), base.parallelism.tp, [], base.parallelism.dp_replicate
+    while tp <= base.hardware.gpus_per_node and m.num_kv_heads % tp == 0 and gpus % (tp * replicas) == 0:
         out.append(tp)
         tp *= 2
     return out

@@ -13,7 +13,8 @@ from config import RecipeError
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2**30
 TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--model.vocab_size", "512", "--training.seq_len", "256", "--training.steps", "9", "--training.local_batch_size", "1",
+        "--model.vocab_size", "512", "--training.seq_len", "256", "--training.steps", "9",
+        "--training.local_batch_size", "1",
         "--activation_checkpoint.mode", "full", "--training.dtype", "bfloat16"]
 
 
