@@ -7,6 +7,8 @@ with a roofline step time (training/dry_run.py).
 prints the number of ranks it needs, without starting a process group: run_train.sh calls it first so bad input
 fails in one line. `--prepare-data` tokenizes the recipe's sources into their stores and stops. `--show-rows N
 [--json]` prints the first N training rows of the first stage (training/show_rows.py) and stops.
+`--plan-ramp --gpus N --target-seq-len L [--out F] [--offload auto|on|off] [--stages K] [--tokens-per-stage T]`
+writes a recipe whose [[ramp]] stages grow the context to L on N GPUs, each measured to fit (training/ramp_recipe.py).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from training.trainer import Trainer
 
 
 def parse_cli(argv: list[str]) -> tuple[str, list[str], set[str]]:
-    flags = {a for a in argv if a in ("--print-config", "--check", "--dry-run", "--prepare-data", "--json")}
+    flags = {a for a in argv if a in ("--print-config", "--check", "--dry-run", "--prepare-data", "--json",
+                                       "--plan-ramp")}
     rest = [a for a in argv if a not in flags]
     recipe = default_recipe()
     if rest and not rest[0].startswith("--"):
@@ -48,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         show_count, argv = show_rows_count(argv)
         recipe, overrides, flags = parse_cli(argv)
+        if "--plan-ramp" in flags:  # one process: probes on a fake process group, then a recipe is written
+            from training.ramp_lengths import parse_plan_args
+            from training.ramp_recipe import run_plan_ramp
+
+            request, overrides = parse_plan_args(overrides)
+            tail = " ".join(a for a in argv if a not in (recipe, "--plan-ramp"))
+            return run_plan_ramp(load_config(recipe, overrides), request, f" {tail}" if tail else "")
         cfg = load_config(recipe, overrides)
         if "--print-config" in flags:
             print(to_toml(cfg))

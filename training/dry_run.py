@@ -76,16 +76,24 @@ def measure_row(row: PlanRow, world: int, gpus_per_node: int) -> RowResult:
     ranks = ranks_that_matter(dims)
     memories = [measure_memory(cfg, world, mcfg.n_layers, rank) for rank in ranks]
     memory = max(memories, key=lambda m: m.peak)
+    return RowResult(row, world, dims, memory, roofline_times(cfg, dims, gpus_per_node, memory.cp_ring_bytes), ranks)
+
+
+def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float | None) -> dict:
+    """The stated roofline's step times of one config (training/roofline.py); `cp_ring_bytes` None = estimated.
+    The ramp planner ranks candidate layouts with it before measuring the best."""
     t, p = cfg.training, cfg.parallelism
     grad_accum = t.grad_accum_steps(dims.dp)
     layout = Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node)
-    cost = step_cost(mcfg, layout, seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum=grad_accum,
-                     dtype=t.dtype, ac_mode=cfg.activation_checkpoint.mode, ac_every=cfg.activation_checkpoint.every,
-                     reshard_after_forward=p.reshard_after_forward, cp_ring_bytes=memory.cp_ring_bytes)
+    cost = step_cost(recipe_model_config(cfg), layout, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+                     grad_accum=grad_accum, dtype=t.dtype, ac_mode=cfg.activation_checkpoint.mode,
+                     ac_every=cfg.activation_checkpoint.every, reshard_after_forward=p.reshard_after_forward,
+                     cp_ring_bytes=cp_ring_bytes)
     times = cost.times(H100_SXM)
-    times["tokens_per_gpu_s"] = t.local_batch_size * dims.dp * grad_accum * t.seq_len / times["overlap_s"] / world
+    times["tokens_per_gpu_s"] = (t.local_batch_size * dims.dp * grad_accum * t.seq_len / times["overlap_s"]
+                                 / dims.world_size)
     times["comm_gib"] = (cost.nvlink_bytes + cost.ib_bytes) / GIB
-    return RowResult(row, world, dims, memory, times, ranks)
+    return times
 
 
 def _with(cfg: Config, section: str, **values) -> Config:

@@ -1,0 +1,217 @@
+"""`--plan-ramp` on a tiny model: the parts that need no measurement against closed forms, and the plans against
+the dry run's own measurement of the layouts the planner did not take (minimality, the smallest GPU count)."""
+import concurrent.futures
+import math
+import multiprocessing
+import os
+import sys
+
+import pytest
+
+from config import RecipeError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GIB = 2**30
+TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--model.vocab_size", "512", "--training.seq_len", "256", "--training.steps", "9",
+        "--training.local_batch_size", "1",
+        "--activation_checkpoint.mode", "full", "--training.dtype", "bfloat16"]
+
+
+def _in_fresh_process(fn, *args, timeout=300):
+    """Every probe starts its own (fake) default process group: keep them out of the pytest process."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(fn, *args).result(timeout=timeout)
+
+
+def _tiny(*overrides):
+    from config.recipe import load_config
+
+    return load_config(os.path.join(ROOT, "recipes", "debug.toml"), TINY + list(overrides))
+
+
+def _memory_gib(usable_mib: float) -> str:
+    from training.dry_run import RUNTIME_RESERVE_GIB
+
+    return repr(RUNTIME_RESERVE_GIB + usable_mib / 1024)
+
+
+# ---- no measurement -------------------------------------------------------------------------------------------------
+
+def test_rope_rule_is_never_below_the_men_bound_and_never_decreases():
+    from training.rope_rule import round_up_125, stage_rope_theta
+
+    theta = 500000.0
+    for seq_len in (8192, 65536, 262144, 524288, 1048576):
+        new = stage_rope_theta(seq_len, theta)
+        bound = 0.0424 * seq_len**1.628  # Men et al. 2024, Fig. 1
+        assert new >= bound and new >= theta
+        assert new == theta or new < 2.5 * bound  # the next 1/2/5 step, no more
+        mantissa = new / 10 ** math.floor(math.log10(new))
+        assert round(mantissa, 9) in (1, 2, 5)
+        theta = new
+    assert stage_rope_theta(8192, 500000.0) == 500000.0  # the pretrained base is above the bound at 8K
+    assert [round_up_125(x) for x in (0.9, 1.0, 1.01, 2.5, 7e6)] == [1.0, 1.0, 2.0, 5.0, 1e7]
+
+
+def test_stage_lengths_grow_geometrically_by_powers_of_two_to_the_target():
+    from training.ramp_lengths import stage_lengths
+
+    assert stage_lengths(8192, 1048576, 4) == [8192, 32768, 262144, 1048576]
+    default = stage_lengths(8192, 1048576)
+    assert default[0] == 8192 and default[-1] == 1048576
+    assert all(1 < b / a <= 8 for a, b in zip(default, default[1:]))
+    assert stage_lengths(4096, 4096) == [4096]
+    assert stage_lengths(512, 3000, 2) == [512, 3000]  # the target need not be a power of two
+    with pytest.raises(RecipeError, match="--stages 9"):
+        stage_lengths(512, 2048, 9)
+
+
+def test_plan_flags_are_taken_out_and_overrides_kept():
+    from training.ramp_lengths import PlanRequest, default_out, parse_plan_args
+
+    request, rest = parse_plan_args(["--gpus", "8", "--target-seq-len=1048576", "--model.name", "llama3_70b",
+                                     "--offload", "on", "--stages", "4", "--tokens-per-stage", "1000"])
+    assert request == PlanRequest(gpus=8, target_seq_len=1048576, offload="on", stages=4, tokens_per_stage=1000)
+    assert rest == ["--model.name", "llama3_70b"]
+    assert default_out("recipes/llama3_8b_1m.toml", request) == os.path.join("recipes", "llama3_8b_1m_8gpu.toml")
+    assert default_out("x/debug.toml", PlanRequest(4, 3000)) == os.path.join("recipes", "debug_3000_4gpu.toml")
+    with pytest.raises(RecipeError, match="--target-seq-len"):
+        parse_plan_args(["--gpus", "8"])
+    with pytest.raises(RecipeError, match="whole number"):
+        parse_plan_args(["--gpus", "eight", "--target-seq-len", "8"])
+
+
+def test_tokens_per_step_and_steps_per_stage():
+    from training.ramp_lengths import PlanRequest, stage_steps, tokens_per_step_for
+
+    base = _tiny()  # local_batch_size 1 x dp_shard 2 rows of 256 = 512 tokens per step
+    assert tokens_per_step_for(base, 4, [256, 512]) == 512
+    assert tokens_per_step_for(base, 4, [256, 1024]) == 1024
+    assert tokens_per_step_for(base, 4, [256, 1024, 3072]) == 3072  # one whole row of the longest
+    base.training.tokens_per_step = 8192
+    assert tokens_per_step_for(base, 4, [256, 2048]) == 8192
+    assert stage_steps(base, PlanRequest(4, 2048), 2, 8192) == [4, 5]  # the base's 9 steps split evenly
+    assert stage_steps(base, PlanRequest(4, 2048, tokens_per_stage=20000), 2, 8192) == [3, 3]
+
+
+# ---- plans, measured ------------------------------------------------------------------------------------------------
+
+def _plan_and_check(usable_mib: float):
+    """A 3-stage plan to 8K on 4 GPUs and the dry run's measurement of the last stage at half
+    the planned CP."""
+    sys.path.insert(0, ROOT)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import dataclasses
+
+    from training.dry_run import PlanRow, measure_row
+    from training.ramp_lengths import PlanRequest
+    from training.ramp_planner import plan_ramp, stage_candidate
+    from training.ramp_recipe import render_recipe
+
+    base = _tiny("--hardware.device_memory_gib", _memory_gib(usable_mib), "--training.tokens_per_step", "32768")
+    request = PlanRequest(gpus=4, target_seq_len=8192, stages=3, offload="off")
+    plans = [plan_ramp(base, request)]  # a rerun gives the same plan: bench/bench_ramp_planner.py
+    texts = [render_recipe(p, "recipes/x.toml", "recipes/debug.toml") for p in plans]
+    last = plans[0].stages[-1]
+    half = stage_candidate(base, 4, 1, last.chosen.cp // 2, False, last.seq_len, last.rope_theta,
+                           plans[0].tokens_per_step)
+    half_peak = measure_row(PlanRow("half", half), 4, 8).peak_gib
+    stages = [dict(seq_len=s.seq_len, cp=s.chosen.cp, peak=s.measured.peak_gib, predicted=s.chosen.predicted_gib,
+                   step_s=s.step_s) for s in plans[0].stages]
+    return dict(texts=texts, stages=stages, half_peak=half_peak, usable=plans[0].usable_gib,
+                cp_max_step_s=measure_row(PlanRow("max", stage_candidate(
+                    base, 4, 1, 4, False, last.seq_len, last.rope_theta, plans[0].tokens_per_step)), 4, 8)
+                .times["overlap_s"])
+
+
+@pytest.fixture(scope="module")
+def tight_plan():
+    """12 MiB usable: the tiny model's 8K row needs CP (about 5 MiB per 1K tokens a rank holds)."""
+    return _in_fresh_process(_plan_and_check, 12.0)
+
+
+def test_every_planned_stage_fits(tight_plan):
+    assert [s["seq_len"] for s in tight_plan["stages"]] == [256, 2048, 8192]
+    for stage in tight_plan["stages"]:
+        assert stage["peak"] <= tight_plan["usable"]
+        assert stage["predicted"] == pytest.approx(stage["peak"], rel=0.15)  # the line against the measurement
+
+
+def test_last_stage_cp_is_minimal_and_no_slower_than_the_largest(tight_plan):
+    last = tight_plan["stages"][-1]
+    assert last["cp"] > 1
+    assert tight_plan["half_peak"] > tight_plan["usable"]  # the dry run's probe: half the CP does not fit
+    assert last["step_s"] <= tight_plan["cp_max_step_s"]
+
+
+def test_written_recipe_names_why_and_the_rope_source(tight_plan):
+    text = tight_plan["texts"][0]
+    assert text.count("\n[[ramp]]\n") == 3
+    assert "Men et al. 2024" in text and "Not a smaller CP: cp 1:" in text
+    assert "tokens_per_step = 32768" in text
+
+
+def _impossible(usable_mib: float):
+    sys.path.insert(0, ROOT)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from training.dry_run import PlanRow, measure_row
+    from training.ramp_lengths import PlanRequest
+    from training.ramp_planner import plan_ramp, stage_candidate
+
+    base = _tiny("--hardware.device_memory_gib", _memory_gib(usable_mib), "--training.tokens_per_step", "8192")
+    try:
+        plan_ramp(base, PlanRequest(gpus=1, target_seq_len=2048, stages=1, offload="on"))
+    except RecipeError as e:
+        message = str(e)
+    else:
+        return dict(message=None)
+    named = int(message.split("rerun with --gpus ")[1].rstrip("."))
+    below = named // 2  # the largest CP on half the GPUs, with offload: the least memory a layout there can take
+    peak_below = measure_row(PlanRow("below", stage_candidate(base, below, 1, below, True, 2048, 5e5, 8192)),
+                             below, 8).peak_gib
+    return dict(message=message, named=named, peak_below=peak_below)
+
+
+def test_impossible_target_names_the_smallest_gpu_count():
+    """2.5 MiB usable: the tiny model's state alone (about 2.3 MiB unsharded, plus the optimizer's temporaries) does
+    not fit one GPU."""
+    result = _in_fresh_process(_impossible, 2.5)
+    assert result["message"] is not None
+    assert "\n" not in result["message"] and "smallest GPU count that fits is" in result["message"]
+    assert result["named"] > 1
+    assert result["named"] == 2 or result["peak_below"] > 2.5 / 1024
+
+
+# ---- end to end -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_planned_recipe_passes_check_and_dry_run_unchanged(tmp_path):
+    """plan -> the written file -> --check -> --dry-run, through the launcher, the file untouched in between."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    env.pop("NPROC", None)
+    out = tmp_path / "tiny_8k_4gpu.toml"
+
+    def launch(*args):
+        return subprocess.run([os.path.join(ROOT, "run_train.sh"), *map(str, args)], capture_output=True, text=True,
+                              env=env, cwd=ROOT, timeout=300)
+
+    planned = launch("recipes/debug.toml", "--plan-ramp", "--gpus", 4, "--target-seq-len", 8192, "--stages", 3,
+                     "--out", out, *TINY, "--hardware.device_memory_gib", _memory_gib(12.0),
+                     "--training.tokens_per_step", 32768, "--data.cache_dir", tmp_path / "cache")
+    assert planned.returncode == 0, planned.stdout + planned.stderr[-2000:]
+    assert "total:" in planned.stdout and "GPU-hours" in planned.stdout
+    written = out.read_text()
+    checked = launch(out, "--check")
+    assert checked.returncode == 0 and checked.stdout.strip().splitlines()[-1] == "4", checked.stderr[-2000:]
+    dry = launch(out, "--dry-run", "--job.dump_folder", tmp_path / "dry")
+    assert dry.returncode == 0, dry.stdout + dry.stderr[-2000:]
+    assert out.read_text() == written
+    stages = json.loads((tmp_path / "dry" / "dry_run.json").read_text())["stages"]
+    assert [(s["seq_len"], s["fits"]) for s in stages] == [(256, True), (2048, True), (8192, True)]
+    assert stages[-1]["cp"] > 1

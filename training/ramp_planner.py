@@ -1,0 +1,263 @@
+"""`--plan-ramp`: from a base recipe, a GPU count and a target length to a context ramp whose every stage fits.
+
+Per stage (lengths from training/ramp_lengths.py, RoPE from training/rope_rule.py) the planner picks the parallel
+layout with the best predicted step time among those that fit, in this order of preference: the base's TP, no
+activation offload, CP traded against dp_shard on the same GPUs. Memory is measured, not estimated, with the dry
+run's own probe (training/memory_probe.py: the trainer's step on a fake process group), but not once per candidate:
+for a fixed model, GPU count, TP and offload setting the forward/backward peak is linear in the tokens a rank holds
+per micro-step (activations, logits chunks, ring blocks are all tokens x width), so two probes fix a line per
+setting (`MemoryLine`). The line proposes; the dry run's full measurement of the chosen layout decides (the next
+candidate is measured when it does not fit). Step times are the dry run's roofline (training/roofline.py).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from config import RecipeError
+from config.schema import Config, RampTable
+from models.llama import recipe_model_config
+from training.dry_run import RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, roofline_times
+from training.memory_probe import GIB, RankMemory, measure_memory
+from training.preflight import preflight_stages
+from training.ramp_lengths import PlanRequest, stage_lengths, stage_steps, tokens_per_step_for
+from training.rope_rule import stage_rope_theta
+
+PROBE_TOKENS = (16384, 65536)
+"""Tokens per rank per micro-step of the two probes that fix a memory line (the planning table's points), or an
+eighth and a half of the target length when that is shorter."""
+
+
+@dataclass
+class MemoryLine:
+    """One rank's measured GiB on a fixed model, GPU count, TP and offload setting, as a function of the tokens T it
+    holds per micro-step: forward/backward peak `fixed + slope * T` (+ the sharded gradients when micro-steps
+    accumulate, as the dry run measures them), optimizer-step peak `optimizer` (no T in it), host `host_slope * T`."""
+    fixed: float
+    slope: float
+    optimizer: float
+    grads: float
+    host_slope: float
+    state: float
+    """Parameters, gradients and AdamW state of the rank (FSDP-sharded: ~1/GPUs)."""
+
+    def peak(self, tokens: float, accumulating: bool) -> float:
+        return max(self.fixed + self.slope * tokens + (self.grads if accumulating else 0.0), self.optimizer)
+
+    @classmethod
+    def through(cls, small: RankMemory, large: RankMemory, t_small: int, t_large: int) -> "MemoryLine":
+        slope = (large.peak_forward_backward - small.peak_forward_backward) / GIB / (t_large - t_small)
+        return cls(fixed=small.peak_forward_backward / GIB - slope * t_small, slope=slope,
+                   optimizer=max(small.peak_optimizer_step, large.peak_optimizer_step) / GIB,
+                   grads=large.grads / GIB, host_slope=large.host / GIB / t_large, state=large.state / GIB)
+
+
+@dataclass
+class Candidate:
+    """One layout of one stage: its resolved Config, the line's peak and the roofline's estimated step time."""
+    cfg: Config
+    cp: int
+    tp: int
+    offload: bool
+    predicted_gib: float
+    estimated_step_s: float
+
+
+@dataclass
+class PlannedStage:
+    seq_len: int
+    rope_theta: float
+    start_step: int
+    steps: int
+    chosen: Candidate
+    measured: RowResult
+    """The dry run's own measurement of the chosen layout (peak, host, roofline times with the measured ring)."""
+    rejected: list[str] = field(default_factory=list)
+    """Why each smaller CP (or cheaper setting) was not taken, one phrase each (for the recipe's comments)."""
+
+    @property
+    def step_s(self) -> float:
+        return self.measured.times["overlap_s"]
+
+    def gpu_hours(self, gpus: int) -> float:
+        return self.steps * self.step_s * gpus / 3600
+
+
+@dataclass
+class RampPlan:
+    base: Config
+    request: PlanRequest
+    tokens_per_step: int
+    offload: bool
+    stages: list[PlannedStage]
+    usable_gib: float
+
+    def total_gpu_hours(self) -> float:
+        return sum(s.gpu_hours(self.request.gpus) for s in self.stages)
+
+
+class ProbeCache:
+    """Memory lines by (tp, offload), each probed once per plan (two dry-run probes)."""
+
+    def __init__(self, base: Config, gpus: int, target_seq_len: int):
+        self.base, self.gpus, self.lines = base, gpus, {}
+        self.points = tuple(min(t, max(64, target_seq_len // d)) for t, d in zip(PROBE_TOKENS, (8, 2)))
+
+    def line(self, tp: int, offload: bool) -> MemoryLine:
+        if (tp, offload) not in self.lines:
+            sharded = self.gpus // (tp * self.base.parallelism.dp_replicate)
+            cp = 2 if sharded % 2 == 0 else 1  # a ring in the probe, so its blocks are on the line
+            points = []
+            for tokens in self.points:
+                cfg = layout_config(self.base, tp=tp, cp=cp, sharded=sharded, offload=offload)
+                cfg.training.seq_len, cfg.training.local_batch_size = tokens * cp, 1
+                cfg.training.global_batch_size, cfg.training.tokens_per_step = -1, 0
+                points.append(measure_memory(cfg, self.gpus, recipe_model_config(cfg).n_layers))
+            self.lines[tp, offload] = MemoryLine.through(*points, *self.points)
+        return self.lines[tp, offload]
+
+
+def layout_config(base: Config, *, tp: int, cp: int, sharded: int, offload: bool) -> Config:
+    """The base recipe on a planned layout: pp 1 (ramps need it), dp_shard x cp = the sharded GPUs, no ramp."""
+    cfg = copy.deepcopy(base)
+    cfg.ramp = []
+    p = cfg.parallelism
+    p.pp, p.tp, p.cp, p.dp_shard = 1, tp, cp, sharded // cp
+    ac = cfg.activation_checkpoint
+    ac.offload = offload
+    if offload and ac.mode == "none":
+        ac.mode = "full"  # offload moves what checkpointing keeps
+    return cfg
+
+
+def stage_candidate(base: Config, gpus: int, tp: int, cp: int, offload: bool, seq_len: int, theta: float,
+                    tokens_per_step: int) -> Config:
+    """The resolved Config a [[ramp]] stage with these values trains with (the trainer's own resolution and
+    checks: RecipeError when the layout cannot take this stage)."""
+    sharded = gpus // (tp * base.parallelism.dp_replicate)
+    cfg = layout_config(base, tp=tp, cp=1, sharded=sharded, offload=offload)
+    cfg.training.tokens_per_step, cfg.training.steps = tokens_per_step, 1
+    cfg.ramp = [RampTable(start_step=0, seq_len=seq_len, cp=cp, rope_theta=theta)]
+    return preflight_stages(cfg, gpus, check_data=False)[0].cfg
+
+
+def tp_options(base: Config, gpus: int) -> list[int]:
+    """The base's TP, then doublings (more TP only when nothing fits without it): within a node, dividing the KV
+    heads and the GPUs."""
+    m, tp, out, replicas = recipe_model_config(base), base.parallelism.tp, [], base.parallelism.dp_replicate
+    while tp <= base.hardware.gpus_per_node and m.num_kv_heads % tp == 0 and gpus % (tp * replicas) == 0:
+        out.append(tp)
+        tp *= 2
+    return out
+
+
+def candidates(base: Config, gpus: int, tp: int, offload: bool, seq_len: int, theta: float, tokens_per_step: int,
+               probes: ProbeCache, usable: float, rejected: list[str]) -> list[Candidate]:
+    """Every CP (a power of two on the sharded GPUs) whose stage resolves and whose line fits, best first."""
+    sharded = gpus // (tp * base.parallelism.dp_replicate)
+    out, cp = [], 1
+    while cp <= sharded:
+        if sharded % cp == 0:
+            try:
+                cfg = stage_candidate(base, gpus, tp, cp, offload, seq_len, theta, tokens_per_step)
+            except RecipeError as e:
+                rejected.append(f"cp {cp}: {_short(e)}")
+                cp *= 2
+                continue
+            t, dp = cfg.training, cfg.parallelism.dp_shard * cfg.parallelism.dp_replicate
+            tokens = t.local_batch_size * t.seq_len / cp
+            peak = probes.line(tp, offload).peak(tokens, t.grad_accum_steps(dp) > 1)
+            if peak > usable:
+                rejected.append(f"cp {cp}: {peak:.0f} GiB predicted > {usable:g}")
+            else:
+                dims = preflight_stages(cfg, gpus, check_data=False)[0].dims
+                times = roofline_times(cfg, dims, base.hardware.gpus_per_node, None)
+                out.append(Candidate(cfg, cp, tp, offload, peak, times["overlap_s"]))
+        cp *= 2
+    return sorted(out, key=lambda c: (c.estimated_step_s, c.cp))
+
+
+def _short(error: RecipeError) -> str:
+    """The reason of a stage check, without the recipe path and stage prefix."""
+    text = re.sub(r" \([^)]*\)", "", str(error).split(": ")[-1])
+    return text.split("; ")[0].rstrip(".")
+
+
+def plan_stage(base: Config, gpus: int, tp: int, seq_len: int, theta: float, tokens_per_step: int, offload: bool,
+               probes: ProbeCache, usable: float) -> tuple[Candidate, RowResult, list[str]] | None:
+    """The fastest layout of one stage that the dry run's measurement confirms fits, or None."""
+    rejected: list[str] = []
+    for candidate in candidates(base, gpus, tp, offload, seq_len, theta, tokens_per_step, probes, usable, rejected):
+        result = measure_row(PlanRow(f"{seq_len}", candidate.cfg), gpus, base.hardware.gpus_per_node)
+        if result.peak_gib <= usable:
+            return candidate, result, rejected
+        rejected.append(f"cp {candidate.cp}: measured {result.peak_gib:.1f} GiB > {usable:g}")
+    return None
+
+
+def plan_ramp(base: Config, request: PlanRequest) -> RampPlan:
+    """The plan, or a RecipeError naming the smallest GPU count (or the feature) that would make it fit."""
+    plan, failing_seq_len, probes = _plan(base, request)
+    if plan is None:
+        raise RecipeError(what_would_fit(base, request, failing_seq_len, probes))
+    return plan
+
+
+def _plan(base: Config, request: PlanRequest) -> tuple[RampPlan | None, int, ProbeCache]:
+    """(the plan, 0, probes), or (None, the first seq_len that fits no layout, probes)."""
+    request.check(base)
+    usable = base.hardware.device_memory_gib - RUNTIME_RESERVE_GIB
+    lengths = stage_lengths(min(base.training.seq_len, request.target_seq_len), request.target_seq_len,
+                            request.stages)
+    tokens_per_step = tokens_per_step_for(base, request.gpus, lengths)
+    steps = stage_steps(base, request, len(lengths), tokens_per_step)
+    probes = ProbeCache(base, request.gpus, request.target_seq_len)
+    # [[ramp]] stages share one model build, so offload is one switch for the whole recipe: `auto` plans without it
+    # first and turns it on only when a stage fits nothing otherwise.
+    # TP is one degree for the whole ramp too: the base's, raised only when nothing fits with it (and offload).
+    settings = [(tp, offload) for tp in tp_options(base, request.gpus)
+                for offload in {"off": [False], "on": [True], "auto": [False, True]}[request.offload]]
+    if probes.line(base.parallelism.tp, False).optimizer > usable:  # the sharded state alone: no layout helps
+        return None, request.target_seq_len, probes
+    for tp, offload in settings:
+        planned, theta, start = [], recipe_model_config(base).rope_theta, 0
+        for seq_len, n in zip(lengths, steps):
+            theta = stage_rope_theta(seq_len, theta)
+            found = plan_stage(base, request.gpus, tp, seq_len, theta, tokens_per_step, offload, probes, usable)
+            if found is None:
+                break
+            planned.append(PlannedStage(seq_len, theta, start, n, found[0], found[1], found[2]))
+            start += n
+        else:
+            return RampPlan(base, request, tokens_per_step, offload, planned, usable), 0, probes
+    return None, seq_len, probes
+
+
+def what_would_fit(base: Config, request: PlanRequest, seq_len: int, probes: ProbeCache) -> str:
+    """One line for a stage that fits nothing: the feature that would make it fit on these GPUs, else the smallest
+    GPU count, proposed from a memory line (the sharded state scales as 1/GPUs) and confirmed by a measured plan."""
+    usable = base.hardware.device_memory_gib - RUNTIME_RESERVE_GIB
+    where = f"{base.recipe_path}: --plan-ramp to {seq_len:,} tokens on {request.gpus} GPUs fits no layout"
+    one_stage = dict(target_seq_len=seq_len, stages=1, tokens_per_stage=0)
+    if request.offload == "off" and _plan(base, dataclasses.replace(request, offload="on", **one_stage))[0]:
+        return f"{where}; it fits with activation offload: rerun with --offload auto."
+    offload_allowed = request.offload != "off"
+    line = probes.line(base.parallelism.tp, offload_allowed)
+    sharded = request.gpus // (base.parallelism.tp * base.parallelism.dp_replicate)
+    gpus = request.gpus
+    for _ in range(10):
+        gpus *= 2
+        shrink = request.gpus / gpus  # the sharded state (and the optimizer's temporaries) shrink with the GPUs
+        tokens = max(seq_len / (sharded * gpus // request.gpus), 1.0)
+        if max(line.fixed - line.state * (1 - shrink) + line.slope * tokens, line.optimizer * shrink) > usable:
+            continue
+        plan = _plan(base, dataclasses.replace(request, gpus=gpus, **one_stage))[0]
+        if plan is None:
+            continue
+        stage = plan.stages[0].chosen
+        how = f"cp {stage.cp}, tp {stage.tp}" + (", activation offload" if stage.offload else "")
+        return (f"{where} (parameters, gradients and AdamW state alone take {line.state:.3g} GiB of {usable:.3g} per "
+                f"GPU); the smallest GPU count that fits is {gpus} ({how}; measured): rerun with --gpus {gpus}.")
+    return f"{where}, nor does any up to {gpus} GPUs; shorten --target-seq-len."
