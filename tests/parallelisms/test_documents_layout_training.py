@@ -1,13 +1,14 @@
 """The trainer with parallelism.cp_load_balancer = "documents" (slow tier): its losses are those of every document
-run alone through a plain model (cp2 x tp2), and a dp_shard2 x cp2 run resumed from a zigzag checkpoint onto the
-documents layout continues the zigzag run's losses."""
+run alone through a plain model (cp2 x tp2; dp_shard2 x cp2 with data-parallel placement, on short documents so that
+rows hold several), and a dp_shard2 x cp2 run resumed from a zigzag checkpoint onto the documents layout continues the
+zigzag run's losses."""
 import os
 import shutil
 
 import pytest
 
 from bench.loss_parity import max_relative_error, reference_run, trainer_run
-from tests.trainer_runs import read_metrics, run_train
+from tests.trainer_runs import read_metrics, run_train, short_documents_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
 
@@ -21,6 +22,26 @@ def test_documents_layout_on_cp2_tp2_matches_every_document_run_alone():
     errors = {key: max_relative_error(alone, records, key) for key in ("loss", "grad_norm")}
     print(f"documents layout, cp2 x tp2: max relative error vs documents run alone: {errors}")
     assert errors["loss"] <= 1e-5 and errors["grad_norm"] <= 1e-5, (records, alone)
+
+
+def test_documents_and_zigzag_with_placement_on_dp_shard2_cp2_match_every_document_run_alone(tmp_path):
+    """Segments placed by work over 2 data-parallel ranks x 2 micro-steps, then laid out over cp 2 by documents or by
+    zigzag: both are the documents run alone, and each other, within 1e-5."""
+    steps, seq, recipe = 3, 128, short_documents_recipe(str(tmp_path))
+    alone = reference_run(steps, seq, recipe=recipe, document_masking=True)
+    placed = ["--data.document_masking", "true", "--data.placement", "work", "--training.local_batch_size", "1",
+              "--training.global_batch_size", "4"]
+    runs = {balancer: trainer_run(dict(dp_shard=2, cp=2), steps, seq, recipe=recipe, timeout=300,
+                                  extra=[*placed, "--parallelism.cp_load_balancer", balancer])
+            for balancer in ("documents", "zigzag")}
+    errors = {name: max(max_relative_error(alone, records, key) for key in ("loss", "grad_norm"))
+              for name, records in runs.items()}
+    errors["documents vs zigzag"] = max(max_relative_error(runs["zigzag"], runs["documents"], key)
+                                        for key in ("loss", "grad_norm"))
+    print(f"dp_shard2 x cp2, placement by work: max relative error (loss, grad norm): {errors}")
+    assert all(error <= 1e-5 for error in errors.values()), (runs, alone)
+    assert runs["documents"][-1]["placement_whole_row_steps"] < steps  # segments really moved between rows
+    assert all(r["attention_balance"] >= 1.0 for r in runs["documents"])
 
 
 RESUME = ["--training.steps", "6", "--training.seq_len", "128", "--training.local_batch_size", "2",
