@@ -43,3 +43,22 @@ def train_losses(out: str, *args, nproc: int, timeout: float = 300) -> list[floa
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (a, b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def short_documents_recipe(folder) -> str:
+    """The debug recipe on short documents (pydoc topics cut at blank lines, written under `folder`), so that rows
+    hold several of them: on whole pydoc topics a short row is one document and every layout is zigzag's."""
+    from pydoc_data.topics import topics
+
+    corpus = os.path.join(folder, "paragraphs.jsonl")
+    with open(corpus, "w") as f:
+        for name in sorted(topics):
+            for paragraph in topics[name].split("\n\n"):
+                if paragraph.strip():
+                    f.write(json.dumps({"text": paragraph.strip()}) + "\n")
+    with open(os.path.join(ROOT, "recipes", "debug.toml")) as f:
+        text = f.read().replace('corpus = ["pydoc"]', f"corpus = [{json.dumps(str(corpus))}]")
+    path = os.path.join(folder, "recipe.toml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path

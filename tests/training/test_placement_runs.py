@@ -3,7 +3,6 @@ run with segments placed by work, and without, match the single-process run of e
 at dp 2 or resharded to dp 1 or 4 continues with the uninterrupted run's losses, rows and pairs."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -11,7 +10,7 @@ import pytest
 
 from data.placement import segment_work, segments
 from bench.loss_parity import reference_run
-from tests.trainer_runs import ROOT, read_metrics, run_train
+from tests.trainer_runs import ROOT, read_metrics, run_train, short_documents_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -20,21 +19,7 @@ STEPS, SEQ, GLOBAL_BATCH = 6, 128, 4
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
-    """The debug recipe on short documents (pydoc topics cut at blank lines), so rows hold several of them."""
-    from pydoc_data.topics import topics
-
-    folder = tmp_path_factory.mktemp("short-docs")
-    corpus = folder / "paragraphs.jsonl"
-    with open(corpus, "w") as f:
-        for name in sorted(topics):
-            for paragraph in topics[name].split("\n\n"):
-                if paragraph.strip():
-                    f.write(json.dumps({"text": paragraph.strip()}) + "\n")
-    with open(os.path.join(ROOT, "recipes", "debug.toml")) as f:
-        text = f.read().replace('corpus = ["pydoc"]', f"corpus = [{json.dumps(str(corpus))}]")
-    path = folder / "recipe.toml"
-    path.write_text(text)
-    return str(path)
+    return short_documents_recipe(str(tmp_path_factory.mktemp("short-docs")))
 
 
 @pytest.fixture(scope="module")
