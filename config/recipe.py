@@ -130,6 +130,12 @@ def parse_ramp(tables, recipe_path: str) -> list[RampTable]:
                                       f"source_weights = {{books = 0.3, code = 0.7}}.")
                 stage.source_weights = {str(k): float(w) for k, w in value.items()}
                 continue
+            if key == "offload":
+                if not isinstance(value, bool):
+                    raise RecipeError(f"{recipe_path}: ramp[{i}].offload = {value!r}: use true or false (absent = keep "
+                                      f"the previous stage's).")
+                stage.offload = value
+                continue
             if key == "rope_type":
                 if value not in ("", "llama3", "yarn"):
                     raise RecipeError(f"{recipe_path}: ramp[{i}].rope_type = {value!r}: use \"llama3\" or \"yarn\" "
@@ -287,6 +293,6 @@ def to_toml(cfg: Config) -> str:
         lines.append("")
     for stage in cfg.ramp:
         lines.append("[[ramp]]")
-        lines += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(stage).items()]
+        lines += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(stage).items() if v is not None]
         lines.append("")
     return "\n".join(lines)

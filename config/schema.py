@@ -62,6 +62,8 @@ class RampTable:
     """Rows per data-parallel rank per micro-step (0 = derived from tokens_per_step and the recipe's value)."""
     source_weights: dict[str, float] = field(default_factory=dict)
     """Source weights from this stage on, by source name (unnamed sources keep the recipe's weight)."""
+    offload: bool | None = None
+    """Activation offload from this stage on (None/absent = keep the previous stage's); needs a checkpoint mode."""
 
 
 @dataclass

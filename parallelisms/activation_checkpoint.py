@@ -12,7 +12,8 @@ the torch-function modes that were active in the block's forward: the recomputed
 
 offload: each checkpointed block's input (what checkpointing keeps for its recompute) is moved to host memory after
 the forward and brought back before the recompute (parallelisms/activation_offload.py). The offloader is stored on
-the model as `activation_offloader`, so the dry run can read the host bytes.
+the model as `activation_offloader`, so the dry run can read the host bytes and a ramp stage switch it off or on
+(`enabled`; off, the block runs exactly as plain checkpointing).
 """
 from __future__ import annotations
 

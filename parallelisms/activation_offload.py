@@ -26,6 +26,7 @@ one allocated when backward needs it, and host memory is reported separately.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
 
@@ -53,6 +54,9 @@ class ActivationOffloader:
         self._in_flight: list[tuple[object, torch.Tensor]] = []  # (event, device tensor) of running copies
         self._streams: dict[torch.device, object] = {}
         self._last: weakref.ref | None = None
+        self.enabled = True
+        """Off: `hooks` adds nothing, so a checkpointed block runs exactly as plain checkpointing (a ramp stage
+        without offload in a run built with the offloader; the trainer sets it per stage)."""
 
     def reset_peak(self) -> None:
         self.peak_host_bytes = self.host_bytes
@@ -60,6 +64,8 @@ class ActivationOffloader:
     def hooks(self, hidden: torch.Tensor, layer: int):
         """The context to run one block's checkpoint call in: offloads `hidden` (the block input) when it is saved.
         Autograd keeps the pack hook with every tensor saved under it, so the hook holds `hidden` weakly."""
+        if not self.enabled:
+            return contextlib.nullcontext()
         target = weakref.ref(hidden)
         return torch.autograd.graph.saved_tensors_hooks(lambda x: self._pack(x, target(), layer), self._unpack)
 

@@ -8,10 +8,12 @@
     seq_len = 512
     cp = 1                       # 0 or absent = the recipe's parallelism.cp
     rope_theta = 10000.0         # 0 or absent = keep the previous stage's
+    offload = true               # activation offload from this stage on; absent = keep the previous stage's
 
 A stage may change `seq_len`, `cp` (traded against dp_shard: their product is fixed, so FSDP, which shards over the
 flattened (dp_shard, cp) group, keeps every parameter where it is), RoPE (`rope_theta`, `rope_scaling_factor`,
--1 = off, `rope_type` llama3 | yarn) and `local_batch_size`. With `training.tokens_per_step` the global batch of a stage is
+-1 = off, `rope_type` llama3 | yarn), `local_batch_size` and activation `offload` (the model is built once, with the
+offloader when any stage offloads; the trainer switches it on and off per stage, training/trainer.py). With `training.tokens_per_step` the global batch of a stage is
 tokens_per_step / seq_len rows, split into local batches and gradient-accumulation micro-steps. Everything is
 resolved and checked before launch; a bad stage is a one-line error naming `ramp[i]`.
 """
@@ -145,6 +147,11 @@ def _stage_config(cfg: Config, previous: Config, i: int, table: RampTable, base:
         s.training.local_batch_size = table.local_batch_size
     if table.source_weights:
         _apply_source_weights(cfg, i, table, s)
+    if table.offload is not None:
+        s.activation_checkpoint.offload = table.offload
+        if table.offload and s.activation_checkpoint.mode == "none":
+            _fail(cfg, i, table, "offload = true needs activation_checkpoint.mode full, selective or op (it is "
+                                 "\"none\"): offload moves what checkpointing keeps. Set a mode or remove offload.")
     if cfg.training.tokens_per_step:
         dp = base.dp_replicate * s.parallelism.dp_shard
         s.training.global_batch_size, s.training.local_batch_size = _batch_for(cfg, i, table, table.seq_len, dp)
@@ -163,6 +170,14 @@ def _apply_source_weights(cfg: Config, i: int, table: RampTable, stage_cfg: Conf
         sources[name].weight = weight
     if not sum(source.weight for source in sources.values()) > 0:
         _fail(cfg, i, table, "source_weights leave every source at weight 0; give one a positive weight.")
+
+
+def model_build_config(stages: list[RampStage]) -> Config:
+    """The config the one model of a ramped run is built with: the first stage's, with the activation offloader
+    when any stage offloads (each stage then switches it on or off)."""
+    cfg = copy.deepcopy(stages[0].cfg)
+    cfg.activation_checkpoint.offload = any(s.cfg.activation_checkpoint.offload for s in stages)
+    return cfg
 
 
 def stage_at(stages: list[RampStage], step: int) -> RampStage:

@@ -26,7 +26,7 @@ from training.niah_eval import run_niah_eval
 from training.loss import global_label_tokens
 from training.metrics import MetricsLogger, StepMetrics, visible_pairs
 from training.preflight import preflight_stages
-from training.ramp import RampStage, source_tokens_seen, stage_at, tokens_seen
+from training.ramp import RampStage, model_build_config, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_
 
 
@@ -45,9 +45,12 @@ class Trainer:
         torch.manual_seed(cfg.job.seed)
         self.tokenizer = build_shared_tokenizer(cfg, first.model.vocab_size, self.rank)
         self.stores = build_stores(cfg, self.tokenizer, self.rank)  # memory-mapped: no rank holds the corpus
-        built = build_model(cfg, first.model, self.mesh, self.device.torch_device)
+        # One build for every stage: with the activation offloader when any stage offloads (switched per stage).
+        built = build_model(model_build_config(self.stages), first.model, self.mesh, self.device.torch_device)
         self.model_parts, self.pipeline = built.parts, built.pipeline
         self.model = self.model_parts[0]
+        self.offloaders = [part.activation_offloader for part in self.model_parts
+                           if hasattr(part, "activation_offloader")]
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model_parts)
         self.comm_stats = CommStats()
         self.step_pairs: list[torch.Tensor] = []
@@ -84,6 +87,8 @@ class Trainer:
         m = stage.model
         for part in self.model_parts:
             part.set_rope_from(m)
+        for offloader in self.offloaders:
+            offloader.enabled = cfg.activation_checkpoint.offload
         self.placement = None
         if cfg.data.places_by_work():
             slots = StepSlots(stage.grad_accum_steps, self.mesh.dims.dp, cfg.training.local_batch_size,
@@ -159,6 +164,10 @@ class Trainer:
                     record["source_tokens"] = source_tokens_seen(self.stages, self.step)
                 if self.placement is not None:  # steps of this process that moved whole rows (no exact fill)
                     record["placement_whole_row_steps"] = self.placement.whole_row_steps
+                if self.offloaders:  # this rank's offloaded block inputs at their most since the last record
+                    record["offload_host_peak_bytes"] = sum(o.peak_host_bytes for o in self.offloaders)
+                    for offloader in self.offloaders:
+                        offloader.reset_peak()
                 self.logger.log(self.step, {**record, **evaluation})
         if self.cfg.eval.niah and self.step == resumed_at:
             # resumed at the last step (nothing to train): evaluate the checkpoint, e.g. on another mesh
