@@ -12,10 +12,11 @@
 
 A stage may change `seq_len`, `cp` (traded against dp_shard: their product is fixed, so FSDP, which shards over the
 flattened (dp_shard, cp) group, keeps every parameter where it is), RoPE (`rope_theta`, `rope_scaling_factor`,
--1 = off, `rope_type` llama3 | yarn), `local_batch_size` and activation `offload` (the model is built once, with the
-offloader when any stage offloads; the trainer switches it on and off per stage, training/trainer.py). With `training.tokens_per_step` the global batch of a stage is
-tokens_per_step / seq_len rows, split into local batches and gradient-accumulation micro-steps. Everything is
-resolved and checked before launch; a bad stage is a one-line error naming `ramp[i]`.
+-1 = off, `rope_type` llama3 | yarn), `local_batch_size` and activation `offload` (the model is built once, with
+the offloader when any stage offloads; the trainer switches it on and off per stage, training/trainer.py). With
+`training.tokens_per_step` the global batch of a stage is tokens_per_step / seq_len rows, split into local batches
+and gradient-accumulation micro-steps. Everything is resolved and checked before launch; a bad stage is a one-line
+error naming `ramp[i]`.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Per stage (lengths from training/ramp_lengths.py, RoPE from training/rope_rule.py) the planner picks the parallel
 layout with the best predicted step time among those that fit, in this order of preference: the base's TP, no
-activation offload, CP traded against dp_shard on the same GPUs. Memory is measured, not estimated, with the dry
+activation offload (`auto` turns it on per stage, only in the stages that fit nothing without it), CP traded
+against dp_shard on the same GPUs. Memory is measured, not estimated, with the dry
 run's own probe (training/memory_probe.py: the trainer's step on a fake process group), but not once per candidate:
 for a fixed model, GPU count, TP and offload setting the forward/backward peak is linear in the tokens a rank holds
 per micro-step (activations, logits chunks, ring blocks are all tokens x width), so two probes fix a line per
@@ -75,7 +76,8 @@ class PlannedStage:
     measured: RowResult
     """The dry run's own measurement of the chosen layout (peak, host, roofline times with the measured ring)."""
     rejected: list[str] = field(default_factory=list)
-    """Why each smaller CP (or cheaper setting) was not taken, one phrase each (for the recipe's comments)."""
+    """Why each smaller CP (or, with offload on, each layout without it) was not taken, one phrase each (for the
+    recipe's comments)."""
 
     @property
     def step_s(self) -> float:
@@ -90,7 +92,6 @@ class RampPlan:
     base: Config
     request: PlanRequest
     tokens_per_step: int
-    offload: bool
     stages: list[PlannedStage]
     usable_gib: float
 
@@ -186,13 +187,13 @@ def _short(error: RecipeError) -> str:
 
 
 def plan_stage(base: Config, gpus: int, tp: int, seq_len: int, theta: float, tokens_per_step: int, offload: bool,
-               probes: ProbeCache, usable: float) -> tuple[Candidate, RowResult, list[str]] | None:
-    """The fastest layout of one stage that the dry run's measurement confirms fits, or None."""
-    rejected: list[str] = []
+               probes: ProbeCache, usable: float, rejected: list[str]) -> tuple[Candidate, RowResult] | None:
+    """The fastest layout of one stage that the dry run's measurement confirms fits, or None; why each layout it
+    passed over did not fit goes to `rejected`."""
     for candidate in candidates(base, gpus, tp, offload, seq_len, theta, tokens_per_step, probes, usable, rejected):
         result = measure_row(PlanRow(f"{seq_len}", candidate.cfg), gpus, base.hardware.gpus_per_node)
         if result.peak_gib <= usable:
-            return candidate, result, rejected
+            return candidate, result
         rejected.append(f"cp {candidate.cp}: measured {result.peak_gib:.1f} GiB > {usable:g}")
     return None
 
@@ -214,25 +215,40 @@ def _plan(base: Config, request: PlanRequest) -> tuple[RampPlan | None, int, Pro
     tokens_per_step = tokens_per_step_for(base, request.gpus, lengths)
     steps = stage_steps(base, request, len(lengths), tokens_per_step)
     probes = ProbeCache(base, request.gpus, request.target_seq_len)
-    # [[ramp]] stages share one model build, so offload is one switch for the whole recipe: `auto` plans without it
-    # first and turns it on only when a stage fits nothing otherwise.
-    # TP is one degree for the whole ramp too: the base's, raised only when nothing fits with it (and offload).
-    settings = [(tp, offload) for tp in tp_options(base, request.gpus)
-                for offload in {"off": [False], "on": [True], "auto": [False, True]}[request.offload]]
+    # Offload is per stage (the trainer switches one offloader on and off, training/trainer.py): `auto` plans each
+    # stage without it first and turns it on only when that stage fits nothing otherwise.
+    # TP is one degree for the whole ramp: the base's, raised only when nothing fits with it (and offload).
+    offloads = {"off": [False], "on": [True], "auto": [False, True]}[request.offload]
     if probes.line(base.parallelism.tp, False).optimizer > usable:  # the sharded state alone: no layout helps
         return None, request.target_seq_len, probes
-    for tp, offload in settings:
+    for tp in tp_options(base, request.gpus):
         planned, theta, start = [], recipe_model_config(base).rope_theta, 0
         for seq_len, n in zip(lengths, steps):
             theta = stage_rope_theta(seq_len, theta)
-            found = plan_stage(base, request.gpus, tp, seq_len, theta, tokens_per_step, offload, probes, usable)
+            rejected: list[str] = []
+            for offload in offloads:
+                found = plan_stage(base, request.gpus, tp, seq_len, theta, tokens_per_step, offload, probes, usable,
+                                   rejected)
+                if found is not None:
+                    break
+                if offload is False and len(offloads) > 1:
+                    rejected[:] = [f"without offload {why}" for why in rejected]
             if found is None:
                 break
-            planned.append(PlannedStage(seq_len, theta, start, n, found[0], found[1], found[2]))
+            planned.append(PlannedStage(seq_len, theta, start, n, *found, rejected))
             start += n
         else:
-            return RampPlan(base, request, tokens_per_step, offload, planned, usable), 0, probes
+            if base.activation_checkpoint.mode == "none" and any(s.chosen.offload for s in planned):
+                # one model build has one checkpoint mode, and offload needs one: every stage checkpointed
+                return _plan(_with_full_checkpointing(base), request)
+            return RampPlan(base, request, tokens_per_step, planned, usable), 0, probes
     return None, seq_len, probes
+
+
+def _with_full_checkpointing(base: Config) -> Config:
+    cfg = copy.deepcopy(base)
+    cfg.activation_checkpoint.mode = "full"
+    return cfg
 
 
 def what_would_fit(base: Config, request: PlanRequest, seq_len: int, probes: ProbeCache) -> str:

@@ -54,7 +54,7 @@ def recipe_config(plan: RampPlan, out: str) -> Config:
     cfg.parallelism = dataclasses.replace(cfg.parallelism, pp=1, tp=p.tp, cp=p.cp, dp_shard=p.dp_shard)
     cfg.activation_checkpoint = dataclasses.replace(cfg.activation_checkpoint,
                                                     mode=first.chosen.cfg.activation_checkpoint.mode,
-                                                    offload=plan.offload)
+                                                    offload=first.chosen.offload)
     return cfg
 
 
@@ -71,7 +71,8 @@ def _header(plan: RampPlan, out: str, base_path: str, argv_tail: str) -> list[st
         "#",
     ] + _comment(
         "Each stage takes the layout with the best predicted step time among those that fit: CP as small as fits "
-        "(dp_shard the rest of the GPUs), the base's TP, activation offload only when nothing fits without it. "
+        "(dp_shard the rest of the GPUs), the base's TP, activation offload only in a stage that fits nothing "
+        "without it. "
         "Peaks are measured by the dry run's probe (the trainer's step on a fake process group), step times are "
         "its roofline:") + _comment(f"{ROOFLINE_STATEMENT}.", "#   ") + _comment(
         f"tokens_per_step = {plan.tokens_per_step:,} in every stage (the optimizer sees the same step); "
@@ -88,9 +89,10 @@ def _stage_comment(plan: RampPlan, index: int) -> list[str]:
     c, t = s.chosen.cfg, s.measured.times
     rows = plan.tokens_per_step // s.seq_len
     why = "; ".join(s.rejected) if s.rejected else "the smallest CP"
+    offload = "on (nothing fits without it)" if s.chosen.offload else "off"
     return _comment(
         f"stage {index}: {s.seq_len:,} tokens, {rows} row(s) per step; cp {s.chosen.cp} x dp_shard "
-        f"{c.parallelism.dp_shard} (tp {s.chosen.tp}), offload {'on' if s.chosen.offload else 'off'}: peak "
+        f"{c.parallelism.dp_shard} (tp {s.chosen.tp}), offload {offload}: peak "
         f"{s.measured.peak_gib:.1f} GiB device, {s.measured.host_gib:.1f} GiB host, of {plan.usable_gib:g} usable. "
         f"Predicted {s.step_s:.2f} s/step, {t['tokens_per_gpu_s']:,.0f} tok/s/GPU; {s.steps} steps = "
         f"{s.gpu_hours(plan.request.gpus):,.1f} GPU-hours. Not a smaller CP: {why}. rope_theta {s.rope_theta:.3g} "
@@ -114,6 +116,8 @@ def render_recipe(plan: RampPlan, out: str, base_path: str, argv_tail: str = "")
         lines += [""] + _stage_comment(plan, i) + ["[[ramp]]", f"start_step = {stage.start_step}",
                                                     f"seq_len = {stage.seq_len}", f"cp = {stage.chosen.cp}",
                                                     f"rope_theta = {stage.rope_theta!r}"]
+        if i and stage.chosen.offload != plan.stages[i - 1].chosen.offload:  # absent = the previous stage's
+            lines.append(f"offload = {_fmt(stage.chosen.offload)}")
     return "\n".join(lines) + "\n"
 
 

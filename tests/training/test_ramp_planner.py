@@ -184,6 +184,44 @@ def test_impossible_target_names_the_smallest_gpu_count():
     assert result["named"] == 2 or result["peak_below"] > 2.5 / 1024
 
 
+def _auto_plan(usable_mib: float, mode: str):
+    """A 2-stage plan to 4K on 1 GPU with `--offload auto`, on the 4-layer tiny model; the written recipe resolved."""
+    sys.path.insert(0, ROOT)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import tempfile
+
+    from config.recipe import load_config
+    from training.preflight import preflight_stages
+    from training.ramp_lengths import PlanRequest
+    from training.ramp_planner import plan_ramp
+    from training.ramp_recipe import render_recipe
+
+    base = _tiny("--model.n_layers", "4", "--activation_checkpoint.mode", mode, "--hardware.device_memory_gib",
+                 _memory_gib(usable_mib), "--training.tokens_per_step", "4096")
+    plan = plan_ramp(base, PlanRequest(gpus=1, target_seq_len=4096, stages=2, offload="auto"))
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "auto.toml")
+        with open(path, "w") as f:
+            f.write(render_recipe(plan, path, "recipes/debug.toml"))
+        written = preflight_stages(load_config(path), 1, check_data=False)
+    return dict(offload=[s.chosen.offload for s in plan.stages], peaks=[s.measured.peak_gib for s in plan.stages],
+                host=[s.measured.host_gib for s in plan.stages], rejected=plan.stages[-1].rejected,
+                written=[(s.cfg.activation_checkpoint.offload, s.cfg.activation_checkpoint.mode) for s in written])
+
+
+@pytest.mark.parametrize("mode", ["full", "none"])
+def test_auto_offload_only_in_the_stage_that_needs_it(mode):
+    """24.6 MiB usable: the dry run measures the 4K stage at 25.2 MiB without offload and 24.1 MiB with it, the
+    256-token stage at 6.7 MiB. A base without checkpointing is planned again with it on every stage (one model
+    build has one mode, and offload needs one)."""
+    result = _in_fresh_process(_auto_plan, 24.6, mode)
+    assert result["offload"] == [False, True]
+    assert all(peak <= 24.6 / 1024 for peak in result["peaks"])
+    assert result["host"][0] == 0 and result["host"][1] > 0
+    assert result["rejected"] and all(why.startswith("without offload cp 1") for why in result["rejected"])
+    assert result["written"] == [(False, "full"), (True, "full")]
+
+
 # ---- end to end -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
