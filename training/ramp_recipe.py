@@ -71,8 +71,7 @@ def _header(plan: RampPlan, out: str, base_path: str, argv_tail: str) -> list[st
         "#",
     ] + _comment(
         "Each stage takes the layout with the best predicted step time among those that fit: CP as small as fits "
-        "(dp_shard the rest of the GPUs), the base's TP, activation offload only in a stage that fits nothing "
-        "without it. "
+        "(dp_shard the rest of the GPUs), the base's TP, activation offload only when nothing fits without it. "
         "Peaks are measured by the dry run's probe (the trainer's step on a fake process group), step times are "
         "its roofline:") + _comment(f"{ROOFLINE_STATEMENT}.", "#   ") + _comment(
         f"tokens_per_step = {plan.tokens_per_step:,} in every stage (the optimizer sees the same step); "
