@@ -191,6 +191,7 @@ def _auto_plan(usable_mib: float, mode: str):
     import tempfile
 
     from config.recipe import load_config
+    from training.dry_run import measure_row, plan_rows
     from training.preflight import preflight_stages
     from training.ramp_lengths import PlanRequest
     from training.ramp_planner import plan_ramp
@@ -203,8 +204,10 @@ def _auto_plan(usable_mib: float, mode: str):
         path = os.path.join(folder, "auto.toml")
         with open(path, "w") as f:
             f.write(render_recipe(plan, path, "recipes/debug.toml"))
-        written = preflight_stages(load_config(path), 1, check_data=False)
-    return dict(offload=[s.chosen.offload for s in plan.stages], peaks=[s.measured.peak_gib for s in plan.stages],
+        recipe = load_config(path)
+        written = preflight_stages(recipe, 1, check_data=False)
+        dry_run_host = [measure_row(row, 1, 8).host_gib for row in plan_rows(recipe, 1)]  # each stage its own
+    return dict(dry_run_host=dry_run_host, offload=[s.chosen.offload for s in plan.stages], peaks=[s.measured.peak_gib for s in plan.stages],
                 host=[s.measured.host_gib for s in plan.stages], rejected=plan.stages[-1].rejected,
                 written=[(s.cfg.activation_checkpoint.offload, s.cfg.activation_checkpoint.mode) for s in written])
 
@@ -220,6 +223,8 @@ def test_auto_offload_only_in_the_stage_that_needs_it(mode):
     assert result["host"][0] == 0 and result["host"][1] > 0
     assert result["rejected"] and all(why.startswith("without offload cp 1") for why in result["rejected"])
     assert result["written"] == [(False, "full"), (True, "full")]
+    # The written recipe's dry run: the 4K stage's block inputs (4 layers x 4096 tokens x 64 bf16) on host only.
+    assert result["dry_run_host"] == [0.0, 4 * 4096 * 64 * 2 / GIB]
 
 
 # ---- end to end -----------------------------------------------------------------------------------------------------
