@@ -26,10 +26,14 @@ VALUE_DIGITS = 7
 # The value follows "is" / "are" with no space (as the passkey's key does): a space would be a token of its own that
 # the haystack uses everywhere, so the token before a value would no longer be unique to needles and answers.
 NEEDLE = " The special magic number for {word} is"
+# The question ends as the needle does ("... for <word> is"), as the passkey's question repeats its key line: the
+# token pair before the value is then unique to the asked needle and the answer, so retrieval is a copy of what
+# follows it. RULER's own ending ("... mentioned in the provided text is") gives a pair ("text is") that no needle
+# has, and the recipe's 2-layer model stayed at 3.7% exact after 2,500 steps; with this ending it reaches 100%.
 QUESTION = " What is the special magic number for {word} mentioned in the provided text? The special magic number " \
-           "for {word} mentioned in the provided text is"
+           "for {word} is"
 QUESTION_ALL = " What are all the special magic numbers for {word} mentioned in the provided text? The special " \
-               "magic numbers for {word} mentioned in the provided text are"
+               "magic numbers for {word} are"
 _NIAH_STREAM = 19  # keeps needle randomness apart from other users of `seed`
 
 
