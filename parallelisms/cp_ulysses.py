@@ -214,7 +214,7 @@ def concatenated_order_plan(group: dist.ProcessGroup, seq_len: int) -> ExchangeP
     size = dist.get_world_size(group)
     local = seq_len // size
     with unset_fake_temporarily():
-        members = [torch.arange(j * local, (j + 1) * local) for j in range(size)]
+        members = [torch.arange(j * local, (j + 1) * local, device="cpu") for j in range(size)]  # host integers
         return ExchangePlan.build(group, members, torch.arange(seq_len, device="cpu"))
 
 
