@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from config import RecipeError
-from data.passkey import FILLER, IGNORE_INDEX
+from data.passkey import FILLER, IGNORE_INDEX, SyntheticRows
 
 WORDS = ("apple", "river", "candle", "forest", "marble", "pepper", "violin", "harbor", "saddle", "garden", "copper",
          "meadow", "anchor", "lantern", "orchid", "pillow", "rocket", "silver", "thunder", "walnut")
@@ -37,7 +37,7 @@ QUESTION_ALL = " What are all the special magic numbers for {word} mentioned in 
 _NIAH_STREAM = 19  # keeps needle randomness apart from other users of `seed`
 
 
-class NiahRows:
+class NiahRows(SyntheticRows):
     def __init__(self, tokenizer, haystack: np.ndarray | None = None, *, seq_len: int, seed: int,
                  depth: float | None = None, keys: int = 1, values: int = 1, num_rows: int = 1 << 30):
         """`haystack`: token ids the filler is cut from (None = the passkey filler sentences). `depth` places the
@@ -71,17 +71,6 @@ class NiahRows:
         if seq_len + 1 - fixed < 1:
             raise RecipeError(f"eval.niah_lengths: {seq_len} is too short for the needle task ({fixed} tokens of "
                               f"needles and question); use lengths of {fixed + 64} or more.")
-
-    @property
-    def tokens_per_epoch(self) -> int:
-        return self.num_rows * self.seq_len
-
-    @property
-    def repeated(self) -> bool:
-        return False
-
-    def __len__(self) -> int:
-        return self.num_rows
 
     def _value(self, rng) -> np.ndarray:
         return np.asarray([self.digit_ids[int(d)] for d in rng.permutation(10)[:VALUE_DIGITS]], dtype=np.int64)

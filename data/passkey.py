@@ -33,7 +33,25 @@ QUESTION = " What was the pass key? The pass key is"
 _PASSKEY_STREAM = 7  # keeps passkey randomness apart from other users of `seed`
 
 
-class PasskeyRows:
+class SyntheticRows:
+    """What the loader asks of a virtual row stream (passkey, needle in a haystack): `num_rows` rows of `seq_len`
+    tokens, each a pure function of its index, never repeated."""
+    num_rows: int
+    seq_len: int
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        return self.num_rows * self.seq_len
+
+    @property
+    def repeated(self) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+
+class PasskeyRows(SyntheticRows):
     def __init__(self, tokenizer, filler_documents: list[str] | None = None, *, seq_len: int, seed: int,
                  key_digits: int = 5, num_rows: int = 1 << 30, depth: float | None = None):
         """`filler_documents` default to the repeated FILLER sentences. `depth` fixes where the key goes (0 = start
@@ -65,17 +83,6 @@ class PasskeyRows:
         if self.filler_length < 1:
             raise RecipeError(f"training.seq_len {seq_len} is too short for the passkey task: it needs at least "
                               f"{fixed} tokens of prompt and key. Use a seq_len of {fixed + 64} or more.")
-
-    @property
-    def tokens_per_epoch(self) -> int:
-        return self.num_rows * self.seq_len
-
-    @property
-    def repeated(self) -> bool:
-        return False
-
-    def __len__(self) -> int:
-        return self.num_rows
 
     def sample(self, index: int) -> tuple[np.ndarray, str, float]:
         """(row tokens of length seq_len + 1, the key as a string, the depth used)."""

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from parallelisms.comm import all_to_all_rows
 from parallelisms.cp_toolkit import (BlockSpec, LseAccumulator, RowBuffer, block_backward, block_forward, count_sent,
                                      lse_for_backward, nbytes)
-from parallelisms.ring_sparse import _block_view, _flat_rows, _pack_rows, _received_block, _unpack_rows
+from parallelisms.ring_sparse import (_block_view, _pack_rows, _received_block, _unpack_rows, backward_block,
+                                      grad_rows_buffers)
 
 
 class RowsPlan:
@@ -82,15 +83,10 @@ def sparse_allgather_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
     lse = lse_for_backward(lse)
     aux_iter = iter(auxes)
     dq = RowBuffer(q, q.shape, 0.0)
-    own_dk, own_dv = (torch.zeros(_flat_rows(x).shape, dtype=torch.float32, device=x.device) for x in (k, v))
+    own_dk, own_dv = grad_rows_buffers(k, v)
 
     def compute(src, k_blk, v_blk, dk_flat, dv_flat):
-        dk_blk, dv_blk = _block_view(dk_flat, k), _block_view(dv_flat, v)
-        for piece in spec.docs.layout_pieces(plan.rank, src, spec.is_causal):
-            gq, gk, gv = block_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), piece, spec.scale)
-            dq.add(gq, piece.batch, piece.q_rows)
-            dk_blk[piece.batch, :, piece.kv_rows] += gk
-            dv_blk[piece.batch, :, piece.kv_rows] += gv
+        backward_block(spec, plan.rank, src, dout, q, k_blk, v_blk, out, lse, aux_iter, dq, dk_flat, dv_flat)
 
     compute(plan.rank, k, v, own_dk, own_dv)
     if work is not None:
@@ -101,8 +97,7 @@ def sparse_allgather_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
             if src not in received:
                 grads.append(torch.zeros(0, dtype=torch.float32, device=k.device))
                 continue
-            dk_flat, dv_flat = (torch.zeros(_flat_rows(x).shape, dtype=torch.float32, device=x.device)
-                                for x in (k, v))
+            dk_flat, dv_flat = grad_rows_buffers(k, v)
             compute(src, *received[src], dk_flat, dv_flat)
             rows = plan.recv[src]
             grads.append(torch.cat([dk_flat.index_select(0, rows).reshape(-1),

@@ -124,22 +124,33 @@ def sparse_forward(q, k, v, spec: BlockSpec):
     return (*acc.finish(), auxes)
 
 
+def grad_rows_buffers(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed float32 dK/dV accumulators, one row per token: (B * L, Hkv * D)."""
+    return tuple(torch.zeros(_flat_rows(x).shape, dtype=torch.float32, device=x.device) for x in (k, v))
+
+
+def backward_block(spec: BlockSpec, rank: int, src: int, dout, q, k_blk, v_blk, out, lse, aux_iter, dq: RowBuffer,
+                   dk_flat: torch.Tensor, dv_flat: torch.Tensor) -> None:
+    """This rank's queries against `src`'s K/V block, piece by piece of the plan: dQ into `dq`, dK/dV added into
+    `src`'s float32 row accumulators (shared by the sparse ring and the sparse all-gather)."""
+    dk_blk, dv_blk = _block_view(dk_flat, k_blk), _block_view(dv_flat, v_blk)
+    for piece in spec.docs.layout_pieces(rank, src, spec.is_causal):
+        gq, gk, gv = block_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), piece, spec.scale)
+        dq.add(gq, piece.batch, piece.q_rows)
+        dk_blk[piece.batch, :, piece.kv_rows] += gk
+        dv_blk[piece.batch, :, piece.kv_rows] += gv
+
+
 def sparse_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
     links = ShiftLinks(spec.group)
     plan = ShiftPlan(spec, links, k.device)
     lse = lse_for_backward(lse)
     aux_iter = iter(auxes)
     dq = RowBuffer(q, q.shape, 0.0)  # (B, Hq, L, D) float32
-    own_dk, own_dv = (torch.zeros(_flat_rows(x).shape, dtype=torch.float32, device=x.device) for x in (k, v))
+    own_dk, own_dv = grad_rows_buffers(k, v)
 
     def compute(src, k_blk, v_blk, dk_flat, dv_flat):
-        """This rank's queries against `src`'s block; dK/dV added into (B * L, Hkv * D) float32 buffers."""
-        dk_blk, dv_blk = _block_view(dk_flat, k), _block_view(dv_flat, v)
-        for piece in spec.docs.layout_pieces(plan.rank, src, spec.is_causal):
-            gq, gk, gv = block_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), piece, spec.scale)
-            dq.add(gq, piece.batch, piece.q_rows)
-            dk_blk[piece.batch, :, piece.kv_rows] += gk
-            dv_blk[piece.batch, :, piece.kv_rows] += gv
+        backward_block(spec, plan.rank, src, dout, q, k_blk, v_blk, out, lse, aux_iter, dq, dk_flat, dv_flat)
 
     def take_grads(shift, grad_in):
         """Adds the dK/dV of this rank's rows that rank + shift computed into its own accumulators."""
