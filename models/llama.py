@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.chunked_loss import chunked_linear_cross_entropy
+from models.chunked_scores import chunked_token_scores
 from models.rope import RotaryEmbedding, apply_rotary
 from models.tiled_mlp import tiled_swiglu
 from models.model_config import HF_NAME, MODEL_CONFIGS, LlamaConfig, model_config  # noqa: F401 (re-exported)
@@ -169,12 +170,13 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 labels: torch.Tensor | None = None, loss_chunk_tokens: int = 0,
-                sparse_labels: bool = False) -> torch.Tensor:
+                sparse_labels: bool = False, token_scores: bool = False) -> torch.Tensor:
         """tokens (B, S) ids, or (B, S, dim) hidden states when `tok_embeddings` is None -> logits (B, S, vocab),
         or hidden states when `output` is None. position_ids (B, S) ints, default 0..S-1 for every row.
         With `labels` (B, S) and `loss_chunk_tokens` > 0 (and the output layer held): the summed cross entropy
         instead of the logits, computed that many tokens at a time (models/chunked_loss.py), over the labelled
-        tokens only when `sparse_labels`; elsewhere ignored."""
+        tokens only when `sparse_labels`; elsewhere ignored. With `token_scores` as well: each token's loss and
+        argmax instead of the sum (models/chunked_scores.py, for evaluation; no gradient)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if position_ids is None:
             bsz, seqlen = tokens.shape[:2]
@@ -185,6 +187,8 @@ class Llama(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None and labels is not None and loss_chunk_tokens > 0:
+            if token_scores:
+                return chunked_token_scores(h, self.output.weight, labels, loss_chunk_tokens, sparse_labels)
             return chunked_linear_cross_entropy(h, self.output.weight, labels, loss_chunk_tokens, sparse_labels)
         if self.output is not None:
             h = self.output(h)

@@ -6,7 +6,6 @@ are never training rows.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
@@ -16,64 +15,63 @@ import torch
 from config.schema import Config
 from data.passkey import IGNORE_INDEX, PasskeyRows
 from data.sources import heldout_rows
-from parallelisms.context_parallel import unshard_sequence
+from training.eval_rows import (DEFAULT_EVAL_CHUNK_TOKENS, eval_chunk_tokens, eval_spread, padded_batch,
+                                 rank_batches, score_tokens)
 from training.step import StepSetup, cp_context
 
 EVAL_SEED_OFFSET = 1_000_003
 
 
-def _full_predictions(logits: torch.Tensor, cp_mesh, cp_size: int, load_balancer: str,
-                      document_ids: torch.Tensor | None) -> torch.Tensor:
-    if hasattr(logits, "full_tensor"):  # tensor-parallel logits are sharded over the vocabulary
-        logits = logits.full_tensor()
-    predictions = logits.argmax(dim=-1)
-    if cp_size > 1:
-        predictions = unshard_sequence(predictions.contiguous(), 1, cp_mesh, load_balancer=load_balancer,
-                                       document_ids=document_ids)
-    return predictions
-
-
 @torch.no_grad()
 def passkey_accuracy(model, rows: PasskeyRows, indices: list[int], device: torch.device, cp_context, cp_mesh,
-                     cp_size: int, load_balancer: str, batch_size: int = 8) -> float:
-    """Fraction of rows `indices` whose key the model retrieves. `cp_context(batch)` shards the batch like training."""
-    return answer_hits(model, rows, indices, device, cp_context, cp_mesh, cp_size, load_balancer, batch_size)[0]
+                     cp_size: int, load_balancer: str, batch_size: int = 8, **spread) -> float:
+    """Fraction of rows `indices` whose key the model retrieves. `cp_context(batch)` shards the batch like training;
+    `spread` as in `answer_hits`."""
+    return answer_hits(model, rows, indices, device, cp_context, cp_mesh, cp_size, load_balancer, batch_size,
+                       **spread)[0]
 
 
 @torch.no_grad()
 def answer_hits(model, rows, indices: list[int], device: torch.device, cp_context, cp_mesh, cp_size: int,
-                load_balancer: str, batch_size: int = 8) -> tuple[float, float]:
-    """(fraction of rows whose every answer token is the argmax, fraction of answer tokens that are)."""
+                load_balancer: str, batch_size: int = 8, *, chunk_tokens: int = DEFAULT_EVAL_CHUNK_TOKENS,
+                dp_rank: int = 0, dp_size: int = 1, reduce_sums=None) -> tuple[float, float]:
+    """(fraction of rows whose every answer token is the argmax, fraction of answer tokens that are).
+
+    The rows are split over the `dp_size` data-parallel ranks and padded (training/eval_rows.py), so every rank runs
+    the same forwards; `reduce_sums(list)` sums the counts over those ranks. The argmax comes from the hidden states,
+    `chunk_tokens` answer tokens at a time (never the whole logits)."""
     was_training = model.training
     model.eval()
     correct, tokens_right, tokens = 0, 0, 0
-    for start in range(0, len(indices), batch_size):
-        fields = [rows.row_fields(i) for i in indices[start:start + batch_size]]
-        batch = {k: torch.from_numpy(np.stack([f[k] for f in fields])).to(device) for k in fields[0]}
+    for batch_rows in rank_batches(len(indices), dp_rank, dp_size, batch_size):
+        batch, real = padded_batch(lambda i: rows.row_fields(indices[i]), batch_rows, device)
         labels = batch["labels"].clone()
         full_ids = batch["document_ids"].clone() if "document_ids" in batch else None  # the documents layout's plan
-        with cp_context(batch) if cp_context else contextlib.nullcontext():
-            logits = model(batch["input_ids"], batch["position_ids"])
-        predictions = _full_predictions(logits, cp_mesh, cp_size, load_balancer, full_ids)
+        _, predictions = score_tokens(model, batch, chunk_tokens, sparse_labels=True, cp_context=cp_context,
+                                      cp_mesh=cp_mesh, cp_size=cp_size, load_balancer=load_balancer,
+                                      document_ids=full_ids)
         answer = labels != IGNORE_INDEX
-        hits = ((predictions == labels) | ~answer).all(dim=1)
+        hits = ((predictions == labels) | ~answer).all(dim=1) & real
         correct += int(hits.sum())
         tokens_right += int(((predictions == labels) & answer).sum())
         tokens += int(answer.sum())
     model.train(was_training)
+    if reduce_sums is not None:
+        correct, tokens_right, tokens = reduce_sums([correct, tokens_right, tokens])
     return correct / len(indices), tokens_right / max(tokens, 1)
 
 
 def evaluate_passkey(model, tokenizer, filler_documents: list[str] | None, *, context_lengths: list[int],
                      depths: list[float], samples: int, seed: int, device: torch.device, cp_context=None,
-                     cp_mesh=None, cp_size: int = 1, load_balancer: str = "zigzag") -> dict[tuple[int, float], float]:
-    """{(context length, depth): accuracy} over `samples` rows each."""
+                     cp_mesh=None, cp_size: int = 1, load_balancer: str = "zigzag", batch_size: int = 8,
+                     **spread) -> dict[tuple[int, float], float]:
+    """{(context length, depth): accuracy} over `samples` rows each; `spread` as in `answer_hits`."""
     results = {}
     for length in context_lengths:
         for depth in depths:
             rows = PasskeyRows(tokenizer, filler_documents, seq_len=length, seed=seed + EVAL_SEED_OFFSET, depth=depth)
             results[(length, depth)] = passkey_accuracy(model, rows, list(range(samples)), device, cp_context,
-                                                        cp_mesh, cp_size, load_balancer)
+                                                        cp_mesh, cp_size, load_balancer, batch_size, **spread)
     return results
 
 
@@ -111,32 +109,30 @@ def positions_in_document(document_ids: np.ndarray) -> np.ndarray:
 
 @torch.no_grad()
 def long_document_loss(model, sources: list, rows: int, *, device: torch.device, dp_rank: int, dp_size: int,
-                       reduce_sums, cp_context=None, cp_mesh=None, cp_size: int = 1,
-                       load_balancer: str = "zigzag") -> dict[str, float]:
-    """Mean loss per position bucket over `rows` held-out rows (taken from `sources` in turn, split over the dp ranks).
-    `reduce_sums(list)` sums a list of numbers over the data-parallel ranks."""
+                       reduce_sums, cp_context=None, cp_mesh=None, cp_size: int = 1, load_balancer: str = "zigzag",
+                       chunk_tokens: int = DEFAULT_EVAL_CHUNK_TOKENS) -> dict[str, float]:
+    """Mean loss per position bucket over `rows` held-out rows (taken from `sources` in turn, split over the dp ranks
+    with padding, one row per forward: ceil(rows / dp) forwards on every rank). `reduce_sums(list)` sums a list of
+    numbers over the data-parallel ranks. Per-token losses come from the hidden states `chunk_tokens` at a time."""
     was_training = model.training
     model.eval()
     seq_len = sources[0].seq_len
     buckets = position_buckets(seq_len)
     sums, counts = np.zeros(len(buckets)), np.zeros(len(buckets))
-    for index in range(dp_rank, rows, dp_size):
+
+    def row_fields(index: int) -> dict:
         packed = sources[index % len(sources)]
-        fields = packed.row_fields((index // len(sources)) % packed.num_rows)
-        in_document = positions_in_document(fields["document_ids"])
-        batch = {k: torch.from_numpy(v[None]).to(device) for k, v in fields.items()}
-        labels = batch["labels"].clone()
-        with cp_context(batch) if cp_context else contextlib.nullcontext():
-            logits = model(batch["input_ids"], batch["position_ids"])
-            if hasattr(logits, "full_tensor"):  # tensor-parallel logits are sharded over the vocabulary
-                logits = logits.full_tensor()
-            token_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
-                                                           reduction="none").view(1, -1)
-        if cp_size > 1:
-            token_loss = unshard_sequence(token_loss.contiguous(), 1, cp_mesh, load_balancer=load_balancer,
-                                          document_ids=torch.from_numpy(fields["document_ids"][None]))
+        return packed.row_fields((index // len(sources)) % packed.num_rows)
+
+    for positions in rank_batches(rows, dp_rank, dp_size, 1):
+        batch, _ = padded_batch(row_fields, positions, device)
+        full_ids = batch["document_ids"].clone()
+        in_document = positions_in_document(full_ids[0].cpu().numpy())
+        valid = batch["labels"][0].cpu().numpy() != IGNORE_INDEX  # padding rows: nothing valid
+        token_loss, _ = score_tokens(model, batch, chunk_tokens, sparse_labels=False, cp_context=cp_context,
+                                     cp_mesh=cp_mesh, cp_size=cp_size, load_balancer=load_balancer,
+                                     document_ids=full_ids.cpu())
         token_loss = token_loss[0].double().cpu().numpy()
-        valid = labels[0].cpu().numpy() != IGNORE_INDEX
         for b, (lo, hi) in enumerate(buckets):
             chosen = valid & (in_document >= lo) & (in_document < hi)
             sums[b] += token_loss[chosen].sum()
@@ -147,7 +143,8 @@ def long_document_loss(model, sources: list, rows: int, *, device: torch.device,
     return {bucket_name(lo, hi): float(s / c) for (lo, hi), s, c in zip(buckets, sums, counts) if c > 0}
 
 
-def run_passkey_eval(cfg: Config, setup: StepSetup, tokenizer, device: torch.device, is_writer: bool) -> None:
+def run_passkey_eval(cfg: Config, setup: StepSetup, tokenizer, device: torch.device, is_writer: bool,
+                     comm=None) -> None:
     """Passkey retrieval by depth x context length on the training mesh, sharded by the training step's own CP
     context; rank 0 prints the table and saves <dump_folder>/passkey_eval.json."""
     e, p = cfg.eval, cfg.parallelism
@@ -156,7 +153,8 @@ def run_passkey_eval(cfg: Config, setup: StepSetup, tokenizer, device: torch.dev
         setup.model, tokenizer, None, context_lengths=e.passkey_lengths or [cfg.training.seq_len], depths=depths,
         samples=e.passkey_samples, seed=cfg.job.seed, device=device,
         cp_context=(lambda batch: cp_context(setup, batch)) if setup.shards_sequence else None,
-        cp_mesh=setup.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer)
+        cp_mesh=setup.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer,
+        batch_size=cfg.training.local_batch_size, **eval_spread(setup, comm))
     if is_writer:
         print(format_passkey_table(results), flush=True)
         with open(os.path.join(cfg.job.dump_folder, "passkey_eval.json"), "w") as f:
@@ -171,7 +169,8 @@ def run_long_doc_eval(cfg: Config, setup: StepSetup, stores: dict, device: torch
         setup.model, heldout_rows(cfg, stores), cfg.eval.long_doc_rows, device=device, dp_rank=setup.mesh.dp_rank,
         dp_size=setup.mesh.dims.dp, reduce_sums=lambda values: comm.reduce_values(values, group=data_group),
         cp_context=(lambda batch: cp_context(setup, batch)) if setup.shards_sequence else None,
-        cp_mesh=setup.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer)
+        cp_mesh=setup.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer,
+        chunk_tokens=eval_chunk_tokens(setup.loss_chunk_tokens))
     if is_writer:
         print("long-document loss by position: " + "  ".join(f"{k} {v:.3f}" for k, v in result.items()), flush=True)
     return {"long_doc_loss": result}

@@ -13,6 +13,7 @@ from config.schema import Config
 from data.niah import NiahRows
 from data.sources import heldout_haystack
 from training.evaluation import EVAL_SEED_OFFSET, answer_hits, format_passkey_table
+from training.eval_rows import eval_spread
 from training.heatmap import log_heatmap_image, write_heatmap
 from training.step import StepSetup, cp_context
 
@@ -25,22 +26,28 @@ def check_niah_lengths(cfg: Config, tokenizer) -> None:
                  values=cfg.eval.niah_values)
 
 
+def niah_eval_lengths(cfg: Config) -> list[int]:
+    """The lengths a stage evaluates: those it has reached (the model has not seen longer rows yet)."""
+    return [n for n in cfg.eval.niah_lengths if n <= cfg.training.seq_len] or [cfg.training.seq_len]
+
+
 def niah_depths(count: int) -> list[float]:
     return [i / max(1, count - 1) for i in range(count)]
 
 
 def evaluate_niah(model, tokenizer, haystack, *, lengths: list[int], depths: list[float], samples: int, seed: int,
                   keys: int, values: int, device, cp_context=None, cp_mesh=None, cp_size: int = 1,
-                  load_balancer: str = "zigzag") -> dict[tuple[int, float], tuple[float, float]]:
+                  load_balancer: str = "zigzag", batch_size: int = 8,
+                  **spread) -> dict[tuple[int, float], tuple[float, float]]:
     """{(context length, depth): (exact-answer accuracy, answer-token accuracy)} over `samples` rows each (the same
-    rows on every mesh)."""
+    rows on every mesh); `spread` splits them over the data-parallel ranks (training.evaluation.answer_hits)."""
     results = {}
     for length in lengths:
         for depth in depths:
             rows = NiahRows(tokenizer, haystack, seq_len=length, seed=seed + EVAL_SEED_OFFSET, depth=depth,
                             keys=keys, values=values)
             results[(length, depth)] = answer_hits(model, rows, list(range(samples)), device, cp_context,
-                                                        cp_mesh, cp_size, load_balancer)
+                                                   cp_mesh, cp_size, load_balancer, batch_size, **spread)
     return results
 
 
@@ -50,16 +57,16 @@ def variant_name(keys: int, values: int) -> str:
 
 
 def run_niah_eval(cfg: Config, setup: StepSetup, tokenizer, stores: dict, device: torch.device, is_writer: bool,
-                  step: int) -> dict[tuple[int, float], tuple[float, float]]:
+                  step: int, comm=None) -> dict[tuple[int, float], tuple[float, float]]:
     e, p = cfg.eval, cfg.parallelism
-    # a ramp stage evaluates the lengths it has reached (the model has not seen longer rows yet)
-    lengths = [n for n in e.niah_lengths if n <= cfg.training.seq_len] or [cfg.training.seq_len]
+    lengths = niah_eval_lengths(cfg)
     haystack = heldout_haystack(cfg, stores, 2 * max(lengths)) if stores else None
     results = evaluate_niah(
         setup.model, tokenizer, haystack, lengths=lengths, depths=niah_depths(e.niah_depths), samples=e.niah_samples,
         seed=cfg.job.seed, keys=e.niah_keys, values=e.niah_values, device=device,
         cp_context=(lambda batch: cp_context(setup, batch)) if setup.shards_sequence else None,
-        cp_mesh=setup.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer)
+        cp_mesh=setup.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer,
+        batch_size=cfg.training.local_batch_size, **eval_spread(setup, comm))
     if is_writer:
         write_niah_outputs(cfg, results, step, haystack is not None)
     return results

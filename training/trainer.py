@@ -154,7 +154,7 @@ class Trainer:
             evaluation = self._long_doc_eval() if self._long_doc_eval_due(last) else {}
             if self._niah_due(last):
                 run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
-                              self.rank == 0, self.step)
+                              self.rank == 0, self.step, self.dist.comm)
             if self.step % self.cfg.metrics.log_freq == 0 or last or evaluation:
                 record = self.metrics.record(
                     self.stage, self.step, loss=loss, lr=lr, grad_norm=grad_norm, step_time=step_time,
@@ -172,9 +172,10 @@ class Trainer:
         if self.cfg.eval.niah and self.step == resumed_at:
             # resumed at the last step (nothing to train): evaluate the checkpoint, e.g. on another mesh
             run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
-                          self.rank == 0, self.step)
+                          self.rank == 0, self.step, self.dist.comm)
         if self.cfg.eval.passkey:
-            run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0)
+            run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0,
+                             self.dist.comm)
 
     def _step_batches(self, data_iter) -> list[dict]:
         """This rank's micro-batches of the next optimizer step: the loader's, or placed by work."""
