@@ -18,6 +18,7 @@ from config import RecipeError
 from config.schema import Config
 from models.llama import recipe_model_config
 from parallelisms.sequence_sharding import sequence_divisor
+from training.eval_memory import eval_refusal, stage_eval_config
 from training.memory_probe import GIB, RankMemory, measure_memory
 from training.preflight import preflight
 from training.ramp import resolve_stages
@@ -35,8 +36,10 @@ class PlanRow:
 
 
 def plan_rows(cfg: Config, world: int) -> list[PlanRow]:
-    """One row per ramp stage (its own seq_len, cp, rope, batch), or the recipe itself without [[ramp]]."""
-    return [PlanRow(s.name, s.cfg) for s in resolve_stages(cfg, world)]
+    """One row per ramp stage (its own seq_len, cp, rope, batch, and the evaluations it runs), or the recipe itself
+    without [[ramp]]."""
+    stages = resolve_stages(cfg, world)
+    return [PlanRow(s.name, stage_eval_config(s, last=s is stages[-1])) for s in stages]
 
 
 @dataclass
@@ -160,7 +163,7 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
 
 
 COLUMNS = ("stage", "seq_len", "cp", "dp_shard", "tp", "pp", "params", "grads", "optim", "activ", "peak GiB",
-           "host GiB", "fits", "step s overlap..serial", "MFU", "tok/s/GPU", "comm GiB")
+           "eval GiB", "host GiB", "fits", "step s overlap..serial", "MFU", "tok/s/GPU", "comm GiB")
 
 
 def _gib(nbytes: float) -> str:
@@ -172,7 +175,7 @@ def _row(result: RowResult, index: int, usable_gib: float) -> list[str]:
     d, m, t = result.dims, result.memory, result.times
     return [f"{index} {result.row.name}", f"{result.row.cfg.training.seq_len:,}", str(d.cp), str(d.dp_shard),
             str(d.tp), str(d.pp), _gib(m.params), _gib(m.grads), _gib(m.optimizer), _gib(m.activations),
-            _gib(m.peak), _gib(m.host), "yes" if result.peak_gib <= usable_gib else "NO",
+            _gib(m.peak), _gib(m.peak_eval), _gib(m.host), "yes" if result.peak_gib <= usable_gib else "NO",
             f"{t['overlap_s']:.2f}..{t['serial_s']:.2f}",
             f"{100 * t['mfu_overlap']:.0f}%..{100 * t['mfu_serial']:.0f}%", f"{t['tokens_per_gpu_s']:,.0f}",
             f"{t['comm_gib']:.0f}"]
@@ -188,6 +191,7 @@ def write_json(cfg: Config, results: list[RowResult], usable_gib: float) -> str:
     """<dump_folder>/dry_run.json: one entry per stage, for planners and scripts (the table is for people)."""
     stages = [{"name": r.row.name, "seq_len": r.row.cfg.training.seq_len, "cp": r.dims.cp,
                "peak_device_gib_per_rank": r.peak_gib, "host_gib_per_rank": r.host_gib,
+               "eval_peak_device_gib_per_rank": r.memory.peak_eval / GIB,
                "fits": r.peak_gib <= usable_gib, "world": r.world, "dp_shard": r.dims.dp_shard, "tp": r.dims.tp,
                "pp": r.dims.pp, "ac_mode": r.row.cfg.activation_checkpoint.mode,
                "offload": r.row.cfg.activation_checkpoint.offload, "peak_phase": r.memory.peak_phase,
@@ -216,8 +220,9 @@ def run_dry_run(cfg: Config, world: int) -> int:
     n_layers = recipe_model_config(cfg).n_layers
     print("\n".join(_header(cfg, world, results[0], n_layers)))
     print("  columns: GiB per rank (params/grads/optim = persistent state; activ = the rest of the peak: saved and "
-          "recomputed activations, logits and loss, gathered parameters, comm buffers; peak = device memory; host = "
-          "offloaded block inputs in host memory); comm = bytes sent per step")
+          "recomputed activations, logits and loss, gathered parameters, comm buffers; peak = device memory, the "
+          "larger of the training step and the stage's evaluations (eval = the evaluations' own peak, 0 where the "
+          "stage runs none); host = offloaded block inputs in host memory); comm = bytes sent per step")
     print(format_table([_row(r, i + 1, usable) for i, r in enumerate(results)]))
     print(f"wrote {write_json(cfg, results, usable)}")
     failing = next((i for i, r in enumerate(results) if r.peak_gib > usable), None)
@@ -228,6 +233,10 @@ def run_dry_run(cfg: Config, world: int) -> int:
               f"dry run took {time.perf_counter() - start:.0f}s")
         return 0
     bad = results[failing]
+    refusal = eval_refusal(bad.row.cfg, bad.memory.peak_eval / GIB, usable)
+    if refusal is not None and bad.memory.train_peak / GIB <= usable:
+        print(f"stage {failing + 1} ({bad.row.name}, seq_len {bad.row.cfg.training.seq_len:,}) does NOT fit: {refusal}")
+        return 1
     advice, candidate = propose_fix(bad, usable)
     print(f"stage {failing + 1} ({bad.row.name}, seq_len {bad.row.cfg.training.seq_len:,}) does NOT fit: "
           f"peak {_gib(bad.memory.peak)} GiB > {usable:g} GiB usable, reached in the {bad.memory.peak_phase}.")

@@ -31,6 +31,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize, uses_loss_parallel
 from training import step
 from training.build import build_optimizer
+from training.eval_memory import measure_eval_peak
 from training.step import StepSetup, clip_grad_norm_
 
 GIB = 2**30
@@ -53,13 +54,22 @@ class RankMemory:
     blocks_measured: tuple[int, ...]
     host: float = 0.0
     """Peak bytes of offloaded block inputs in host memory (activation_checkpoint.offload); not part of `peak`."""
+    peak_eval: float = 0.0
+    """The most the stage's evaluations hold at once (training/eval_memory.py); 0 when the stage runs none."""
 
     @property
-    def peak(self) -> float:
+    def train_peak(self) -> float:
         return max(self.peak_forward_backward, self.peak_optimizer_step)
 
     @property
+    def peak(self) -> float:
+        """The stage's device peak: its training step or its evaluations, whichever holds more."""
+        return max(self.train_peak, self.peak_eval)
+
+    @property
     def peak_phase(self) -> str:
+        if self.peak_eval > self.train_peak:
+            return "evaluation"
         return "forward/backward" if self.peak_forward_backward >= self.peak_optimizer_step else "optimizer step"
 
     @property
@@ -74,7 +84,7 @@ class RankMemory:
 
     def agrees_with(self, other: "RankMemory", rel: float = 1e-6) -> bool:
         names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes",
-                 "host")
+                 "host", "peak_eval")
         pairs = [(getattr(self, n), getattr(other, n)) for n in names]
         return all(a == b or abs(a - b) <= rel * max(abs(a), abs(b)) for a, b in pairs if a is not None)
 
@@ -83,7 +93,7 @@ class RankMemory:
         def line(a, b):
             return None if a is None else a + extra_blocks * (b - a)
         names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes",
-                 "host")
+                 "host", "peak_eval")
         values = {n: line(getattr(self, n), getattr(deeper, n)) for n in names}
         return RankMemory(**values, blocks_measured=self.blocks_measured + deeper.blocks_measured)
 
@@ -189,10 +199,11 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
             state = _by_kind(tracker.get_tracker_snapshot("current"))
             optimizer.zero_grad(set_to_none=True)
             peak_optimizer_step = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
+        peak_eval = measure_eval_peak(cfg, setup, lambda: _tracker(model, optimizer))
     ring = setup.stats.bytes_sent - sent_before
     return RankMemory(state["params"], state["grads"], state["optimizer"], peak_forward_backward,
                       peak_optimizer_step, float(ring) if p.cp > 1 else None, (mcfg.n_layers,),
-                      float(offloader.peak_host_bytes) if offloader is not None else 0.0)
+                      float(offloader.peak_host_bytes) if offloader is not None else 0.0, peak_eval)
 
 
 def measure_rank(cfg: Config, world_size: int, rank: int = 0) -> RankMemory:

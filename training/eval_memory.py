@@ -1,0 +1,102 @@
+"""The dry run's measurement of evaluation: each ramp stage's evaluations run on the probe's fake tensors, after its
+training step, through the same code the trainer runs (training/eval_rows.py `score_tokens`: the model's forward
+under the step's CP context, scores from the hidden states in chunks, CP unsharding).
+
+A stage's evaluations are those the trainer runs while the stage is current: long-document loss and NIAH at every
+`*_interval` step inside the stage, and all enabled evaluations at the last step (passkey only there). Each is one
+forward of `rows x length` tokens: long-document loss 1 row at the stage's seq_len, passkey and NIAH
+training.local_batch_size rows at their longest length. Answer evaluations are scored as every token labelled (fake
+tensors hold no labels to select from): an upper bound by one chunk of logits over the few answer tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from config.schema import Config
+from training.eval_rows import eval_chunk_tokens, score_tokens
+from training.niah_eval import niah_eval_lengths
+from training.step import cp_context
+
+
+@dataclass(frozen=True)
+class EvalShape:
+    key: str
+    """The recipe key that sets this evaluation's size (what a refusal names)."""
+    rows: int
+    length: int
+
+
+def _due_inside(interval: int, start_step: int, end_step: int) -> bool:
+    """A multiple of `interval` among the steps the stage completes, start_step + 1 .. end_step."""
+    return interval > 0 and end_step // interval > start_step // interval
+
+
+def stage_eval_config(stage, last: bool) -> Config:
+    """The stage's Config with only the evaluations it runs left on (passkey at the last stage only; long-document
+    loss and NIAH where their interval falls inside the stage, and at the last stage)."""
+    e = stage.cfg.eval
+    long_doc = e.long_doc_loss and (last or _due_inside(e.long_doc_interval, stage.start_step, stage.end_step))
+    niah = e.niah and (last or _due_inside(e.niah_interval, stage.start_step, stage.end_step))
+    runs = dataclasses.replace(e, passkey=e.passkey and last, long_doc_loss=long_doc, niah=niah)
+    return dataclasses.replace(stage.cfg, eval=runs)
+
+
+def eval_shapes(cfg: Config) -> list[EvalShape]:
+    """The forwards of the stage's evaluations, one per evaluation (its largest)."""
+    e, t = cfg.eval, cfg.training
+    shapes = []
+    if e.long_doc_loss:
+        shapes.append(EvalShape("eval.long_doc_loss", 1, t.seq_len))
+    if e.niah:
+        shapes.append(EvalShape("eval.niah_lengths", t.local_batch_size, max(niah_eval_lengths(cfg))))
+    if e.passkey:
+        shapes.append(EvalShape("eval.passkey_lengths", t.local_batch_size, max(e.passkey_lengths or [t.seq_len])))
+    return shapes
+
+
+def _fake_eval_batch(shape: EvalShape) -> dict:
+    size = (shape.rows, shape.length)
+    return {"input_ids": torch.zeros(size, dtype=torch.long), "labels": torch.zeros(size, dtype=torch.long),
+            "position_ids": torch.arange(shape.length).expand(size).clone(),
+            "document_ids": torch.zeros(size, dtype=torch.long)}
+
+
+@torch.no_grad()
+def measure_eval_peak(cfg: Config, setup, tracker) -> float:
+    """The most bytes any of the stage's evaluations holds at once (persistent state included), each measured by a
+    fresh `tracker()` context (the probe's memory tracker) around the trainer's own evaluation forward; 0 without
+    evaluations. Runs inside the probe's FakeTensorMode, after its training step."""
+    model, p, peak = setup.model, setup.parallelism, 0.0
+    was_training = model.training
+    model.eval()
+    for shape in sorted(set(eval_shapes(cfg)), key=lambda s: (s.rows * s.length, s.key)):
+        with tracker() as memory:
+            score_tokens(model, _fake_eval_batch(shape), eval_chunk_tokens(setup.loss_chunk_tokens),
+                         sparse_labels=False,
+                         cp_context=(lambda batch: cp_context(setup, batch)) if setup.shards_sequence else None,
+                         cp_mesh=setup.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer)
+            peak = max(peak, _total(memory.get_tracker_snapshot("peak")))
+    model.train(was_training)
+    return peak
+
+
+def _total(snapshot: dict) -> float:
+    """A tracker snapshot {device: {category: bytes}}: its "Total" entries summed over devices."""
+    return float(sum(nbytes for per_device in snapshot.values() for category, nbytes in per_device.items()
+                     if getattr(category, "value", category) == "Total"))
+
+
+def eval_refusal(cfg: Config, eval_peak_gib: float, usable_gib: float) -> str | None:
+    """One line naming the evaluation setting to change when the stage's evaluation does not fit, else None."""
+    if eval_peak_gib <= usable_gib:
+        return None
+    shapes = eval_shapes(cfg)
+    largest = max(shapes, key=lambda s: s.rows * s.length)
+    what = (f"{largest.key} (longest {largest.length:,} tokens x {largest.rows} row(s) per forward)"
+            if largest.key != "eval.long_doc_loss" else "eval.long_doc_loss (1 row of training.seq_len per forward)")
+    return (f"the evaluation peaks {eval_peak_gib:.1f} GiB > {usable_gib:g} GiB usable: change {what} "
+            f"(shorter lengths, or training.local_batch_size for passkey/NIAH rows), or evaluate a checkpoint on "
+            f"another mesh")
