@@ -15,6 +15,8 @@ from parallelisms.pipeline_parallel import plan_pipeline
 from parallelisms.cp_toolkit import UnsupportedAttentionError
 from parallelisms.sequence_sharding import sequence_divisor
 from parallelisms.tensor_parallel import check_tp_degree
+from training.eval_memory import stage_eval_config
+from training.niah_eval import niah_eval_lengths
 from training.ramp import RampStage, resolve_stages
 
 
@@ -27,7 +29,7 @@ def preflight_stages(cfg: Config, world_size: int, check_data: bool = True) -> l
     stages = resolve_stages(cfg, world_size)
     for stage in stages:
         try:
-            preflight(stage.cfg, world_size)
+            preflight(stage_eval_config(stage, last=stage is stages[-1]), world_size)  # the evaluations it runs
         except RecipeError as e:
             if stage.index < 0:
                 raise
@@ -86,7 +88,7 @@ def preflight(cfg: Config, world_size: int):
         if e.niah_depths < 1 or e.niah_samples < 1 or e.niah_interval < 0:
             raise RecipeError(f"{cfg.recipe_path}: eval.niah_depths and niah_samples must be >= 1 and niah_interval "
                               f">= 0 (got {e.niah_depths}, {e.niah_samples}, {e.niah_interval}).")
-        for length in e.niah_lengths:
+        for length in niah_eval_lengths(cfg):  # the lengths this stage evaluates
             check_sequence_split(cfg, length, "eval.niah_lengths")
     if e.long_doc_loss:
         if p.pp > 1:

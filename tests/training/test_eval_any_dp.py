@@ -88,7 +88,7 @@ def test_dp3_and_dp5_evaluations_finish_and_equal_dp1(tmp_path):
               "--data.cache_dir", str(tmp_path / "cache"),
               "--eval.long_doc_loss", "true", "--eval.long_doc_interval", "1", "--eval.long_doc_rows", "8",
               "--eval.long_doc_heldout", "0.05", "--eval.niah", "true", "--eval.niah_interval", "1",
-              "--eval.niah_lengths", "[256]", "--eval.niah_depths", "2", "--eval.niah_samples", "5",
+              "--eval.niah_lengths", "256", "--eval.niah_depths", "2", "--eval.niah_samples", "5",
               "--eval.passkey", "true", "--eval.passkey_depths", "2", "--eval.passkey_samples", "5"]
     outputs = {}
     for dp in (1, 3, 5):
