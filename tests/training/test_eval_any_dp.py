@@ -60,7 +60,8 @@ def _oracle_hits(rank, world_size):
 
 def test_answer_hits_split_over_3_ranks_equal_one_process():
     """7 rows over 3 ranks (3, 2, 2 real rows, in 2 forwards of 2 rows on every rank): padding counts nothing and
-    the counts are summed over the ranks, so every rank reports one process's figures (4 of 7 rows right; a padding row repeats row 0, which is right, so counting it would show)."""
+    the counts are summed over the ranks, so every rank reports one process's figures (4 of 7 rows right; a
+    padding row repeats row 0, which is right, so counting it would show)."""
     want = _oracle_hits(0, 1)
     assert want[0] == 4 / 7 and 0.5 < want[1] < 1
     got = run_ranks(_oracle_hits, world_size=3, timeout=120)
@@ -101,6 +102,9 @@ def test_dp3_and_dp5_evaluations_finish_and_equal_dp1(tmp_path):
     assert sorted(want["long_doc"]) == [1, 2] and sorted(want["niah"]) == [1, 2] and len(want["passkey"]) == 2
     for dp in (3, 5):
         got = outputs[dp]
+        worst = max(abs(got["long_doc"][s][k] - v) / abs(v) for s, b in want["long_doc"].items() for k, v in b.items())
+        print(f"dp {dp}: long-document loss max relative difference to dp 1: {worst:.2e}; NIAH and passkey cells "
+              f"equal: {got['niah'] == want['niah'] and got['passkey'] == want['passkey']}")
         for step, buckets in want["long_doc"].items():
             assert got["long_doc"][step].keys() == buckets.keys()
             assert all(abs(got["long_doc"][step][k] - v) <= 1e-6 * abs(v) for k, v in buckets.items()), (dp, got)
