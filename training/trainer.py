@@ -91,7 +91,8 @@ class Trainer:
         m = stage.model
         for part in self.model_parts:
             part.set_rope_from(m)
-        for offloader in self.offloaders:
+        for offloader in self.offloaders:  # the old stage's host arena is unpinned and freed (host_arena.py)
+            offloader.release_arena()
             offloader.enabled = cfg.activation_checkpoint.offload
         self.placement = None
         if cfg.data.places_by_work():
@@ -170,6 +171,8 @@ class Trainer:
                     record["placement_whole_row_steps"] = self.placement.whole_row_steps
                 if self.offloaders:  # this rank's offloaded block inputs at their most since the last record
                     record["offload_host_peak_bytes"] = sum(o.peak_host_bytes for o in self.offloaders)
+                    record["offload_pinned_bytes"] = sum(o.pinned_bytes for o in self.offloaders)  # 0 on CPU
+                    record["offload_arena_bytes"] = sum(o.arena_bytes for o in self.offloaders)
                     for offloader in self.offloaders:
                         offloader.reset_peak()
                 self.logger.log(self.step, {**record, **evaluation})
