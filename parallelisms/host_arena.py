@@ -44,6 +44,12 @@ def arena_pinned_bytes(nbytes: int) -> int:
     return math.ceil(nbytes / PAGE_BYTES) * PAGE_BYTES
 
 
+def stage_pinned_bytes(offloaded_bytes: float) -> int:
+    """What a CUDA rank will really pin for a stage whose block inputs take `offloaded_bytes` at once (the dry run's
+    measured host bytes): its arena's whole pages (block inputs of real models are multiples of SLOT_ALIGN)."""
+    return arena_pinned_bytes(math.ceil(offloaded_bytes / SLOT_ALIGN) * SLOT_ALIGN) if offloaded_bytes else 0
+
+
 def caching_allocator_pinned_bytes(block_bytes: list[int]) -> int:
     """What torch's CachingHostAllocator would pin for these blocks held at once (default config: each rounded up
     to a power of two), for comparison with the arena."""

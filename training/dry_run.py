@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from config import RecipeError
 from config.schema import Config
 from models.llama import recipe_model_config
+from parallelisms.host_arena import stage_pinned_bytes
 from parallelisms.sequence_sharding import sequence_divisor
 from training.memory_probe import GIB, RankMemory, measure_memory
 from training.preflight import preflight
@@ -188,6 +189,7 @@ def write_json(cfg: Config, results: list[RowResult], usable_gib: float) -> str:
     """<dump_folder>/dry_run.json: one entry per stage, for planners and scripts (the table is for people)."""
     stages = [{"name": r.row.name, "seq_len": r.row.cfg.training.seq_len, "cp": r.dims.cp,
                "peak_device_gib_per_rank": r.peak_gib, "host_gib_per_rank": r.host_gib,
+               "host_pinned_gib_per_rank": stage_pinned_bytes(r.memory.host) / GIB,  # parallelisms/host_arena.py
                "fits": r.peak_gib <= usable_gib, "world": r.world, "dp_shard": r.dims.dp_shard, "tp": r.dims.tp,
                "pp": r.dims.pp, "ac_mode": r.row.cfg.activation_checkpoint.mode,
                "offload": r.row.cfg.activation_checkpoint.offload, "peak_phase": r.memory.peak_phase,

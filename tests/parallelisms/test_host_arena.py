@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from models.llama import Llama, LlamaConfig
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.host_arena import (HostArena, arena_pinned_bytes, caching_allocator_pinned_bytes, slot_bytes,
-                                     span_bytes)
+                                     span_bytes, stage_pinned_bytes)
 from tests.trainer_runs import read_metrics, run_train
 
 TINY = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, rope_theta=10000.0)
@@ -73,6 +73,7 @@ def test_slots_are_carved_views_and_sizes_round_only_to_pages():
     block = 1_179_648_000  # an 8B block input at 72K tokens in bf16 (1.1 GiB)
     assert arena_pinned_bytes(block) == block  # whole pages: already a multiple of 4096
     assert caching_allocator_pinned_bytes([block]) == 2 ** 31  # torch's host allocator: the next power of two
+    assert stage_pinned_bytes(5000) == 8192 and stage_pinned_bytes(0) == 0  # what the dry run reports
     with pytest.raises(RuntimeError, match="released while"):
         _, offloader = _offloaded_model()
         offloader.host_bytes = 1
