@@ -38,6 +38,8 @@ def test_hybrid_cp_under_pp2_trains_as_one_process_and_makes_no_group_after_setu
     counts, records = _census(str(tmp_path / "pp2cp4"), *args, "--parallelism.pp", "2", "--parallelism.cp", "4",
                               "--parallelism.cp_impl", "hybrid", nproc=8)
     losses = [r["loss"] for r in records]
+    print(f"pp2 x hybrid cp4: max relative loss difference {max_rel_diff(losses, reference):.2e}; groups made at "
+          f"setup per rank {[c['setup'] for c in counts]}, after setup {[c['run'] for c in counts]}")
     assert max_rel_diff(losses, reference) <= 1e-5, (losses, reference)
     assert all(c["setup"] > 0 for c in counts) and [c["run"] for c in counts] == [0] * 8, counts
 
@@ -85,6 +87,8 @@ def test_a_ramp_whose_cp_changes_makes_no_group_after_setup(tmp_path):
     recipe.write_text(RAMP)
     counts, records = _census(str(tmp_path / "ramp"), str(recipe), nproc=4)
     assert [(r["step"], r["cp"]) for r in records] == [(1, 1), (2, 2), (3, 4)]
+    print(f"ramp cp 1 -> 2 -> 4: groups per rank (setup, after setup, destroyed at switches) "
+          f"{[(c['setup'], c['run'], c['destroyed']) for c in counts]}")
     assert [c["run"] for c in counts] == [0] * 4, counts
     assert all(c["destroyed"] > 0 for c in counts), counts
 
