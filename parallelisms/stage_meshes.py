@@ -99,5 +99,6 @@ def release_stage(old: TrainingMesh, later: list[TrainingMesh]) -> int:
     doomed = sorted((pg for pg in mesh_groups(old) - keep if pg is not default), key=lambda pg: pg.group_name)
     for pg in doomed:
         dist.destroy_process_group(pg)
-    old.cp_subgroups.clear()
+    if not any(m is old for m in later):  # a later stage with the same dims runs on this very mesh
+        old.cp_subgroups.clear()
     return len(doomed)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from parallelisms.document_layout import DocumentLayout
-from tests.gpu.cp_cases import tolerance
+from tests.gpu.cp_cases import hybrid_2x2_groups, tolerance
 from tests.gpu.devices import FAST_CPU, require
-from tests.nccl_rules import SimGroup, run_ring_ranks
+from tests.nccl_rules import run_ring_ranks
 from tests.parallelisms.attention_reference import per_document_attention, random_documents
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
@@ -32,9 +32,7 @@ def _attention(variant: str, group, local, ids: torch.Tensor, layout: DocumentLa
     if variant == "ulysses":
         return ulysses_attention(*local, group, _plan=concatenated_order_plan(group, ids.size(1)),
                                  _documents=concatenated_documents(shards), **common)
-    pair = group.rank // 2 * 2  # hybrid 2 x 2: this rank's groups as setup makes them (stage_meshes.py)
-    groups = (SimGroup(group.world, group.global_rank, (pair, pair + 1)),
-              SimGroup(group.world, group.global_rank, (group.rank % 2, group.rank % 2 + 2)))
+    groups = hybrid_2x2_groups(group)
     return hybrid_attention(*local, group, ulysses_degree=2, _groups=groups, _documents=documents_ring_shards(shards, 2),
                             _plan=concatenated_order_plan(groups[0], 2 * local[0].size(2)), **common)
 

@@ -173,7 +173,7 @@ def _documents_hybrid(group, q, k, v, grad_out, ids):
     from parallelisms.cp_hybrid import documents_ring_shards, hybrid_attention
     from parallelisms.cp_ulysses import concatenated_order_plan
     from parallelisms.ring_plan import DocumentShards
-    from tests.nccl_rules import SimGroup
+    from tests.gpu.cp_cases import hybrid_2x2_groups
 
     layout = DocumentLayout.plan(ids, group.size)
 
@@ -181,9 +181,7 @@ def _documents_hybrid(group, q, k, v, grad_out, ids):
         return layout.shard(x.transpose(1, 2), 1, group.rank).transpose(1, 2)
 
     local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
-    # this rank's subgroups, as setup makes them (parallelisms/stage_meshes.py): 2 consecutive ranks, same offset
-    groups = (SimGroup(group.world, group.global_rank, (group.rank // 2 * 2, group.rank // 2 * 2 + 1)),
-              SimGroup(group.world, group.global_rank, (group.rank % 2, group.rank % 2 + 2)))
+    groups = hybrid_2x2_groups(group)  # this rank's subgroups, as setup makes them (parallelisms/stage_meshes.py)
     plan = concatenated_order_plan(groups[0], 2 * local[0].size(2))
     docs = documents_ring_shards(DocumentShards.from_layout(ids, layout), 2)
     out = hybrid_attention(*local, group, ulysses_degree=2, is_causal=True, load_balancer="documents",
