@@ -15,8 +15,8 @@ from data.placement import StepPlacement, StepSlots
 from data.sources import describe_chat_rows, labels_every_token
 from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import uses_loss_parallel
-from training import step
 from parallelisms.stage_meshes import release_stage
+from training import step
 from training.build import (build_model, build_optimizer, build_run_meshes, build_shared_tokenizer, build_stage_data,
                             build_stores, init_distributed)
 from training.checkpoint import Checkpointer
@@ -80,7 +80,7 @@ class Trainer:
     def _enter_stage(self, stage: RampStage, rows_consumed: int = 0):
         """Switches to a ramp stage: its mesh (cp traded against dp_shard), its step setup and RoPE; returns the
         data loader at its sequence length (continuing at `rows_consumed` of that stage's row stream)."""
-        index = self.stages.index(stage)
+        index = next(i for i, s in enumerate(self.stages) if s is stage)
         if self.meshes[index] is not self.mesh:  # made at setup; the old stage's own groups are destroyed
             release_stage(self.mesh, self.meshes[index:])
             self.mesh = self.meshes[index]
