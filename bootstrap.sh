@@ -17,6 +17,11 @@ for path in sys.argv[1:]:
             continue
         name, _, want = line.partition("==")
         if name == "torch" and os.environ.get("TORCH_SPEC"):
+            # any torch would pass the pin once the local suffix (+cpu) is dropped: the interpreter must hold the
+            # torch that this exact TORCH_SPEC installed (recorded below), or it is reinstalled
+            recorded = os.path.join(sys.prefix, ".torch_spec")
+            if not os.path.exists(recorded) or open(recorded).read().strip() != os.environ["TORCH_SPEC"].strip():
+                sys.exit(1)
             want = ""
         try:
             have = version(name).split("+")[0]
@@ -42,6 +47,7 @@ _bootstrap() {
   if [ -n "${TORCH_SPEC:-}" ]; then
     # shellcheck disable=SC2086
     "${pip[@]}" $TORCH_SPEC || { echo "error: pip install $TORCH_SPEC failed" >&2; exit 1; }
+    printf '%s\n' "$TORCH_SPEC" > "$ROOT/.venv/.torch_spec"
     local filtered; filtered="$(mktemp)"
     cat "${files[@]}" | grep -vE '^torch==' > "$filtered"
     files=("$filtered")

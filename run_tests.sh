@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run the tests:  ./run_tests.sh [--slow | --gpu] [pytest args]
 #   default: the fast tier (minutes);  --slow: the fast and the slow tier (multi-rank end-to-end runs)
-#   --gpu: the GPU tier only (CUDA variants of tests/gpu, on the GPUs this machine has); without a visible GPU it
-#          prints one line and exits 0
+#   --gpu: the GPU tier only (CUDA variants of tests/gpu, on the GPUs this machine has); prints the device, torch
+#          and CUDA versions; without a visible GPU it prints one line and exits 0; when nvidia-smi lists GPUs but
+#          torch has no CUDA it prints one line (how to install a CUDA torch with TORCH_SPEC) and exits 1
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/bootstrap.sh" requirements.txt requirements-test.txt
@@ -18,13 +19,21 @@ for arg in "$@"; do
 done
 cd "$HERE"
 if [ "${marker[1]}" = "gpu" ]; then
-  read -r gpus torch_version name < <("$PY" -c 'import torch
+  # GPUs the driver lists (nvidia-smi ignores CUDA_VISIBLE_DEVICES; an empty or -1 value hides them all from torch)
+  listed=0
+  if command -v nvidia-smi >/dev/null 2>&1; then listed="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"; fi
+  if [ "${CUDA_VISIBLE_DEVICES-unset}" = "" ] || [ "${CUDA_VISIBLE_DEVICES-unset}" = "-1" ]; then listed=0; fi
+  read -r gpus torch_version cuda_version name < <("$PY" -c 'import torch
 n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-print(n, torch.__version__, torch.cuda.get_device_name(0) if n else "")')
+print(n, torch.__version__, torch.version.cuda or "none", torch.cuda.get_device_name(0) if n else "")')
+  if [ "$gpus" = "0" ] && [ "$listed" != "0" ]; then
+    echo "GPU tier: nvidia-smi lists $listed GPU(s) but torch $torch_version has no CUDA; install a CUDA torch: unset PYTHON and run TORCH_SPEC=\"torch==2.13.0 --index-url <your CUDA wheel index>\" ./run_tests.sh --gpu"
+    exit 1
+  fi
   if [ "$gpus" = "0" ]; then
     echo "GPU tier: no GPU visible to torch $torch_version, so nothing ran"
     exit 0
   fi
-  echo "GPU tier: $gpus x $name, torch $torch_version"
+  echo "GPU tier: $gpus x $name, torch $torch_version, CUDA $cuda_version"
 fi
 exec "$PY" -m pytest "${marker[@]}" "${args[@]}"

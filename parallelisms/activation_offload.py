@@ -11,7 +11,8 @@ the device; only the block input is offloaded, as in `full` and `selective` mode
 
 The copies run through the device module's streams and events (`torch.cuda` or `torch.cpu`), so CPU runs the same
 code as CUDA; there the streams and events are no-ops and a copy is a plain copy into a separate host buffer.
-On CUDA: host buffers are pinned and reused across steps; device->host copies run on a side stream after the compute
+On CUDA: host buffers are slots of one pinned arena per ramp stage (host_arena.py: exactly the bytes the stage holds
+at its peak, counted in its first step, which copies into plain host buffers; released at the stage switch); device->host copies run on a side stream after the compute
 stream's work so far, and the device tensor is kept referenced until its copy's event completes; when backward
 unpacks block i's input, block i-1's input is brought back on the side stream at once (backward visits blocks in
 reverse), and the compute stream waits on that copy's event before using it.
@@ -35,22 +36,29 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
+from parallelisms.host_arena import HostArena, empty_host_cache, span_bytes
+
 
 class _Record:
     """One offloaded block input: its host copy (or, under fake tensors, only its metadata) and how to rebuild it."""
     __slots__ = ("size", "stride", "dtype", "device", "nbytes", "dtensor", "host", "fake", "layer", "prev",
-                 "prefetched", "ready", "done", "__weakref__")
+                 "prefetched", "ready", "done", "key", "in_arena", "__weakref__")
 
 
 class ActivationOffloader:
-    """Saved-tensor hooks for checkpointed blocks; one per model (its pinned buffer pool is shared by all blocks)."""
+    """Saved-tensor hooks for checkpointed blocks; one per model (its host arena is shared by all blocks)."""
 
     def __init__(self):
         self.host_bytes = 0
         """Bytes of block inputs held in host memory now."""
         self.peak_host_bytes = 0
         """The most `host_bytes` has been since the last `reset_peak()`."""
-        self._pool: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        self._pool: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # plain host buffers before the arena
+        self.arena: HostArena | None = None
+        """This stage's host arena (pinned on CUDA), made when the stage's first step has released every input."""
+        self._live: dict[tuple, int] = defaultdict(int)  # block inputs held now, per (size, stride, dtype)
+        self._most: dict[tuple, int] = {}  # the most held at once, per key, before the arena exists
+        self._pin = False
         self._in_flight: list[tuple[object, torch.Tensor]] = []  # (event, device tensor) of running copies
         self._streams: dict[torch.device, object] = {}
         self._last: weakref.ref | None = None
@@ -60,6 +68,32 @@ class ActivationOffloader:
 
     def reset_peak(self) -> None:
         self.peak_host_bytes = self.host_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes really pinned for offload now (the arena's whole pages on CUDA; 0 on CPU)."""
+        return self.arena.pinned_bytes if self.arena is not None else 0
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.arena.nbytes if self.arena is not None else 0
+
+    @property
+    def needed_bytes(self) -> int:
+        """The bytes of block inputs this stage holds at once (what its arena is sized to)."""
+        return sum(count * span_bytes(*key) for key, count in self._most.items())
+
+    def release_arena(self) -> None:
+        """At a stage switch (nothing held): frees this stage's arena and plain buffers, and empties torch's host
+        cache, so no pinned byte of the stage remains; the next stage counts its own needs in its first step."""
+        if self.host_bytes:
+            raise RuntimeError("activation offload: the host arena is released while block inputs are offloaded")
+        if self.arena is not None:
+            self.arena.release()
+        self.arena, self._most = None, {}
+        self._pool.clear()
+        self._live.clear()
+        empty_host_cache()
 
     def hooks(self, hidden: torch.Tensor, layer: int):
         """The context to run one block's checkpoint call in: offloads `hidden` (the block input) when it is saved.
@@ -101,11 +135,18 @@ class ActivationOffloader:
         return rec
 
     def _host_buffer(self, rec: _Record) -> torch.Tensor:
-        free = self._pool[(rec.size, rec.stride, rec.dtype)]
-        if free:
-            return free.pop()
-        return torch.empty_strided(rec.size, rec.stride, dtype=rec.dtype, device="cpu",
-                                   pin_memory=rec.device.type == "cuda")
+        """A slot of the arena; before it exists (or past what it holds), a plain host buffer, counted per key."""
+        rec.key = (rec.size, rec.stride, rec.dtype)
+        slot = self.arena.take(rec.key) if self.arena is not None else None
+        rec.in_arena = slot is not None
+        if slot is not None:
+            return slot
+        self._pin = rec.device.type == "cuda"
+        if self.arena is None:
+            self._live[rec.key] += 1
+            self._most[rec.key] = max(self._most.get(rec.key, 0), self._live[rec.key])
+        free = self._pool[rec.key]
+        return free.pop() if free else torch.empty_strided(rec.size, rec.stride, dtype=rec.dtype, device="cpu")
 
     def _release_finished(self) -> None:
         self._in_flight = [(event, t) for event, t in self._in_flight if not event.query()]
@@ -161,6 +202,14 @@ class ActivationOffloader:
         stream, after this record's host -> device copy."""
         rec.done, rec.prefetched = True, None
         if rec.host is not None:
-            self._pool[(rec.size, rec.stride, rec.dtype)].append(rec.host)
+            if rec.in_arena:
+                self.arena.give_back(rec.key, rec.host)
+            else:
+                self._pool[rec.key].append(rec.host)
+                if self.arena is None:
+                    self._live[rec.key] -= 1
             rec.host = None
         self.host_bytes -= rec.nbytes
+        if self.host_bytes == 0 and self.arena is None and self._most and not rec.fake:
+            self._pool.clear()  # the plain buffers of the counting step go; the arena replaces them
+            self.arena = HostArena(dict(self._most), pin=self._pin)

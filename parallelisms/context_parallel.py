@@ -97,7 +97,8 @@ def _documents_impl(cp_impl: str, document_ids) -> str:
 def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
                      no_restore_buffers: Sequence[torch.Tensor] | None = None, load_balancer: str = "zigzag",
                      document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
-                     cp_impl: str = "ring", ulysses_degree: int | None = None) -> Iterator[None]:
+                     cp_impl: str = "ring", ulysses_degree: int | None = None,
+                     cp_subgroups: dict | None = None) -> Iterator[None]:
     """Shards `buffers` in place along `buffer_seq_dims` and routes SDPA to the ring until exit.
 
     cp_mesh: a 1-D DeviceMesh or ProcessGroup (size 1 is valid and runs the same path). Buffers are restored on exit
@@ -106,6 +107,7 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     call then masks attention to each token's own document, combined with causality when the call is causal.
     `stats`: a CommStats the ring adds its counters to. `cp_impl`: one of CP_IMPLS ("ring" is the default and the
     path above; see cp_choice.py); `ulysses_degree`: the Ulysses group size of cp_impl="hybrid" (None: in-node ranks).
+    `cp_subgroups`: hybrid CP's {degree: (Ulysses group, ring group)}, made at setup (parallelisms/stage_meshes.py).
     `load_balancer="documents"` plans each row's layout from `document_ids` (document_layout.py) and runs the sparse
     ring (ring_sparse.py; auto resolves to it), the sparse all-gather, Ulysses or hybrid.
     """
@@ -126,7 +128,7 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     variant = None
     if cp_impl != "ring":
         full_ids = None if document_ids is None else document_ids.detach().clone()
-        variant = CPAttention(cp_impl, group, load_balancer, full_ids, documents, stats, ulysses_degree)
+        variant = CPAttention(cp_impl, group, load_balancer, full_ids, documents, stats, ulysses_degree, cp_subgroups)
     keep = {id(b) for b in (no_restore_buffers or [])}
     originals = []
     with torch.no_grad():

@@ -139,8 +139,10 @@ class CPAttention:
 
     def __init__(self, cp_impl: str, group: dist.ProcessGroup, load_balancer: str,
                  full_document_ids: torch.Tensor | None, documents: DocumentShards | None,
-                 stats: CommStats | None, ulysses_degree: int | None = None):
+                 stats: CommStats | None, ulysses_degree: int | None = None, subgroups: dict | None = None):
         check_cp_impl(cp_impl)
+        self.subgroups = subgroups
+        """{Ulysses degree: (Ulysses group, ring group)} made at setup; None: made on first use (world-sized CP only)."""
         self.cp_impl, self.group, self.load_balancer = cp_impl, group, load_balancer
         self.full_document_ids, self.documents, self.stats = full_document_ids, documents, stats
         self.ulysses_degree = ulysses_degree
@@ -167,6 +169,15 @@ class CPAttention:
                 self.choice = CPChoice(self.cp_impl, None, "asked for")
         return self.choice
 
+    def _hybrid_groups(self, degree: int):
+        if self.subgroups is None:
+            return hybrid_groups(self.group, degree)
+        if degree not in self.subgroups:
+            raise RuntimeError(f"hybrid CP runs Ulysses degree {degree}, but setup made subgroups for "
+                               f"{sorted(self.subgroups) or 'none'}: groups are made at setup only "
+                               "(parallelisms/stage_meshes.py); the setup's degree must match the attention's")
+        return self.subgroups[degree]
+
     def _cached(self, key, build):
         if key not in self._cache:
             self._cache[key] = build()
@@ -191,7 +202,9 @@ class CPAttention:
                 segments = self._cached("segments", lambda: document_segments(self.full_document_ids))
             return ulysses_attention(q, k, v, self.group, _plan=plan, _documents=segments, **common)
         degree = choice.ulysses_degree
-        ulysses_group = hybrid_groups(self.group, degree)[0]
+        groups = self._hybrid_groups(degree)
+        ulysses_group = groups[0]
+        common["_groups"] = groups
         if self.load_balancer == "documents":
             plan = self._cached(("plan", seq_len), lambda: concatenated_order_plan(ulysses_group,
                                                                                    q.size(2) * degree))

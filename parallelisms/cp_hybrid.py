@@ -9,8 +9,11 @@ unchanged over R ranks with U-times fewer heads. Striped does not decompose this
 "documents" layout needs no decomposition: the all-to-all keeps the group's tokens in member order and the sparse
 ring (ring_sparse.py) runs over the R ring ranks on their ids and positions (`documents_ring_shards`).
 
-The sub-groups are derived from the 1-D CP group with `new_group(..., use_local_synchronization=True)` (only the CP
-ranks take part; the 5-D mesh is untouched) and kept in a per-process cache, since creating communicators is slow.
+The sub-groups are made at setup, by every world rank, with the run's mesh (parallelisms/stage_meshes.py) and passed
+in (`_groups`): on NCCL with a bound device, creating a group splits the world communicator, which every world rank
+must join, so a group made inside a step can hang (a pipeline stage blocked in a receive never joins). Called
+without them (tests, scripts whose CP group is the whole world), `hybrid_groups` makes them once per process, every
+rank creating every subgroup in the same order.
 """
 from __future__ import annotations
 
@@ -41,16 +44,20 @@ def check_hybrid(cp_size: int, ulysses_degree: int, load_balancer: str) -> None:
 
 
 def hybrid_groups(group: dist.ProcessGroup, ulysses_degree: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(this rank's Ulysses group of U consecutive CP ranks, its ring group of the R ranks with the same offset)."""
+    """(this rank's Ulysses group of U consecutive CP ranks, its ring group of the R ranks with the same offset), for
+    a CP group that is the whole world; the trainer's come from its mesh instead (stage_meshes.hybrid_subgroups)."""
     per_degree = _SUBGROUP_CACHE.setdefault(group, {})
     if ulysses_degree not in per_degree:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if size != dist.get_world_size():
+            raise RuntimeError(f"hybrid CP over {size} of {dist.get_world_size()} ranks: its subgroups must be made "
+                               "at setup by every rank (parallelisms/stage_meshes.add_hybrid_subgroups) and passed in")
         members = [dist.get_global_rank(group, i) for i in range(size)]
         ring_index, offset = divmod(rank, ulysses_degree)
-        ulysses = members[ring_index * ulysses_degree:(ring_index + 1) * ulysses_degree]
-        ring = members[offset::ulysses_degree]
-        per_degree[ulysses_degree] = (dist.new_group(ulysses, use_local_synchronization=True),
-                                      dist.new_group(ring, use_local_synchronization=True))
+        # every rank creates every subgroup, in the same order (a world-wide split on NCCL with a bound device)
+        ulysses = [dist.new_group(members[i:i + ulysses_degree]) for i in range(0, size, ulysses_degree)]
+        rings = [dist.new_group(members[o::ulysses_degree]) for o in range(ulysses_degree)]
+        per_degree[ulysses_degree] = (ulysses[ring_index], rings[offset])
     return per_degree[ulysses_degree]
 
 
@@ -82,9 +89,11 @@ def documents_ring_shards(documents: DocumentShards, ulysses_degree: int) -> Doc
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, ulysses_degree: int,
                      is_causal: bool = True, scale: float | None = None, load_balancer: str = "zigzag",
                      document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
-                     _plan: ExchangePlan | None = None, _documents: DocumentShards | None = None) -> torch.Tensor:
+                     _plan: ExchangePlan | None = None, _documents: DocumentShards | None = None,
+                     _groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries (same inputs and layouts as `ring_attention`), Ulysses over
-    `ulysses_degree` consecutive CP ranks and the ring over the rest. Hq must split over `ulysses_degree`."""
+    `ulysses_degree` consecutive CP ranks and the ring over the rest. Hq must split over `ulysses_degree`.
+    `_groups`: the (Ulysses, ring) groups made at setup; None: `hybrid_groups` (a CP group that is the world)."""
     pg = resolve_group(group)
     check_load_balancer(load_balancer)
     size, rank = dist.get_world_size(pg), dist.get_rank(pg)
@@ -94,7 +103,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=No
     if load_balancer == "documents" and (_plan is None or _documents is None):
         raise UnsupportedAttentionError("hybrid_attention on the documents layout needs its plan and documents: call "
                                         "it through context_parallel(..., load_balancer='documents', cp_impl='hybrid')")
-    ulysses_pg, ring_pg = hybrid_groups(pg, ulysses_degree)
+    ulysses_pg, ring_pg = _groups or hybrid_groups(pg, ulysses_degree)
     plan = _plan or hybrid_plan(ulysses_pg, seq_len, rank, size, ulysses_degree, load_balancer)
     docs = _documents
     if docs is None and document_ids is not None:

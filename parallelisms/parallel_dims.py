@@ -10,7 +10,7 @@ where it is; only the data split and the CP groups change.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -77,6 +77,8 @@ class TrainingMesh:
     data: object
     fsdp_shard: object
     loss: object
+    cp_subgroups: dict = field(default_factory=dict)
+    """{Ulysses degree: (Ulysses group, ring group)} of hybrid CP, made at setup (parallelisms/stage_meshes.py)."""
 
     def __getitem__(self, name):
         return self.world[name]

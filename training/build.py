@@ -17,6 +17,7 @@ from data.sources import build_run_tokenizer, describe_stores, open_stores, stag
 from models.llama import Llama, LlamaConfig
 from parallelisms.comm import Collectives
 from parallelisms.parallel_dims import TrainingMesh
+from parallelisms.stage_meshes import build_stage_meshes, planned_ulysses_degree
 from parallelisms.parallelize import materialize, parallelize
 from parallelisms.pipeline_parallel import Pipeline, build_pipeline, plan_pipeline
 from training.hardware import Device, pick_device
@@ -59,6 +60,20 @@ def build_stores(cfg: Config, tokenizer, rank: int) -> dict:
     if rank == 0:
         print(describe_stores(stores), flush=True)
     return stores
+
+
+def stage_ulysses_degree(cfg: Config, model_cfg: LlamaConfig, mesh: TrainingMesh, device_type: str) -> int | None:
+    """The hybrid CP degree a stage's attention will run (its subgroups are made at setup), from one TP rank's heads."""
+    p = cfg.parallelism
+    return planned_ulysses_degree(mesh, p.cp_impl, p.cp_load_balancer, model_cfg.n_heads // p.tp,
+                                  model_cfg.num_kv_heads // p.tp, device_type)
+
+
+def build_run_meshes(stages, device_type: str) -> list[TrainingMesh]:
+    """Every ramp stage's mesh and hybrid CP subgroups, made now by every rank (parallelisms/stage_meshes.py): no
+    process group is created after setup."""
+    return build_stage_meshes([s.dims for s in stages], device_type,
+                              lambda i, mesh: stage_ulysses_degree(stages[i].cfg, stages[i].model, mesh, device_type))
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from config import RecipeError
 from config.schema import Config
 from models.llama import recipe_model_config
+from parallelisms.host_arena import stage_pinned_bytes
 from parallelisms.sequence_sharding import sequence_divisor
 from training.eval_memory import eval_refusal, stage_eval_config
 from training.memory_probe import GIB, RankMemory, measure_memory
@@ -192,6 +193,7 @@ def write_json(cfg: Config, results: list[RowResult], usable_gib: float) -> str:
     stages = [{"name": r.row.name, "seq_len": r.row.cfg.training.seq_len, "cp": r.dims.cp,
                "peak_device_gib_per_rank": r.peak_gib, "host_gib_per_rank": r.host_gib,
                "eval_peak_device_gib_per_rank": r.memory.peak_eval / GIB,
+               "host_pinned_gib_per_rank": stage_pinned_bytes(r.memory.host) / GIB,  # parallelisms/host_arena.py
                "fits": r.peak_gib <= usable_gib, "world": r.world, "dp_shard": r.dims.dp_shard, "tp": r.dims.tp,
                "pp": r.dims.pp, "ac_mode": r.row.cfg.activation_checkpoint.mode,
                "offload": r.row.cfg.activation_checkpoint.offload, "peak_phase": r.memory.peak_phase,

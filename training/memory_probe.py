@@ -29,8 +29,9 @@ from models.llama import Llama, recipe_model_config
 from parallelisms.context_parallel import CommStats
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize, uses_loss_parallel
+from parallelisms.stage_meshes import add_hybrid_subgroups
 from training import step
-from training.build import build_optimizer
+from training.build import build_optimizer, stage_ulysses_degree
 from training.eval_memory import measure_eval_peak
 from training.step import StepSetup, clip_grad_norm_
 
@@ -160,8 +161,9 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
     layout is measured as its row of one document, zigzag's layout: the same S / P tokens per rank."""
     p, t = cfg.parallelism, cfg.training
     dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
-    mesh = dims.build_mesh("cpu")
     mcfg = recipe_model_config(cfg)
+    mesh = dims.build_mesh("cpu")
+    add_hybrid_subgroups(mesh, stage_ulysses_degree(cfg, mcfg, mesh, "cpu"))  # as the trainer makes them at setup
     with torch.device("meta"):
         model = Llama(mcfg)
     model = parallelize(model, mesh, cfg)

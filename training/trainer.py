@@ -15,9 +15,10 @@ from data.placement import StepPlacement, StepSlots
 from data.sources import describe_chat_rows, labels_every_token
 from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import uses_loss_parallel
+from parallelisms.stage_meshes import release_stage
 from training import step
-from training.build import (build_model, build_optimizer, build_shared_tokenizer, build_stage_data, build_stores,
-                            init_distributed)
+from training.build import (build_model, build_optimizer, build_run_meshes, build_shared_tokenizer, build_stage_data,
+                            build_stores, init_distributed)
 from training.checkpoint import Checkpointer
 from training.hf_export import export_extras
 from training.evaluation import run_long_doc_eval, run_passkey_eval
@@ -41,7 +42,8 @@ class Trainer:
         self.dist = init_distributed(cfg)
         self.device = self.dist.device
         self.rank = self.dist.rank
-        self.mesh = first.dims.build_mesh(self.device.type)
+        self.meshes = build_run_meshes(self.stages, self.device.type)  # every process group, made once, here
+        self.mesh = self.meshes[0]
         torch.manual_seed(cfg.job.seed)
         self.tokenizer = build_shared_tokenizer(cfg, first.model.vocab_size, self.rank)
         self.stores = build_stores(cfg, self.tokenizer, self.rank)  # memory-mapped: no rank holds the corpus
@@ -78,8 +80,10 @@ class Trainer:
     def _enter_stage(self, stage: RampStage, rows_consumed: int = 0):
         """Switches to a ramp stage: its mesh (cp traded against dp_shard), its step setup and RoPE; returns the
         data loader at its sequence length (continuing at `rows_consumed` of that stage's row stream)."""
-        if stage.dims != self.stage.dims:
-            self.mesh = stage.dims.build_mesh(self.device.type)
+        index = next(i for i, s in enumerate(self.stages) if s is stage)
+        if self.meshes[index] is not self.mesh:  # made at setup; the old stage's own groups are destroyed
+            release_stage(self.mesh, self.meshes[index:])
+            self.mesh = self.meshes[index]
         self.stage, cfg = stage, stage.cfg
         self.setup = StepSetup(self.model, self.mesh, cfg.parallelism, cfg.data.document_masking,
                                uses_loss_parallel(cfg, self.mesh), self.comm_stats, self.pipeline,
@@ -87,7 +91,8 @@ class Trainer:
         m = stage.model
         for part in self.model_parts:
             part.set_rope_from(m)
-        for offloader in self.offloaders:
+        for offloader in self.offloaders:  # the old stage's host arena is unpinned and freed (host_arena.py)
+            offloader.release_arena()
             offloader.enabled = cfg.activation_checkpoint.offload
         self.placement = None
         if cfg.data.places_by_work():
@@ -166,6 +171,8 @@ class Trainer:
                     record["placement_whole_row_steps"] = self.placement.whole_row_steps
                 if self.offloaders:  # this rank's offloaded block inputs at their most since the last record
                     record["offload_host_peak_bytes"] = sum(o.peak_host_bytes for o in self.offloaders)
+                    record["offload_pinned_bytes"] = sum(o.pinned_bytes for o in self.offloaders)  # 0 on CPU
+                    record["offload_arena_bytes"] = sum(o.arena_bytes for o in self.offloaders)
                     for offloader in self.offloaders:
                         offloader.reset_peak()
                 self.logger.log(self.step, {**record, **evaluation})

@@ -61,13 +61,27 @@ def cp_cases(size: int, thorough: bool) -> list[CpCase]:
     return cases
 
 
-def attention_for(variant: str):
+def hybrid_2x2_groups(group) -> tuple:
+    """This rank's (Ulysses, ring) groups of hybrid 2 x 2, as the trainer's setup makes them
+    (parallelisms/stage_meshes.py): built directly for threads under the NCCL-rule double (its `new_group` serves
+    members only), made by every rank for real processes (parallelisms/cp_hybrid.hybrid_groups)."""
+    from tests.nccl_rules import SimGroup
+    if isinstance(group, SimGroup):
+        members, rank = group.members, group.rank
+        return (SimGroup(group.world, group.global_rank, members[rank // 2 * 2:rank // 2 * 2 + 2]),
+                SimGroup(group.world, group.global_rank, members[rank % 2::2]))
+    from parallelisms.cp_hybrid import hybrid_groups
+    return hybrid_groups(group, 2)
+
+
+def attention_for(variant: str, group):
     from parallelisms.context_parallel import ring_attention
     from parallelisms.cp_allgather import allgather_attention
     from parallelisms.cp_hybrid import hybrid_attention
     from parallelisms.cp_ulysses import ulysses_attention
     if variant == "hybrid":
-        return lambda *args, **kwargs: hybrid_attention(*args, ulysses_degree=2, **kwargs)
+        groups = hybrid_2x2_groups(group)
+        return lambda *args, **kwargs: hybrid_attention(*args, ulysses_degree=2, _groups=groups, **kwargs)
     return {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}[variant]
 
 
@@ -95,7 +109,7 @@ def run_cp_case(group, device: torch.device, case: CpCase, seed: int = 0) -> lis
         return shard_sequence(x, dim, rank, size, case.balancer)
 
     local = [shard(t).to(device).contiguous().requires_grad_() for t in (q, k, v)]
-    out = attention_for(case.variant)(*local, group, is_causal=case.is_causal, load_balancer=case.balancer,
+    out = attention_for(case.variant, group)(*local, group, is_causal=case.is_causal, load_balancer=case.balancer,
                                       document_ids=None if docs is None else shard(docs, 1).to(device))
     out.backward(shard(grad_out).to(device))
     assert out.dtype == q.dtype and out.device.type == device.type

@@ -27,3 +27,44 @@ def test_the_gpu_marker_selects_a_cuda_variant_of_every_check():
     for area in ("test_gpu_block_kernels", "test_gpu_cp", "learns_with_document_masking", "test_trainer_fp32", "test_resume",
                  "test_dry_run_peak"):
         assert any(area in line for line in selected), (area, selected)
+
+
+def _fake_tool(folder, name: str, script: str) -> None:
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+
+
+def _gpu_tier(folder, python: str, **env) -> subprocess.CompletedProcess:
+    full = dict(os.environ, PYTHON=python, PATH=f"{folder}{os.pathsep}{os.environ['PATH']}", **env)
+    full.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run([os.path.join(ROOT, "run_tests.sh"), "--gpu"], env=full, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_gpu_tier_with_gpus_listed_but_a_cpu_torch_fails_in_one_line(tmp_path):
+    """The false pass: the driver lists a GPU (a faked nvidia-smi) while torch is this CPU build."""
+    _fake_tool(tmp_path, "nvidia-smi", 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+    done = _gpu_tier(tmp_path, sys.executable)
+    assert done.returncode == 1, done.stdout + done.stderr
+    line = done.stdout.strip()
+    assert done.stdout.splitlines() == [line], done.stdout
+    assert "nvidia-smi lists 1 GPU(s)" in line and "has no CUDA" in line and "TORCH_SPEC=" in line, line
+
+
+def test_gpu_tier_with_no_gpu_listed_still_exits_0(tmp_path):
+    _fake_tool(tmp_path, "nvidia-smi", "echo 'No devices were found'\nexit 6\n")
+    done = _gpu_tier(tmp_path, sys.executable)
+    assert done.returncode == 0 and "nothing ran" in done.stdout, done.stdout + done.stderr
+
+
+def test_gpu_tier_prints_device_torch_and_cuda_before_it_runs(tmp_path):
+    """With a CUDA torch (a stand-in interpreter answering as one would) the tier names what it runs on."""
+    _fake_tool(tmp_path, "nvidia-smi", 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+    _fake_tool(tmp_path, "cuda-python", 'if [ "$1" = "-c" ]; then echo "1 2.13.0+cu128 12.8 NVIDIA H100 80GB HBM3"; '
+                                       'else echo "pytest $*"; fi\n')
+    done = _gpu_tier(tmp_path, str(tmp_path / "cuda-python"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    first, ran = done.stdout.splitlines()
+    assert first == "GPU tier: 1 x NVIDIA H100 80GB HBM3, torch 2.13.0+cu128, CUDA 12.8"
+    assert ran == "pytest -m pytest -m gpu"

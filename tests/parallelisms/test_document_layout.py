@@ -170,9 +170,10 @@ def test_ulysses_accepts_and_undoes_the_documents_layout(monkeypatch, cp):
 
 
 def _documents_hybrid(group, q, k, v, grad_out, ids):
-    from parallelisms.cp_hybrid import documents_ring_shards, hybrid_attention, hybrid_groups
+    from parallelisms.cp_hybrid import documents_ring_shards, hybrid_attention
     from parallelisms.cp_ulysses import concatenated_order_plan
     from parallelisms.ring_plan import DocumentShards
+    from tests.gpu.cp_cases import hybrid_2x2_groups
 
     layout = DocumentLayout.plan(ids, group.size)
 
@@ -180,10 +181,11 @@ def _documents_hybrid(group, q, k, v, grad_out, ids):
         return layout.shard(x.transpose(1, 2), 1, group.rank).transpose(1, 2)
 
     local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
-    plan = concatenated_order_plan(hybrid_groups(group, 2)[0], 2 * local[0].size(2))
+    groups = hybrid_2x2_groups(group)  # this rank's subgroups, as setup makes them (parallelisms/stage_meshes.py)
+    plan = concatenated_order_plan(groups[0], 2 * local[0].size(2))
     docs = documents_ring_shards(DocumentShards.from_layout(ids, layout), 2)
     out = hybrid_attention(*local, group, ulysses_degree=2, is_causal=True, load_balancer="documents",
-                           _plan=plan, _documents=docs)
+                           _plan=plan, _documents=docs, _groups=groups)
     out.backward(shard(grad_out))
     return [out.detach(), *(t.grad for t in local)]
 

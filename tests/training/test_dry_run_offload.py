@@ -49,5 +49,7 @@ def test_dry_run_writes_json_with_device_and_host_per_stage(tmp_path, memory_gib
     assert stage["seq_len"] == SEQ and stage["cp"] == 1 and stage["fits"] is fits
     host = LAYERS * SEQ * DIM * 4 / 2**30 if offload == "true" else 0.0
     assert stage["host_gib_per_rank"] == pytest.approx(host, rel=1e-9)
+    # one exact-size arena per stage (parallelisms/host_arena.py): 8 MiB of block inputs pin 8 MiB, whole pages
+    assert stage["host_pinned_gib_per_rank"] == pytest.approx(host, rel=1e-9)
     assert 0 < stage["peak_device_gib_per_rank"] < 2.0
     assert "host GiB" in done.stdout
