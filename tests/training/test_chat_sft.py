@@ -1,5 +1,5 @@
 """Chat SFT through the trainer's own step: the loss counts only assistant tokens, normalised over them, so changing
-the labels of user-turn tokens changes neither the loss nor a gradient (checked against plain cross entropy on whole
+the target ids of user-turn tokens changes neither the loss nor a gradient (checked against plain cross entropy on whole
 logits); and the SFT recipe (recipes/debug_sft_cp2.toml: cp 2, document masking) learns to answer a code stated early
 in a long user turn, scored on held-out conversations by greedy argmax at every answer token of the exported model."""
 from __future__ import annotations
