@@ -95,12 +95,12 @@ def check_epoch(tmp_path, seq_len: int, count: int, seed: int) -> dict:
     chats = sized_conversations(count, 20, int(0.88 * seq_len), seed=seed)
     write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in chats])
     reference = transformers.AutoTokenizer.from_pretrained(folder)
-    expected, lengths = {}, []
+    expected, wanted, lengths = {}, Counter(), []
     for m in chats:
         out = reference.apply_chat_template(m, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         expected[tuple(out["input_ids"])] = [bool(x) for x in out["assistant_masks"]]
+        wanted[tuple(out["input_ids"])] += 1
         lengths.append(len(out["input_ids"]))
-    wanted = Counter(tuple(reference.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"]) for m in chats)
     cfg = load_config(chat_recipe(tmp_path, [tmp_path / "chats.jsonl"], str(folder), seq_len=seq_len), [])
     check_sources(cfg)
     tokenizer = HFTokenizer(os.path.join(folder, "tokenizer.json"))
