@@ -209,6 +209,9 @@ class SourceConfig:
     """chat: the JSON field (.jsonl) or column (.parquet) holding the list of {role, content} messages."""
     truncate: ChatTruncation = "drop"
     """chat: a conversation longer than seq_len is dropped (and counted) | cut after its last whole turn that fits."""
+    pack_window: int = 10_000
+    """chat: rows hold whole conversations, packed by best-fit decreasing over windows of this many conversations
+    (a larger window fills rows better and takes longer at start-up; docs/chat_packing.md)."""
 
 
 @dataclass

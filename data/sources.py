@@ -19,6 +19,7 @@ from data.prepare import StoreSpec, ensure_store, open_store, prepare_store
 from data.store_rows import StoreRows
 from config.schema import ChatTruncation, SourceConfig, SourceFormat, choices
 from data.chat import load_chat_template
+from data.chat_packing import DEFAULT_PACK_WINDOW
 from config import RecipeError
 
 TOKENIZER_SAMPLE_BYTES = 32 << 20  # a tokenizer we train ourselves learns from the first 32 MiB of text
@@ -66,6 +67,9 @@ def check_chat_source(cfg, source: SourceConfig, key: str) -> None:
     if source.truncate not in choices(ChatTruncation):
         raise RecipeError(f"{key}.truncate = {source.truncate!r} is not one of {', '.join(choices(ChatTruncation))}.")
     if source.format == "chat":
+        if source.pack_window < 1:
+            raise RecipeError(f"{key}.pack_window must be >= 1 (conversations packed together into rows), got "
+                              f"{source.pack_window}; leave it out for the default {DEFAULT_PACK_WINDOW:,}.")
         if not source.messages_field:
             raise RecipeError(f"{key}.messages_field is empty; name the field that holds the messages list.")
         load_chat_template(cfg.data.tokenizer_path, key)
@@ -146,7 +150,8 @@ def stage_rows(cfg, stores: dict):
     rows = [StoreRows(stores[s.name], seq_len=t.seq_len, seed=seed, document_masking=cfg.data.document_masking,
                       min_doc_tokens=s.min_doc_tokens, long_doc_tokens=s.long_doc_tokens,
                       long_doc_upsample=s.long_doc_upsample, heldout_fraction=heldout_fraction(cfg),
-                      key=f"data.sources '{s.name}'", truncate=s.truncate) for s in sources]
+                      key=f"data.sources '{s.name}'", truncate=s.truncate, pack_window=s.pack_window)
+            for s in sources]
     if len(rows) == 1:
         return rows[0]
     return MixtureRows([s.name for s in sources], rows, [s.weight for s in sources], seed=seed,
@@ -156,8 +161,8 @@ def stage_rows(cfg, stores: dict):
 def heldout_rows(cfg, stores: dict) -> list:
     """Per source, rows of its held-out documents at the stage's seq_len (longest documents first)."""
     return [StoreRows.heldout(stores[s.name], seq_len=cfg.training.seq_len, seed=cfg.job.seed,
-                              fraction=heldout_fraction(cfg), document_masking=cfg.data.document_masking)
-            for s in source_list(cfg)]
+                              fraction=heldout_fraction(cfg), document_masking=cfg.data.document_masking,
+                              pack_window=s.pack_window) for s in source_list(cfg)]
 
 
 def labels_every_token(cfg) -> bool:
@@ -166,9 +171,16 @@ def labels_every_token(cfg) -> bool:
 
 
 def describe_chat_rows(cfg, rows) -> list[str]:
-    """Start-up lines of the chat sources of a stage's row stream (conversations used, dropped, cut)."""
+    """Start-up lines of the chat sources of a stage's row stream (conversations used, dropped, cut; efficiency)."""
     parts = rows.sources if hasattr(rows, "sources") else [rows]
     return [line for s, part in zip(source_list(cfg), parts) if (line := part.describe(s.name))]
+
+
+def packing_efficiency(cfg, rows) -> dict[str, float]:
+    """{chat source name: tokens of conversations / row tokens} of a stage's row stream (empty without chat)."""
+    parts = rows.sources if hasattr(rows, "sources") else [rows]
+    return {s.name: part.packing_efficiency for s, part in zip(source_list(cfg), parts)
+            if getattr(part, "packing_efficiency", None) is not None}
 
 
 def heldout_haystack(cfg, stores: dict, tokens: int) -> np.ndarray | None:

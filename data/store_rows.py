@@ -9,16 +9,19 @@ Per-source selection happens here too: `min_doc_tokens` drops shorter documents,
 `long_doc_tokens` tokens appear `long_doc_upsample` times as often (an integer part, plus one more copy with the
 fractional part's probability, drawn per document from the seed), as in Fu et al. 2024's per-source length upsampling.
 
-Chat stores (their mask marks the assistant tokens, data/chat.py): only marked tokens carry labels (the EOS between
-conversations carries none), document boundaries come from the store rather than from EOS ids (a chat tokenizer's EOS
-may end every turn), and a conversation longer than seq_len is dropped, or with truncate = "turns" cut before the
-first message that does not fit (dropped all the same when what is left has no assistant token); both are counted.
+Chat stores (their mask marks the assistant tokens, data/chat.py) are not cut anywhere: their rows hold whole
+conversations, packed by best-fit decreasing over windows of `pack_window` conversations and padded
+(data/chat_packing.py). Only marked tokens carry labels, document boundaries come from the store rather than from EOS
+ids (a chat tokenizer's EOS may end every turn), and a conversation longer than seq_len is dropped, or with
+truncate = "turns" cut before the first message that does not fit (dropped all the same when what is left has no
+assistant token); both are counted.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from data.chat import LABEL, TURN_START
+from data.chat_packing import DEFAULT_PACK_WINDOW, chat_row, pack_conversations
 from data.packing import row_fields
 from data.token_store import TokenStore
 from config import RecipeError
@@ -40,7 +43,8 @@ class StoreRows:
 
     def __init__(self, store: TokenStore, *, seq_len: int, seed: int, document_masking: bool = False,
                  min_doc_tokens: int = 0, long_doc_tokens: int = 0, long_doc_upsample: float = 1.0,
-                 heldout_fraction: float = 0.0, key: str = "data", truncate: str = "drop"):
+                 heldout_fraction: float = 0.0, key: str = "data", truncate: str = "drop",
+                 pack_window: int = DEFAULT_PACK_WINDOW):
         if seq_len < 2:
             raise RecipeError(f"training.seq_len must be >= 2 (one input and one label token per row), got "
                               f"{seq_len}; set e.g. --training.seq_len 512.")
@@ -59,17 +63,17 @@ class StoreRows:
                               f"{min_doc_tokens}, longest document {int(lengths.max(initial=0))} tokens); lower "
                               f"min_doc_tokens or add data.")
         self._use_order(store, instances[np.random.default_rng(seed).permutation(len(instances))], seq_len,
-                        document_masking, lengths)
+                        document_masking, lengths, pack_window)
 
     @classmethod
     def heldout(cls, store: TokenStore, *, seq_len: int, seed: int, fraction: float,
-                document_masking: bool = False) -> "StoreRows":
+                document_masking: bool = False, pack_window: int = DEFAULT_PACK_WINDOW) -> "StoreRows":
         """Rows of the held-out documents, longest first (so the first rows carry the longest contexts)."""
         rows = cls.__new__(cls)
         lengths = rows._fitted_lengths(store, seq_len, "drop")
         held = np.flatnonzero(heldout_documents(store, fraction, seed) & (lengths > 0))
         order = held[np.argsort(-lengths[held], kind="stable")]
-        rows._use_order(store, order, seq_len, document_masking, lengths)
+        rows._use_order(store, order, seq_len, document_masking, lengths, pack_window)
         return rows
 
     def _fitted_lengths(self, store: TokenStore, seq_len: int, truncate: str) -> np.ndarray:
@@ -94,23 +98,42 @@ class StoreRows:
         return fitted
 
     def describe(self, name: str) -> str:
-        """The start-up line of a chat source: conversations used, dropped and cut for this seq_len."""
-        if not self.store.has_label_mask:
+        """The start-up line of a chat source: conversations used, dropped and cut for this seq_len, and how full
+        its rows of whole conversations are."""
+        if self.layout is None:
             return ""
         return (f"data: chat source '{name}' at seq_len {self.seq_len}: {self.num_documents:,} conversation(s) used, "
-                f"{self.dropped:,} longer than seq_len dropped, {self.truncated:,} cut at a turn boundary")
+                f"{self.dropped:,} longer than seq_len dropped, {self.truncated:,} cut at a turn boundary; packed "
+                f"whole into {self.num_rows:,} rows, packing efficiency {self.packing_efficiency:.4f} (conversation "
+                f"tokens / row tokens; best-fit decreasing over windows of {self.layout.window:,} conversations)")
+
+    @property
+    def packing_efficiency(self) -> float | None:
+        """Tokens of conversations / row tokens of a chat source (None for text, whose rows hold no padding)."""
+        return None if self.layout is None else self.layout.efficiency
+
+    def padding_of(self, index: int) -> int:
+        """How many of row `index`'s input tokens are padding (the last ones; 0 for text rows)."""
+        return 0 if self.layout is None else self.seq_len - int(self.lengths[self.layout.row_members(index)].sum())
 
     def _use_order(self, store: TokenStore, order: np.ndarray, seq_len: int, document_masking: bool,
-                   lengths: np.ndarray) -> None:
+                   lengths: np.ndarray, pack_window: int = DEFAULT_PACK_WINDOW) -> None:
         self.store = store
         self.lengths = lengths
         self.seq_len = seq_len
         self.eos_id = store.eos_id
         self.document_masking = document_masking
         self.order = order
+        self.num_documents = len(order)
+        self.layout = None
+        if store.has_label_mask:  # whole conversations per row, padded
+            self.layout = pack_conversations(order, lengths, seq_len, pack_window)
+            self.corpus_tokens = self.layout.conversation_tokens
+            self.num_rows = self.layout.num_rows
+            self.repeated = False
+            return
         self.ends = np.cumsum(lengths[order] + 1)  # +1: the EOS after each document
         self.corpus_tokens = int(self.ends[-1]) if len(order) else 0
-        self.num_documents = len(order)
         self.num_rows = max(1, self.corpus_tokens // (seq_len + 1))
         self.repeated = self.corpus_tokens < seq_len + 1
 
@@ -122,16 +145,15 @@ class StoreRows:
         return self.num_rows
 
     def row_tokens(self, index: int) -> np.ndarray:
-        """Tokens [index * (seq_len + 1), (index + 1) * (seq_len + 1)) of the (periodic) document stream."""
-        return self._row(index)[0]
+        """The seq_len + 1 tokens of row `index`: of a text source, tokens [index * (seq_len + 1), (index + 1) *
+        (seq_len + 1)) of the (periodic) document stream; of a chat source, its conversations and padding."""
+        if self.layout is not None:
+            return chat_row(self.store, self.layout, self.lengths, index, self.eos_id)[0]
+        return self._text_row(index)
 
-    def _row(self, index: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """(tokens, labelled per token or None when every token is, True at each document-ending EOS) of a row."""
+    def _text_row(self, index: int) -> np.ndarray:
         width = self.seq_len + 1
         out = np.empty(width, dtype=np.int64)
-        chat = self.store.has_label_mask
-        labelled = np.zeros(width, dtype=bool) if chat else None
-        ends = np.zeros(width, dtype=bool)
         position = (index * width) % self.corpus_tokens
         filled = 0
         k = int(np.searchsorted(self.ends, position, side="right"))
@@ -142,18 +164,15 @@ class StoreRows:
             piece = self.store.document(doc)[offset:length]
             take = min(len(piece), width - filled)
             out[filled:filled + take] = piece[:take]
-            if chat:
-                labelled[filled:filled + take] = (self.store.document_mask(doc)[offset:offset + take] & LABEL) > 0
             filled += take
             if filled < width and offset + take == length:
                 out[filled] = self.eos_id
-                ends[filled] = True
                 filled += 1
             k, offset = (k + 1) % len(self.order), 0
-        return out, labelled, ends
+        return out
 
     def row_fields(self, index: int) -> dict[str, np.ndarray]:
-        tokens, labelled, ends = self._row(index)
-        if labelled is None:
-            return row_fields(tokens, self.eos_id, self.document_masking)
+        if self.layout is None:
+            return row_fields(self._text_row(index), self.eos_id, self.document_masking)
+        tokens, labelled, ends, _ = chat_row(self.store, self.layout, self.lengths, index, self.eos_id)
         return row_fields(tokens, self.eos_id, self.document_masking, labelled=labelled, ends_document=ends)

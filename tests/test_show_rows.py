@@ -1,5 +1,6 @@
 """`./run_train.sh RECIPE --show-rows N [--json]` as a user runs it (no process group, no GPU): the JSON rows of a chat
-and text mixture read back hold every whole conversation with transformers' ids and assistant mask, text rows label
+and text mixture read back hold whole conversations only, with transformers' ids and assistant mask, then padding
+(marked as such, no labels, a document of its own), text rows label
 every token, and bad chat input stops in one line before torchrun."""
 from __future__ import annotations
 
@@ -65,20 +66,25 @@ def test_show_rows_json_holds_transformers_rendering(tmp_path):
             assert (labels != IGNORE_INDEX).all()
             continue
         predicted = np.concatenate(([False], labels[:-1] != IGNORE_INDEX))
-        for doc in np.unique(docs)[1:]:
+        padding = row["padding"]
+        assert padding > 0  # 30 short conversations fill few rows: some room is left
+        assert (ids[-padding:] == eos).all() and (labels[-padding - 1:] == IGNORE_INDEX).all()
+        assert len(set(docs[-padding:])) == 1 and docs[-padding - 1] != docs[-1]
+        assert row["position_ids"][-padding:] == list(range(padding))
+        for doc in np.unique(docs[:-padding]):  # whole conversations only
             where = np.flatnonzero(docs == doc)
-            if where[-1] == len(ids) - 1:
-                continue  # may go on in the next row
-            assert ids[where[-1]] == eos and labels[where[-1]] == IGNORE_INDEX
             assert row["position_ids"][where[0]] == 0
-            key = tuple(ids[where[:-1]].tolist())
-            assert key in expected and expected[key] == predicted[where[:-1]].tolist()
+            key = tuple(ids[where].tolist())
+            assert key in expected and expected[key] == predicted[where].tolist()
             whole += 1
     assert whole >= 3
 
     text = run_train(recipe, "--show-rows", "2", timeout=300)
     assert text.returncode == 0, text.stderr[-3000:]
-    assert "row 0 (source" in text.stdout and "⟦" in text.stdout and "document 1" in text.stdout
+    assert "row 0 (source 'talk'" in text.stdout and "⟦" in text.stdout and "document 0" in text.stdout
+    padding = rows[0]["padding"]
+    assert f"{padding} padding;" in text.stdout
+    assert f"padding ({padding} tokens, positions 0..{padding - 1}, no labels, a document of its own)" in text.stdout
 
 
 @pytest.mark.parametrize("case, needle", [

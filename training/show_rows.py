@@ -3,8 +3,9 @@
 Rows are the global rows 0..N-1 of the first stage's row stream (the rows the data-parallel ranks split among
 themselves at step 0), built by the trainer's own data code, with no process group and no GPU. As text, each row lists
 its documents in order, decoded, with the tokens the model learns to predict between ⟦ and ⟧ (every token of a text
-source; the assistant turns of a chat source). As JSON, one object per row: source, input_ids, labels (-100 = no loss),
-position_ids, document_ids.
+source; the assistant turns of a chat source), and a chat row's padding as a line of its own. As JSON, one object per
+row: source, input_ids, labels (-100 = no loss), position_ids, document_ids, padding (how many of the row's last
+input tokens are padding: no labels, a document of their own; 0 for text rows).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ OPEN, CLOSE = "⟦", "⟧"
 
 
 def first_rows(cfg: Config, count: int, vocab_size: int, world_size: int, log=print):
-    """(tokenizer, [(source name, row fields)]) of global rows 0..count-1 of the first stage."""
+    """(tokenizer, [(source name, row fields, padding tokens)]) of global rows 0..count-1 of the first stage."""
     stage_cfg = resolve_stages(cfg, world_size)[0].cfg
     check_sources(stage_cfg)
     tokenizer = build_run_tokenizer(stage_cfg, vocab_size)
@@ -37,13 +38,26 @@ def first_rows(cfg: Config, count: int, vocab_size: int, world_size: int, log=pr
     stream = GlobalRowStream(rows, stage_cfg.job.seed)
     out = []
     for g in range(count):
-        source = rows.locate(g)[0] if hasattr(rows, "locate") else 0
-        out.append((names[source], {k: v.numpy() for k, v in stream[g].items()}))
+        if hasattr(rows, "locate"):  # a mixture: the source and its packed row
+            source, row = rows.locate(g)
+            part = rows.sources[source]
+        else:
+            source, part, row = 0, rows, stream.row_of(g)
+        padding = part.padding_of(row) if hasattr(part, "padding_of") else 0
+        out.append((names[source], {k: v.numpy() for k, v in stream[g].items()}, padding))
     return tokenizer, out
 
 
-def row_text(tokenizer, fields: dict) -> list[str]:
-    """One line per document of the row: its decoded input tokens, those the model learns to predict marked."""
+def row_text(tokenizer, fields: dict, padding: int = 0) -> list[str]:
+    """One line per document of the row: its decoded input tokens, those the model learns to predict marked; the
+    row's last `padding` input tokens (a chat row's padding) as one line of their own."""
+    if padding:
+        seq_len = len(fields["input_ids"])
+        kept = {k: v[:seq_len - padding] for k, v in fields.items()}
+        positions = fields["position_ids"][seq_len - padding:]
+        return row_text(tokenizer, kept) + [
+            f"  padding ({padding} tokens, positions {int(positions[0])}..{int(positions[-1])}, no labels, a document "
+            f"of its own)"]
     ids, labels, documents = fields["input_ids"], fields["labels"], fields["document_ids"]
     positions = fields["position_ids"]
     if labels[-1] != IGNORE_INDEX:  # the row's last target is no input: shown at the end of the last document
@@ -66,12 +80,13 @@ def row_text(tokenizer, fields: dict) -> list[str]:
 
 def show_rows(cfg: Config, count: int, as_json: bool, vocab_size: int, world_size: int, out=print, log=print) -> None:
     tokenizer, rows = first_rows(cfg, count, vocab_size, world_size, log=log)
-    for index, (source, fields) in enumerate(rows):
+    for index, (source, fields, padding) in enumerate(rows):
         if as_json:
-            out(json.dumps({"row": index, "source": source, **{k: v.tolist() for k, v in fields.items()}}))
+            out(json.dumps({"row": index, "source": source, **{k: v.tolist() for k, v in fields.items()},
+                            "padding": padding}))
             continue
         labelled = int((fields["labels"] != IGNORE_INDEX).sum())
-        out(f"row {index} (source '{source}', {len(fields['input_ids'])} tokens, {labelled} with labels; "
-            f"{OPEN}...{CLOSE} = tokens the loss predicts):")
-        for line in row_text(tokenizer, fields):
+        out(f"row {index} (source '{source}', {len(fields['input_ids'])} tokens, {labelled} with labels, {padding} "
+            f"padding; {OPEN}...{CLOSE} = tokens the loss predicts):")
+        for line in row_text(tokenizer, fields, padding):
             out(line)

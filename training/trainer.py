@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from config.schema import Config
 from data.placement import StepPlacement, StepSlots
-from data.sources import describe_chat_rows, labels_every_token
+from data.sources import describe_chat_rows, labels_every_token, packing_efficiency
 from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import uses_loss_parallel
 from parallelisms.stage_meshes import release_stage
@@ -167,6 +167,8 @@ class Trainer:
                     visible_pairs=torch.stack(self.step_pairs).tolist())
                 if self.stores:
                     record["source_tokens"] = source_tokens_seen(self.stages, self.step)
+                    if efficiency := packing_efficiency(self.cfg, self.dataloader.packed):  # chat sources' rows
+                        record["packing_efficiency"] = efficiency
                 if self.placement is not None:  # steps of this process that moved whole rows (no exact fill)
                     record["placement_whole_row_steps"] = self.placement.whole_row_steps
                 if self.offloaders:  # this rank's offloaded block inputs at their most since the last record

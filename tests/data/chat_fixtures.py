@@ -86,3 +86,23 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
+
+
+def sized_conversations(count: int, low: int, high: int, seed: int = 0) -> list[list[dict]]:
+    """Conversations of about `low`..`high` tokens (log-uniform) with the ChatML fixture tokenizer, whose every word
+    of WORDS after a space is one token: a ChatML exchange costs its words plus about 14 tokens (markers, role, the
+    first word's few pieces)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        target = int(round(low * (high / low) ** rng.random()))
+        turns = max(1, min(1 + i % 4, target // 40))
+        words = max(1, (target - 14 * turns) // (2 * turns))  # per message; the user gets 2/3 of an exchange's words
+        messages = []
+        for _ in range(turns):
+            user = max(1, (words * 4) // 3) if words > 1 else 1
+            messages += [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(user))},
+                         {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(2 * words - user))
+                          or rng.choice(WORDS)}]
+        out.append(messages)
+    return out

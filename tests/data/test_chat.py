@@ -1,7 +1,7 @@
 """Chat sources against transformers itself: rendered ids equal `apply_chat_template(tokenize=True)` and the label
 mask equals `return_assistant_tokens_mask` (templates with `{% generation %}`), the prefix rule gives the same mask on
-the same templates without markers; the store and the packed rows keep every whole conversation's ids and labels
-(jsonl, jsonl.gz and parquet alike); long conversations are dropped or cut at a turn; bad input is one line."""
+the same templates without markers; the store and the packed rows hold every conversation whole with its ids and
+labels (jsonl, jsonl.gz and parquet alike); long conversations are dropped or cut at a turn; bad input is one line."""
 from __future__ import annotations
 
 import gzip
@@ -69,17 +69,17 @@ def chat_recipe(tmp_path, paths: list[str], folder: str, *, seq_len: int = 128, 
     return str(recipe)
 
 
-def whole_conversations(fields: dict, eos_id: int) -> list[tuple[list[int], list[bool]]]:
-    """(input ids, predicted per token) of every conversation that starts and ends inside the row."""
+def whole_conversations(fields: dict, pad_id: int) -> list[tuple[list[int], list[bool]]]:
+    """(input ids, predicted per token) of every conversation of the row (rows hold whole conversations, then
+    padding: a last document of pad ids that carries no label)."""
     ids, labels, docs = fields["input_ids"], fields["labels"], fields["document_ids"]
     predicted = np.concatenate(([False], labels[:-1] != IGNORE_INDEX))
     out = []
-    for doc in np.unique(docs)[1:]:  # the row's first document may have started in the previous row
+    for doc in np.unique(docs):
         where = np.flatnonzero(docs == doc)
-        if where[-1] == len(ids) - 1:
-            continue  # may go on in the next row
-        assert ids[where[-1]] == eos_id and labels[where[-1]] == IGNORE_INDEX  # the separator: no label of its own
-        out.append((list(ids[where[:-1]]), list(predicted[where[:-1]])))
+        if doc == docs[-1] and (ids[where] == pad_id).all() and not predicted[where].any():
+            continue  # the padding
+        out.append((list(ids[where]), list(predicted[where])))
     return out
 
 
@@ -110,8 +110,8 @@ def test_store_rows_keep_conversations_in_jsonl_gz_and_parquet(folders, tmp_path
             assert tuple(ids) in expected
             assert [bool(x) for x in expected[tuple(ids)]] == predicted
             seen.add(tuple(ids))
-    # whole conversations of every row (the others straddle row boundaries), from each of the three files
-    assert len(seen) >= 12 and {file_of[ids] for ids in seen} == {0, 1, 2}
+    # every conversation, whole, from each of the three files
+    assert len(seen) == len(expected) and {file_of[ids] for ids in seen} == {0, 1, 2}
     assert rows.dropped == 0 and rows.truncated == 0
 
 
