@@ -2,7 +2,7 @@
 the benchmarks ONLY.
 
 torch 2.13 routes SDPA under its CP to a templated ring through DTensor's custom-op handlers, but registers handlers
-only for the CUDA flash / efficient / cuDNN ops, so on CPU it fails (FACTS.md). Here the CPU flash op and its
+only for the CUDA flash / efficient / cuDNN ops, so on CPU it fails (docs/design.md). Here the CPU flash op and its
 backward get handlers that call the same templated ring (`_templated_ring_attention[_backward]`) with the CPU
 kernel, exactly as torch's CUDA handlers do. Nothing in the training code imports this.
 """

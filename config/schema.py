@@ -25,7 +25,7 @@ MultiStageSchedule = Literal["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBub
 PipelineSchedule = Literal[SingleStageSchedule, MultiStageSchedule]
 ActivationCheckpointMode = Literal["none", "full", "selective", "op"]
 AsyncMode = Literal["disabled", "async"]
-ExportDtype = Literal["bfloat16", "float32", "float16"]
+ExportDtype = Literal["auto", "bfloat16", "float32", "float16"]
 DeviceKind = Literal["auto", "cuda", "cpu"]
 TieMode = Literal["auto", "tied", "untied"]
 RopeScaling = Literal["auto", "llama3", "yarn"]
@@ -365,8 +365,9 @@ class CheckpointConfig:
     hf_export_folder: str = ""
     """Sub-folder of dump_folder that receives Hugging Face exports (step-<N>/: weights, config.json,
     generation_config.json and the tokenizer files, loadable by transformers' Auto classes); empty = no export."""
-    hf_export_dtype: ExportDtype = "bfloat16"
-    """dtype of exported weights: bfloat16 | float32 | float16."""
+    hf_export_dtype: ExportDtype = "auto"
+    """dtype of exported weights: auto (the dtype of `hf_load_path`'s weights, bfloat16 for a model trained from
+    scratch) | bfloat16 | float32 | float16."""
     hf_export_interval: int = 0
     """Export every this many steps as well as at the end of training; 0 = only at the end."""
 

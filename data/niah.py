@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from config import RecipeError
-from data.passkey import FILLER, IGNORE_INDEX, SyntheticRows
+from data.labels import IGNORE_INDEX, single_token_digits
+from data.passkey import FILLER, SyntheticRows
 
 WORDS = ("apple", "river", "candle", "forest", "marble", "pepper", "violin", "harbor", "saddle", "garden", "copper",
          "meadow", "anchor", "lantern", "orchid", "pillow", "rocket", "silver", "thunder", "walnut")
@@ -50,13 +51,7 @@ class NiahRows(SyntheticRows):
         self.document_masking = False
         self.needs_shuffle = False
         self.tokenizer = tokenizer
-        self.digit_ids = []
-        for d in "0123456789":
-            ids = tokenizer.encode(d)
-            if len(ids) != 1:
-                raise RecipeError(f"the tokenizer encodes digit '{d}' as {len(ids)} tokens; the needle task needs "
-                                  f"one token per digit.")
-            self.digit_ids.append(ids[0])
+        self.digit_ids = single_token_digits(tokenizer, "needle")
         self.comma = np.asarray(tokenizer.encode(", "), dtype=np.int64)
         self.period = np.asarray(tokenizer.encode("."), dtype=np.int64)
         self.haystack = (np.asarray(haystack, dtype=np.int64) if haystack is not None and len(haystack)

@@ -16,7 +16,7 @@ import numpy as np
 
 from config import RecipeError
 from config.schema import MIN_SEQ_LEN
-from data.passkey import IGNORE_INDEX
+from data.labels import IGNORE_INDEX
 
 FIELDS = ("input_ids", "labels", "position_ids", "document_ids")
 

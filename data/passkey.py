@@ -19,8 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from config import RecipeError
-
-IGNORE_INDEX = -100
+from data.labels import IGNORE_INDEX, single_token_digits
 # The standard formulation: the key sits in repetitive, key-free filler, so what is measured is retrieval over
 # distance, not reading comprehension. (Our own sentences; only the idea is the benchmark's.)
 FILLER = ("The river runs past the old mill. Birds rest on the stone wall. The day stays long and quiet. "
@@ -65,13 +64,7 @@ class PasskeyRows(SyntheticRows):
         self.depth = depth
         self.document_masking = False
         self.needs_shuffle = False  # row i is already a random draw; a permutation of 2**30 rows would cost 8 GiB
-        self.digit_ids = []
-        for d in "0123456789":
-            ids = tokenizer.encode(d)
-            if len(ids) != 1:
-                raise RecipeError(f"the tokenizer encodes digit '{d}' as {len(ids)} tokens; the passkey task needs "
-                                  f"one token per digit (train the tokenizer with byte fallback on data.corpus).")
-            self.digit_ids.append(ids[0])
+        self.digit_ids = single_token_digits(tokenizer, "passkey")
         self.intro = tokenizer.encode(KEY_INTRO)
         self.outro = tokenizer.encode(KEY_OUTRO)
         self.question = tokenizer.encode(QUESTION)

@@ -30,6 +30,25 @@ def read_hf_config(path: str) -> dict:
         raise RecipeError(f"'{config_path}' is not valid JSON ({e}).") from None
 
 
+def hf_weights_dtype(path: str) -> str | None:
+    """The dtype a Hugging Face folder's weights are stored in: config.json's `dtype` (transformers 5) or
+    `torch_dtype` (4.x); else the first tensor of its first safetensors file; None when neither says."""
+    hf = read_hf_config(path)
+    named = hf.get("dtype") or hf.get("torch_dtype")
+    if isinstance(named, str) and named in _SAFETENSORS_DTYPES.values():
+        return named
+    files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    if not files:
+        return None
+    with open(os.path.join(path, files[0]), "rb") as f:  # safetensors: 8-byte header length, then a JSON header
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    stored = [entry["dtype"] for key, entry in header.items() if key != "__metadata__"]
+    return _SAFETENSORS_DTYPES.get(stored[0]) if stored else None
+
+
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
 def _rope_fields(hf: dict, where: str) -> dict:
     """transformers 5 keeps RoPE in `rope_parameters`; 4.x in top-level `rope_theta` + `rope_scaling`."""
     params = dict(hf.get("rope_parameters") or {})

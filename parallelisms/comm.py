@@ -1,6 +1,6 @@
 """Every collective and point-to-point call the project makes, written to NCCL's rules rather than gloo's.
 
-gloo forgives three things NCCL does not (FACTS.md), and each has one place here:
+gloo forgives three things NCCL does not (docs/design.md), and each has one place here:
 - Device: a process group serves only the device types it was created for (`init_process_group("nccl")` has no CPU
   backend). `Collectives` belongs to one run and builds every bookkeeping tensor (token counts, metrics) on that
   run's device; a tensor on another device is refused with NCCL's own message, on CPU too.

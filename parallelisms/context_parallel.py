@@ -1,4 +1,4 @@
-"""Context parallelism for any model that calls `F.scaled_dot_product_attention` (CONTRACT, see ARCHITECTURE.md).
+"""Context parallelism for any model that calls `F.scaled_dot_product_attention` (CONTRACT, see docs/design.md).
 
 `context_parallel(...)` shards the batch's sequence buffers in place (tokens, labels, position_ids, document ids: all
 the same way, so RoPE sees true positions) and routes every SDPA call made inside it to a CP variant (`ring_attention`

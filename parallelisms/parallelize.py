@@ -30,7 +30,7 @@ def uses_loss_parallel(cfg: Config, mesh: TrainingMesh) -> bool:
 
 def apply_compile(model: torch.nn.Module) -> None:
     """Compiles the forward of attention and of feed-forward separately (a whole block after TP+SP fails in
-    backward, FACTS.md). The forward, not the module: TP's input hooks (sequence-sharded -> replicated) then run
+    backward; docs/design.md). The forward, not the module: TP's input hooks (sequence-sharded -> replicated) then run
     eagerly around the compiled graph; traced inside it they gave the preceding norm weights wrong gradients. Every
     layer shares the compiled code (the module is an input of it), so the number of graphs does not grow with depth."""
     for block in model.layers.values():

@@ -93,7 +93,8 @@ class WireBytes:
     """Counts the bytes this rank hands to torch.distributed to send, measured at the collective calls themselves, as
     an independent check of the counters the CP code keeps (CommStats). Patches the `torch.distributed` functions
     while active (inside one rank's process): isend ops of batch_isend_irecv, all-gather ((P-1) x the input),
-    reduce-scatter ((P-1) x the output) and equal-split all-to-all ((P-1)/P x the input)."""
+    reduce-scatter ((P-1) x the output) and all-to-all (equal splits: (P-1)/P x the input; variable splits: every
+    input split but the one this rank keeps)."""
 
     NAMES = ("batch_isend_irecv", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
              "reduce_scatter_tensor", "all_to_all_single")
@@ -119,8 +120,11 @@ class WireBytes:
                     self.sent += (size - 1) * inp.nbytes
                 elif name.startswith("reduce_scatter"):
                     self.sent += (size - 1) * output.nbytes
+                elif kwargs.get("input_split_sizes") is not None:  # uneven: every split but this rank's own
+                    splits, me = kwargs["input_split_sizes"], dist.get_rank(group)
+                    row_bytes = inp.nbytes // inp.size(0) if inp.numel() else 0
+                    self.sent += row_bytes * (sum(splits) - splits[me])
                 else:
-                    assert kwargs.get("output_split_sizes") is None and kwargs.get("input_split_sizes") is None
                     self.sent += inp.nbytes * (size - 1) // size
             self._inside = True
             try:

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from data.passkey import IGNORE_INDEX
+from data.labels import IGNORE_INDEX
 from tests.data.chat_fixtures import conversations, write_chat_tokenizer, write_jsonl
 from tests.trainer_runs import run_train
 

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from config import RecipeError
 from config.schema import CheckpointConfig
-from training.hf_export import write_export_extras
+from training.hf_export import export_dtype, write_export_extras
 from models.hf import (from_hf_config, load_hf_weights, quiet_single_process_dcp, read_hf_config,
                        save_hf)
 from models.llama import Llama
@@ -256,7 +256,7 @@ class Checkpointer:
         self._barrier()
         extras = self.export_extras
         with quiet_single_process_dcp():
-            save_hf(self.model_parts, partial, getattr(torch, self.config.hf_export_dtype), process_group=self.group,
+            save_hf(self.model_parts, partial, export_dtype(self.config), process_group=self.group,
                     **(extras.model_config_fields if extras else {}))
         if self.rank == 0:
             if extras:

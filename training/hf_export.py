@@ -1,6 +1,7 @@
 """What makes an HF export folder self-contained beyond the weights: the tokenizer files of `data.tokenizer_path`,
 generation_config.json, and the config.json fields only the run knows (bos/eos ids from its tokenizer, the longest
-sequence length trained as `max_position_embeddings`), so `AutoTokenizer`, `AutoModelForCausalLM` and
+context length as `max_position_embeddings`: the longer of the source folder's and the longest sequence trained,
+so a model pretrained for 8K and fine-tuned at 1K still serves 8K), so `AutoTokenizer`, `AutoModelForCausalLM` and
 `pipeline("text-generation", folder)` take the folder as it is.
 """
 from __future__ import annotations
@@ -10,7 +11,10 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
+import torch
+
 from data.hf_tokenizer import tokenizer_json_in
+from models.hf_config import hf_weights_dtype, read_hf_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
@@ -37,14 +41,32 @@ class ExportExtras:
                                         max_position_embeddings=self.max_position_embeddings)
 
 
+def export_dtype(checkpoint_cfg) -> torch.dtype:
+    """`checkpoint.hf_export_dtype`, with "auto" read as the source folder's dtype (bfloat16 without a source): an
+    export should hold the model it was given, not a rounded copy of it."""
+    name = checkpoint_cfg.hf_export_dtype
+    if name == "auto":
+        source = checkpoint_cfg.hf_load_path
+        name = (hf_weights_dtype(source) if source else None) or "bfloat16"
+    return getattr(torch, name)
+
+
+def exported_context_length(hf_load_path: str, stages) -> int:
+    """max(the source folder's max_position_embeddings, the longest sequence trained): training at 1K must not
+    shrink what the model was pretrained to serve."""
+    trained = max(s.cfg.training.seq_len for s in stages)
+    source = int(read_hf_config(hf_load_path).get("max_position_embeddings") or 0) if hf_load_path else 0
+    return max(trained, source)
+
+
 def export_extras(cfg, stages, tokenizer) -> ExportExtras:
-    """The run's extras: ids from its tokenizer, the longest stage's seq_len, where its tokenizer files are."""
+    """The run's extras: ids from its tokenizer, the context length to declare, where its tokenizer files are."""
     bos = getattr(tokenizer, "bos_id", -1)
     eos = getattr(tokenizer, "eos_id", -1)
     source = getattr(tokenizer, "source", "")
     return ExportExtras(bos_token_id=bos if bos is not None and bos >= 0 else None,
                         eos_token_id=eos if eos is not None and eos >= 0 else None,
-                        max_position_embeddings=max(s.cfg.training.seq_len for s in stages),
+                        max_position_embeddings=exported_context_length(cfg.checkpoint.hf_load_path, stages),
                         add_bos=bool(getattr(tokenizer, "add_bos", False)),
                         tokenizer_path=cfg.data.tokenizer_path,
                         trained_tokenizer_model="" if cfg.data.tokenizer_path else str(source),

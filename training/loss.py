@@ -12,7 +12,7 @@ import contextlib
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
-from data.passkey import IGNORE_INDEX
+from data.labels import IGNORE_INDEX
 
 
 def loss_context(enabled: bool):

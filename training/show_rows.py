@@ -15,7 +15,7 @@ import numpy as np
 
 from config.schema import Config
 from data.loader import GlobalRowStream, build_dataloader
-from data.passkey import IGNORE_INDEX
+from data.labels import IGNORE_INDEX
 from data.sources import build_run_tokenizer, check_sources, open_stores, source_list, stage_rows
 from training.ramp import resolve_stages
 

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from data.passkey import IGNORE_INDEX, KEY_INTRO, QUESTION, PasskeyRows
+from data.labels import IGNORE_INDEX
+from data.passkey import KEY_INTRO, QUESTION, PasskeyRows
 from config import RecipeError
 
 

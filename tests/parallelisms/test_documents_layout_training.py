@@ -1,5 +1,5 @@
 """The trainer with parallelism.cp_load_balancer = "documents" (slow tier): its losses are those of every document
-run alone through a plain model (cp2 x tp2; dp_shard2 x cp2 with data-parallel placement, documents and zigzag; the
+run alone through a plain model, on rows that hold several documents (a guard checks it) (cp2 x tp2; dp_shard2 x cp2 with data-parallel placement, documents and zigzag; the
 16-rank dp_replicate2 x dp_shard2 x cp2 x tp2 mesh; short documents so that rows hold several), and runs resumed from a
 zigzag checkpoint onto the documents layout (dp_shard2 x cp2, and across a ramp stage cp 1 -> cp 2) continue the
 uninterrupted runs' losses."""
@@ -16,10 +16,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
 DOCUMENTS = ["--data.document_masking", "true", "--parallelism.cp_load_balancer", "documents"]
 
 
-def test_documents_layout_on_cp2_tp2_matches_every_document_run_alone():
-    steps, seq = 3, 192
-    alone = reference_run(steps, seq, document_masking=True)
-    records = trainer_run(dict(cp=2, tp=2, dp_shard=1), steps, seq, extra=DOCUMENTS, timeout=300)
+def _several_documents_per_row(reference: list[dict], rows: int = 4) -> bool:
+    """The guard that makes a documents-layout test mean something: on rows of one document every layout is zigzag's.
+    `documents` counts each step's (row, document) pairs (bench/loss_parity.py): two documents per row on average,
+    and in every step more documents than rows."""
+    return sum(r["documents"] for r in reference) >= 2 * rows * len(reference) and \
+        all(r["documents"] > rows for r in reference)
+
+
+def test_documents_layout_on_cp2_tp2_matches_every_document_run_alone(tmp_path):
+    """Short documents (pydoc paragraphs), so rows of 192 tokens hold several: whole pydoc topics made every row one
+    document, where the documents layout is zigzag's."""
+    steps, seq, recipe = 3, 192, short_documents_recipe(str(tmp_path))
+    alone = reference_run(steps, seq, recipe=recipe, document_masking=True)
+    assert _several_documents_per_row(alone), alone
+    records = trainer_run(dict(cp=2, tp=2, dp_shard=1), steps, seq, recipe=recipe, extra=DOCUMENTS, timeout=300)
     errors = {key: max_relative_error(alone, records, key) for key in ("loss", "grad_norm")}
     print(f"documents layout, cp2 x tp2: max relative error vs documents run alone: {errors}")
     assert errors["loss"] <= 1e-5 and errors["grad_norm"] <= 1e-5, (records, alone)
@@ -30,6 +41,7 @@ def test_documents_and_zigzag_with_placement_on_dp_shard2_cp2_match_every_docume
     zigzag: both are the documents run alone, and each other, within 1e-5."""
     steps, seq, recipe = 3, 128, short_documents_recipe(str(tmp_path))
     alone = reference_run(steps, seq, recipe=recipe, document_masking=True)
+    assert _several_documents_per_row(alone), alone
     placed = ["--data.document_masking", "true", "--data.placement", "work", "--training.local_batch_size", "1",
               "--training.global_batch_size", "4"]
     runs = {balancer: trainer_run(dict(dp_shard=2, cp=2), steps, seq, recipe=recipe, timeout=300,
@@ -42,7 +54,9 @@ def test_documents_and_zigzag_with_placement_on_dp_shard2_cp2_match_every_docume
     print(f"dp_shard2 x cp2, placement by work: max relative error (loss, grad norm): {errors}")
     assert all(error <= 1e-5 for error in errors.values()), (runs, alone)
     assert runs["documents"][-1]["placement_whole_row_steps"] < steps  # segments really moved between rows
-    assert all(r["attention_balance"] >= 1.0 for r in runs["documents"])
+    # the documents layout balances the CP ranks' work that zigzag leaves uneven, on the same placed rows
+    balance = [(d["attention_balance"], z["attention_balance"]) for d, z in zip(runs["documents"], runs["zigzag"])]
+    assert all(d <= z * (1 + 1e-9) for d, z in balance) and any(d < z for d, z in balance), balance
 
 
 def test_documents_layout_on_the_16_rank_4d_mesh_matches_every_document_run_alone(tmp_path):
@@ -56,7 +70,7 @@ def test_documents_layout_on_the_16_rank_4d_mesh_matches_every_document_run_alon
     errors = {key: max_relative_error(alone, records, key) for key in ("loss", "grad_norm")}
     print(f"documents layout, dp_replicate2 x dp_shard2 x cp2 x tp2: max relative error vs documents alone: {errors}")
     assert errors["loss"] <= 1e-5 and errors["grad_norm"] <= 1e-5, (records, alone)
-    assert all(r["attention_balance"] >= 1.0 for r in records)
+    assert _several_documents_per_row(alone), alone
 
 
 RESUME = ["--training.steps", "6", "--training.seq_len", "128", "--training.local_batch_size", "2",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from data.niah import NiahRows
-from data.passkey import IGNORE_INDEX
+from data.labels import IGNORE_INDEX
 from tests.data.chat_fixtures import write_chat_tokenizer
 from data.hf_tokenizer import HFTokenizer
 

@@ -80,7 +80,10 @@ def test_placed_and_loader_order_dp2_runs_match_every_document_run_alone(recipe,
     for step, ids in enumerate(loader_document_ids(recipe), start=1):
         expected = int(segment_work(segments(ids)[2]).sum())
         assert placed[step]["attention_pairs"] == loader[step]["attention_pairs"] == expected
-        assert placed[step]["attention_balance"] >= 1.0 and loader[step]["attention_balance"] >= 1.0
+    # Placement exists to even the micro-steps' busiest ranks out: never worse than the loader's order, better somewhere.
+    balance = {s: (placed[s]["attention_balance"], loader[s]["attention_balance"]) for s in placed}
+    assert all(p <= q * (1 + 1e-9) for p, q in balance.values()), balance
+    assert any(p < q for p, q in balance.values()), balance
 
 
 @pytest.mark.parametrize("dp", [2, 1, 4])
