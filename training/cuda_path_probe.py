@@ -244,7 +244,8 @@ def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtyp
             spec, fwd, bwd = BlockSpec(None, True, None, "documents", docs, None), ring_forward, ring_backward
         tracker = MemTracker() if memory else contextlib.nullcontext()
         counter = counter or LaunchCounter()
-        with tracker, counter, (FlashWorkspace() if memory else contextlib.nullcontext()), \
+        # the modelled scratch sits below the counter: allocated and tracked, not counted as ops
+        with tracker, (FlashWorkspace() if memory else contextlib.nullcontext()), counter, \
                 (ExpandGqa() if expand_gqa else contextlib.nullcontext()):
             _layer(fwd, bwd, q, k, v, spec)
         peak = _total(tracker.get_tracker_snapshot("peak")) if memory else 0.0
@@ -325,7 +326,7 @@ def _one_document_layer(cfg, cp: int, tp: int, device: str, expand_gqa: bool = F
         make = lambda h: torch.empty(batch, length, h, head_dim, dtype=dtype, device=device).transpose(1, 2)  # noqa
         q, k, v = make(heads), make(kv), make(kv)
         spec = BlockSpec(group if cp > 1 else None, True, None, "zigzag", None, None)
-        with MemTracker() as tracker, LaunchCounter() as counter, FlashWorkspace(), \
+        with MemTracker() as tracker, FlashWorkspace(), LaunchCounter() as counter, \
                 (ExpandGqa() if expand_gqa else contextlib.nullcontext()):
             _layer(ring_forward, ring_backward, q, k, v, spec)
             peak = _total(tracker.get_tracker_snapshot("peak"))
