@@ -18,7 +18,7 @@ from config import RecipeError
 from config.schema import Config
 from models.llama import recipe_model_config
 from parallelisms.sequence_sharding import sequence_divisor
-from training.cuda_path_probe import cuda_json, print_cuda_path
+from training.cuda_path_table import cuda_json, print_cuda_path
 from training.memory_probe import GIB, RankMemory, measure_memory
 from training.preflight import preflight
 from training.ramp import resolve_stages

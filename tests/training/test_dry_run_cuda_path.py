@@ -13,7 +13,7 @@ def _stage_numbers(overrides):
     sys.path.insert(0, ROOT)
     os.environ["OMP_NUM_THREADS"] = "1"
     from config.recipe import load_config
-    from training.cuda_path_probe import cuda_json, stage_cuda_path
+    from training.cuda_path_table import cuda_json, stage_cuda_path
 
     cfg = load_config(os.path.join(ROOT, "recipes", "debug.toml"), overrides)
     numbers = stage_cuda_path(cfg, cfg.parallelism.cp, cfg.parallelism.tp, None)
