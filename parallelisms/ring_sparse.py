@@ -128,8 +128,9 @@ def grad_rows_buffers(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, t
 
 def backward_block(spec: BlockSpec, rank: int, src: int, dout, q, k_blk, v_blk, out, lse, aux_iter, dq: RowBuffer,
                    dk_flat: torch.Tensor, dv_flat: torch.Tensor) -> None:
-    """This rank's queries against `src`'s K/V block, piece by piece of the plan (or its varlen calls on CUDA): dQ into `dq`, dK/dV added into
-    `src`'s float32 row accumulators (shared by the sparse ring and the sparse all-gather)."""
+    """This rank's queries against `src`'s K/V block, piece by piece of the plan (or its varlen calls on CUDA): dQ
+    into `dq`, dK/dV added into `src`'s float32 row accumulators (shared by the sparse ring and the sparse
+    all-gather)."""
     pieces = spec.docs.layout_pieces(rank, src, spec.is_causal)
     kv_grads = backward_pieces(dout, q, k_blk, v_blk, out, lse, aux_iter, pieces, spec, dq)
     add_kv_grads(kv_grads, _block_view(dk_flat, k_blk), _block_view(dv_flat, v_blk))
