@@ -7,13 +7,14 @@ routed back into the ring by the context-parallel mode):
 - CUDA: `aten._scaled_dot_product_flash_attention` (+ `_backward`) for fp16/bf16 without a mask and head dim <= 256,
   otherwise `aten._scaled_dot_product_efficient_attention` (+ `_backward`), whose mask needs a 16-aligned last dim,
   whose log-sum-exp is padded to a multiple of 32 rows, and whose backward reads `out` in the (B, L, H, D) memory of
-  its own forward output (`sdpa_output_layout`). K/V heads are expanded for GQA on CUDA. Schemas, layouts and strides
-  are checked on meta/CPU tensors in the CPU tiers; the numbers on a GPU by `./run_tests.sh --gpu`.
+  its own forward output (`sdpa_output_layout`). GQA: flash takes K/V unexpanded (native); the efficient kernel gets
+  them expanded. Schemas, layouts and strides are checked on meta / fake CUDA tensors in the CPU tiers; the numbers on
+  a GPU by `./run_tests.sh --gpu`.
 Blocks with `is_causal=True` always have Lq == Lk, so top-left (CPU) and bottom-right (CUDA flash) alignment agree.
 Every kernel returns lse as float32 (B, H, Lq). The CP variants never pass a mask: document masking is computed as
 mask-free pieces (ring_plan.py), so half-precision runs with documents get CUDA flash too. The mask path stays for
-callers with a genuinely dense mask. A CUDA varlen kernel (flash's cu_seqlens) could serve all of one block's
-pieces in one call; not used yet (the pieces are separate calls).
+callers with a genuinely dense mask. On CUDA flash the CP variants put all pieces of one block into at most two
+varlen calls (varlen_blocks.py); these per-piece kernels serve CPU, the efficient kernel and undivided blocks.
 """
 from __future__ import annotations
 
@@ -58,24 +59,22 @@ def _fold_heads(grad: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
 
 
 class CudaFlashBlock:
-    """fp16/bf16, no mask. aux keeps the forward's bookkeeping outputs that the backward schema asks for."""
+    """fp16/bf16, no mask. aux keeps the forward's bookkeeping outputs that the backward schema asks for. K/V go in
+    with their own heads: CUDA flash serves GQA natively (query head h reads K/V head h // (Hq / Hkv)) and returns
+    dK/dV with K/V's heads, so there is no expanded K/V transient (training/cuda_path_probe.py measures it)."""
     name = "cuda_flash"
 
     def forward(self, q, k, v, *, is_causal, scale, mask):
         assert mask is None, "the CUDA flash kernel takes no mask; the efficient kernel handles masked blocks"
-        n_heads = q.size(1)
-        res = aten._scaled_dot_product_flash_attention.default(
-            q, _expand_heads(k, n_heads), _expand_heads(v, n_heads), 0.0, is_causal, False, scale=scale)
+        res = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, is_causal, False, scale=scale)
         out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = res
         return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
 
     def backward(self, dout, q, k, v, out, lse, aux, *, is_causal, scale, mask):
         cum_q, cum_k, max_q, max_k, rng_state, unused = aux
-        n_heads, n_kv = q.size(1), k.size(1)
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward.default(
-            dout.contiguous(), q, _expand_heads(k, n_heads), _expand_heads(v, n_heads), sdpa_output_layout(out),
-            lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, is_causal, rng_state, unused, scale=scale)
-        return dq, _fold_heads(dk, n_kv), _fold_heads(dv, n_kv)
+        return aten._scaled_dot_product_flash_attention_backward.default(
+            dout.contiguous(), q, k, v, sdpa_output_layout(out), lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0,
+            is_causal, rng_state, unused, scale=scale)
 
 
 class CudaEfficientBlock:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.comm import all_to_all_rows
-from parallelisms.cp_toolkit import (BlockSpec, LseAccumulator, RowBuffer, block_backward, block_forward, count_sent,
+from parallelisms.cp_toolkit import (BlockSpec, LseAccumulator, RowBuffer, count_sent, forward_pieces,
                                      lse_for_backward, nbytes)
 from parallelisms.ring_sparse import (_block_view, _pack_rows, _received_block, _unpack_rows, backward_block,
                                       grad_rows_buffers)
@@ -62,10 +62,7 @@ def sparse_allgather_forward(q, k, v, spec: BlockSpec):
     acc, auxes = LseAccumulator(q, v), []
 
     def compute(src, k_blk, v_blk):
-        for piece in spec.docs.layout_pieces(plan.rank, src, spec.is_causal):
-            out, lse, aux = block_forward(q, k_blk, v_blk, piece, spec.scale)
-            auxes.append(aux)
-            acc.merge(out, lse, piece)
+        forward_pieces(q, k_blk, v_blk, spec.docs.layout_pieces(plan.rank, src, spec.is_causal), spec, acc, auxes)
 
     compute(plan.rank, k, v)
     if work is not None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from parallelisms.attention_blocks import choose_block_kernel
 from parallelisms.ring_plan import FULL, DocumentShards, Piece, block_tasks, plain_pieces
 from parallelisms.sequence_sharding import check_load_balancer, check_sequence_length, resolve_group
+from parallelisms.varlen_blocks import add_call_grads, backward_calls, forward_calls, plan_calls, uses_varlen
 
 
 class UnsupportedAttentionError(NotImplementedError):
@@ -154,6 +155,49 @@ def block_backward(dout, q, k_blk, v_blk, out, lse, aux, piece: Piece, scale):
                            is_causal=piece.is_causal, scale=scale, mask=None)
 
 
+def varlen_calls(spec: BlockSpec, pieces: list[Piece], device: torch.device):
+    """The varlen calls of one block's pieces, planned once per batch (cached with the document shards)."""
+    return spec.docs.cached(("varlen", id(pieces), str(device)), lambda: plan_calls(pieces, device))
+
+
+def forward_pieces(q, k_blk, v_blk, pieces: list[Piece], spec: BlockSpec, acc: "LseAccumulator",
+                   auxes: list) -> None:
+    """One (rank, source) block merged into `acc`: on CUDA flash at most two varlen calls (varlen_blocks.py),
+    otherwise one kernel call per piece. Kernel auxiliaries are appended to `auxes` in call order."""
+    if uses_varlen(q, pieces):
+        forward_calls(q, k_blk, v_blk, varlen_calls(spec, pieces, q.device), spec.scale, acc, auxes)
+        return
+    for piece in pieces:
+        out, lse, aux = block_forward(q, k_blk, v_blk, piece, spec.scale)
+        auxes.append(aux)
+        acc.merge(out, lse, piece)
+
+
+def backward_pieces(dout, q, k_blk, v_blk, out, lse, aux_iter, pieces: list[Piece], spec: BlockSpec,
+                    dq: "RowBuffer") -> list:
+    """The gradients of one block (as `forward_pieces` computed it): dQ added into `dq`; the dK/dV are returned
+    for `add_kv_grads` (the ring adds them once the block's accumulator has arrived)."""
+    if uses_varlen(q, pieces):
+        return backward_calls(dout, q, k_blk, v_blk, out, lse, aux_iter, varlen_calls(spec, pieces, q.device),
+                              spec.scale, dq)
+    kv_grads = []
+    for piece in pieces:
+        gq, gk, gv = block_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), piece, spec.scale)
+        dq.add(gq, piece.batch, piece.q_rows)
+        kv_grads.append((piece, gk, gv))
+    return kv_grads
+
+
+def add_kv_grads(kv_grads: list, dk_blk: torch.Tensor, dv_blk: torch.Tensor) -> None:
+    """Adds `backward_pieces`' dK/dV into float32 (B, Hkv, L, D) tensors (a piece's rows, or a varlen call's)."""
+    for where, gk, gv in kv_grads:
+        if isinstance(where, Piece):
+            dk_blk[where.batch, :, where.kv_rows] += gk
+            dv_blk[where.batch, :, where.kv_rows] += gv
+        else:
+            add_call_grads(where, gk, gv, dk_blk, dv_blk)
+
+
 def covers_all_rows(piece: Piece) -> bool:
     return piece.batch == FULL and piece.q_rows == FULL and piece.kv_rows == FULL
 
@@ -188,6 +232,7 @@ class RowBuffer:
         self.like, self.shape, self.fill = like, tuple(shape), fill
         self.data: torch.Tensor | None = None
         self.written = np.zeros((self.shape[0], self.shape[2]), dtype=bool)
+        self.filled = False  # every row not written holds `fill` (writers by row index need that)
 
     def view(self, batch: slice, rows: slice) -> torch.Tensor:
         return self.data[batch, :, rows]
@@ -199,12 +244,24 @@ class RowBuffer:
             self.data = _float32_rows(self.like, self.shape)
         region = self.written[batch, rows]
         new = not bool(region.any())
-        if not new and not bool(region.all()):
+        if not new and not self.filled and not bool(region.all()):
             b0, r0 = batch.indices(self.shape[0])[0], rows.indices(self.shape[2])[0]
             for b, a, e in _unwritten_runs(region):
                 self.data[b0 + b, :, r0 + a:r0 + e].fill_(self.fill)
         region[...] = True
         return new
+
+    def ensure_filled(self) -> None:
+        """Rows not written yet hold `fill` from now on (one kernel when the buffer is new): the varlen blocks
+        (varlen_blocks.py) merge by row index, so they cannot fill the rows a piece touches first."""
+        if self.filled:
+            return
+        if self.data is None:
+            self.data = _float32_rows(self.like, self.shape).fill_(self.fill)
+        else:
+            for b, a, e in _unwritten_runs(self.written):
+                self.data[b, :, a:e].fill_(self.fill)
+        self.filled = True
 
     def adopt(self, value: torch.Tensor) -> None:
         """The whole buffer at once (a piece over every row, written first)."""
@@ -222,6 +279,8 @@ class RowBuffer:
     def finish(self) -> torch.Tensor:
         if self.data is None:
             return _float32_rows(self.like, self.shape).fill_(self.fill)
+        if self.filled:
+            return self.data
         for b, a, e in _unwritten_runs(self.written):
             self.data[b, :, a:e].fill_(self.fill)
         return self.data

@@ -14,10 +14,11 @@ import torch
 
 from parallelisms.comm import RingLinks, wait_all
 from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAttentionFunction, RowBuffer,
-                                     block_backward, block_forward, count_sent, lse_for_backward, nbytes, pack_kv,
-                                     prepare_call, unpack_kv)
+                                     add_kv_grads, backward_pieces, block_backward, count_sent, forward_pieces,
+                                     lse_for_backward, nbytes, pack_kv, prepare_call, unpack_kv)
 from parallelisms.ring_plan import DocumentShards
 from parallelisms.ring_sparse import sparse_backward, sparse_forward
+from parallelisms.varlen_blocks import uses_varlen
 
 KV_TAG = 0
 
@@ -47,10 +48,7 @@ def ring_forward(q, k, v, spec: BlockSpec):
             pending = links.exchange([cur], [spare], KV_TAG)
             count_sent(spec.stats, nbytes(cur))
         k_blk, v_blk = (k, v) if step == 0 else unpack_kv(cur, k, v)
-        for piece in spec.pieces(rank, src, size, local_len):
-            out, lse, aux = block_forward(q, k_blk, v_blk, piece, spec.scale)
-            auxes.append(aux)
-            acc.merge(out, lse, piece)
+        forward_pieces(q, k_blk, v_blk, spec.pieces(rank, src, size, local_len), spec, acc, auxes)
         wait_all(pending)
         cur, spare = spare, cur
     if spec.stats is not None:
@@ -88,17 +86,13 @@ def ring_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
         for buf in sends:
             count_sent(spec.stats, nbytes(buf), backward=True)
         k_blk, v_blk = (k, v) if step == 0 else unpack_kv(cur, k, v)  # (B, Hkv, S_local, D) each, of rank `src`
-        kv_grads = []  # (piece, dK (b, Hkv, kv_rows, D), dV (b, Hkv, kv_rows, D)) per piece
-        for piece in spec.pieces(rank, src, size, local_len):
-            # dout, q, out (b, Hq, rows, D) and lse (b, Hq, rows) against K/V (b, Hkv, kv_rows, D) of block `src`.
-            gq, gk, gv = block_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), piece, spec.scale)
-            dq.add(gq, piece.batch, piece.q_rows)
-            kv_grads.append((piece, gk, gv))
+        # dout, q, out (B, Hq, L, D) and lse (B, Hq, L) against K/V (B, Hkv, L, D) of block `src`: dQ now, the
+        # dK/dV (per piece or per varlen call) once the block's accumulator has arrived.
+        kv_grads = backward_pieces(dout, q, k_blk, v_blk, out, lse, aux_iter, spec.pieces(rank, src, size, local_len),
+                                   spec, dq)
         wait_all(pending)  # this block's accumulator has arrived, and the next K/V
         acc_k, acc_v = unpack_kv(dkv[step % 2], k, v)  # (B, Hkv, S_local, D) float32 views
-        for piece, gk, gv in kv_grads:
-            acc_k[piece.batch, :, piece.kv_rows] += gk
-            acc_v[piece.batch, :, piece.kv_rows] += gv
+        add_kv_grads(kv_grads, acc_k, acc_v)
         del kv_grads
         cur, spare = spare, cur
     # last hop: pass the finished accumulator on, receive this rank's own from the previous rank
@@ -112,7 +106,13 @@ def ring_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
 def _local_backward(dout, q, k, v, out, lse, aux_iter, spec: BlockSpec):
     """One rank, no transfers: every piece's gradients go straight into float32 dQ/dK/dV accumulators."""
     dq, dk, dv = (RowBuffer(x, x.shape, 0.0) for x in (q, k, v))  # float32
-    for piece in spec.pieces(0, 0, 1, q.size(2)):
+    pieces = spec.pieces(0, 0, 1, q.size(2))
+    if uses_varlen(q, pieces):  # CUDA flash: at most two calls, gradients scattered by row index
+        dk.ensure_filled()
+        dv.ensure_filled()
+        add_kv_grads(backward_pieces(dout, q, k, v, out, lse, aux_iter, pieces, spec, dq), dk.data, dv.data)
+        return tuple(g.finish().to(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
+    for piece in pieces:
         gq, gk, gv = block_backward(dout, q, k, v, out, lse, next(aux_iter), piece, spec.scale)
         dq.add(gq, piece.batch, piece.q_rows)
         dk.add(gk, piece.batch, piece.kv_rows)

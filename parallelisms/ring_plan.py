@@ -181,6 +181,12 @@ class DocumentShards:
         """Every rank's ids and positions under a DocumentLayout (the documents load balancer)."""
         return cls([layout.shard(full_ids, 1, r) for r in range(layout.cp_size)], layout.positions)
 
+    def cached(self, key: tuple, make):
+        """`make()` once per batch under `key` (kernel plans derived from the pieces, e.g. varlen_blocks.py)."""
+        if key not in self._pieces:
+            self._pieces[key] = make()
+        return self._pieces[key]
+
     def segments(self, rank: int) -> list[list[Segment]]:
         if self._segments is None:
             host = torch.stack(self.per_rank).cpu()

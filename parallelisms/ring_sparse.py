@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from parallelisms.comm import ShiftLinks, wait_all
-from parallelisms.cp_toolkit import (BlockSpec, LseAccumulator, RowBuffer, block_backward, block_forward, count_sent,
-                                     lse_for_backward, nbytes)
+from parallelisms.cp_toolkit import (BlockSpec, LseAccumulator, RowBuffer, add_kv_grads, backward_pieces,
+                                     count_sent, forward_pieces, lse_for_backward, nbytes)
 
 KV_TAG, GRAD_TAG = 0, 1
 
@@ -105,10 +105,7 @@ def sparse_forward(q, k, v, spec: BlockSpec):
     acc, auxes = LseAccumulator(q, v), []
 
     def compute(src, k_blk, v_blk):
-        for piece in spec.docs.layout_pieces(plan.rank, src, spec.is_causal):
-            out, lse, aux = block_forward(q, k_blk, v_blk, piece, spec.scale)
-            auxes.append(aux)
-            acc.merge(out, lse, piece)
+        forward_pieces(q, k_blk, v_blk, spec.docs.layout_pieces(plan.rank, src, spec.is_causal), spec, acc, auxes)
 
     shifts = plan.shifts
     pending = _post_kv(links, plan, shifts[0], k, v, spec, False) if shifts else None
@@ -131,14 +128,12 @@ def grad_rows_buffers(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, t
 
 def backward_block(spec: BlockSpec, rank: int, src: int, dout, q, k_blk, v_blk, out, lse, aux_iter, dq: RowBuffer,
                    dk_flat: torch.Tensor, dv_flat: torch.Tensor) -> None:
-    """This rank's queries against `src`'s K/V block, piece by piece of the plan: dQ into `dq`, dK/dV added into
-    `src`'s float32 row accumulators (shared by the sparse ring and the sparse all-gather)."""
-    dk_blk, dv_blk = _block_view(dk_flat, k_blk), _block_view(dv_flat, v_blk)
-    for piece in spec.docs.layout_pieces(rank, src, spec.is_causal):
-        gq, gk, gv = block_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), piece, spec.scale)
-        dq.add(gq, piece.batch, piece.q_rows)
-        dk_blk[piece.batch, :, piece.kv_rows] += gk
-        dv_blk[piece.batch, :, piece.kv_rows] += gv
+    """This rank's queries against `src`'s K/V block, piece by piece of the plan (or its varlen calls on CUDA): dQ
+    into `dq`, dK/dV added into `src`'s float32 row accumulators (shared by the sparse ring and the sparse
+    all-gather)."""
+    pieces = spec.docs.layout_pieces(rank, src, spec.is_causal)
+    kv_grads = backward_pieces(dout, q, k_blk, v_blk, out, lse, aux_iter, pieces, spec, dq)
+    add_kv_grads(kv_grads, _block_view(dk_flat, k_blk), _block_view(dv_flat, v_blk))
 
 
 def sparse_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):

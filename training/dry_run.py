@@ -20,6 +20,7 @@ from models.llama import recipe_model_config
 from parallelisms.host_arena import stage_pinned_bytes
 from parallelisms.sequence_sharding import sequence_divisor
 from training.eval_memory import eval_refusal, stage_eval_config
+from training.cuda_path_table import cuda_json, print_cuda_path
 from training.memory_probe import GIB, RankMemory, measure_memory
 from training.preflight import preflight
 from training.ramp import resolve_stages
@@ -52,6 +53,8 @@ class RowResult:
     times: dict
     ranks: list[int]
     """The ranks measured (the table shows the one with the highest peak)."""
+    cuda: dict = dataclasses.field(default_factory=dict)
+    """The CUDA path on fake CUDA tensors (training/cuda_path_probe.py): launches, syncs, attention transients."""
 
     @property
     def peak_gib(self) -> float:
@@ -197,7 +200,7 @@ def write_json(cfg: Config, results: list[RowResult], usable_gib: float) -> str:
                "fits": r.peak_gib <= usable_gib, "world": r.world, "dp_shard": r.dims.dp_shard, "tp": r.dims.tp,
                "pp": r.dims.pp, "ac_mode": r.row.cfg.activation_checkpoint.mode,
                "offload": r.row.cfg.activation_checkpoint.offload, "peak_phase": r.memory.peak_phase,
-               "usable_device_gib": usable_gib} for r in results]
+               "usable_device_gib": usable_gib, **cuda_json(r.cuda, r.peak_gib)} for r in results]
     path = os.path.join(cfg.job.dump_folder, "dry_run.json")
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
     with open(path, "w") as f:
@@ -226,6 +229,7 @@ def run_dry_run(cfg: Config, world: int) -> int:
           "larger of the training step and the stage's evaluations (eval = the evaluations' own peak, 0 where the "
           "stage runs none); host = offloaded block inputs in host memory); comm = bytes sent per step")
     print(format_table([_row(r, i + 1, usable) for i, r in enumerate(results)]))
+    print_cuda_path(cfg, results, usable)
     print(f"wrote {write_json(cfg, results, usable)}")
     failing = next((i for i, r in enumerate(results) if r.peak_gib > usable), None)
     if failing is None:

@@ -1,0 +1,272 @@
+"""What a GPU would see of one layer's CP attention: its kernel calls, aten ops, host syncs and transient memory,
+counted on fake CUDA tensors (FakeTensorMode makes `cuda` tensors on a CPU-only build; shapes, strides and the CUDA
+kernels' meta functions run, no storage is allocated).
+
+One rank of a fake process group of the CP degree runs the variant's own forward and backward functions (the sparse
+ring on the documents layout, or Ulysses' attention after its all-to-all) on its real plan, made from real document
+ids, under a dispatch mode that counts:
+- `attention_kernel_calls_per_layer`: attention kernel calls (flash, efficient, varlen) of forward + backward of one
+  layer on the busiest rank (the rank with the most planned calls);
+- `aten_ops_per_layer`: every aten op of the same (gathers, merges, copies, collectives);
+- `host_syncs_per_micro_step`: `_local_scalar_dense` and device-to-host copies of one layer's attention: the plan is
+  cached per batch, so these happen once per micro-step, not once per layer.
+The transient peak of the layer's attention (its inputs excluded) is read with torch's MemTracker, for the current
+path (GQA unexpanded) and for the earlier one (one flash call per piece, K/V expanded), so the dry run can print both.
+
+Document lengths: the recipe's prepared stores when given, else the stated web-like mix (lognormal(6.5, 1.0) tokens,
+the bench's "web-like" mix) packed into one row.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from parallelisms.cp_toolkit import BlockSpec
+from parallelisms.cp_ulysses import concatenated_documents
+from parallelisms.document_layout import DocumentLayout
+from parallelisms.ring_attention import ring_backward, ring_forward
+from parallelisms.ring_plan import DocumentShards
+from parallelisms.ring_sparse import sparse_backward, sparse_forward
+
+aten = torch.ops.aten
+WEB_LIKE = "web-like: document lengths lognormal(6.5, 1.0) tokens (median ~665), packed into one row"
+
+ATTENTION_OPS = {
+    aten._flash_attention_forward.default, aten._flash_attention_backward.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_backward.default,
+    aten._efficient_attention_forward.default, aten._efficient_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+
+
+GUARD_SOURCE = """#include <c10/core/impl/DeviceGuardImplInterface.h>
+C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::NoOpDeviceGuardImpl<c10::DeviceType::CUDA>);
+"""
+
+
+def load_fake_cuda_guard() -> str | None:
+    """Registers a no-op CUDA device guard in this process (a 2-line C++ library, compiled once per torch version
+    into the temp folder), so fake CUDA tensors can be sliced and indexed on a CPU-only build; torch.cuda stays
+    unavailable. Returns None when it works, else why not (no compiler, no headers): the probe is then skipped."""
+    import ctypes
+    import os
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(torch.__file__)
+    lib = os.path.join(tempfile.gettempdir(), f"fake_cuda_guard_{torch.__version__.replace('+', '_')}.so")
+    if not os.path.exists(lib):
+        src = lib[:-3] + ".cpp"
+        with open(src, "w") as f:
+            f.write(GUARD_SOURCE)
+        cmd = ["g++", "-shared", "-fPIC", "-std=c++17", f"-I{root}/include", src, "-o", lib + ".tmp",
+               f"-L{root}/lib", "-lc10", f"-Wl,-rpath,{root}/lib"]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"cannot build the no-op CUDA device guard ({type(e).__name__})"
+        os.replace(lib + ".tmp", lib)
+    ctypes.CDLL(lib)  # registration is idempotent: the registry keeps one guard per device type
+    return None
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts aten ops, attention kernel calls and host syncs (reading a device value, or copying device to host)."""
+
+    def __init__(self, record: bool = False):
+        super().__init__()
+        self.ops = self.attention = self.syncs = 0
+        self.record = record
+        self.attention_calls: list = []  # (op, args, kwargs, result) of every attention call when recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += 1
+        if func is aten._local_scalar_dense.default or _device_to_host(func, args, kwargs):
+            self.syncs += 1
+        result = func(*args, **kwargs)
+        if func in ATTENTION_OPS:
+            self.attention += 1
+            if self.record:
+                self.attention_calls.append((func, args, kwargs, result))
+        return result
+
+
+def _device_to_host(func, args, kwargs) -> bool:
+    if func is aten._to_copy.default:
+        src, dst = args[0], kwargs.get("device")
+        return src.device.type == "cuda" and dst is not None and torch.device(dst).type == "cpu"
+    if func is aten.copy_.default:
+        dst, src = args[0], args[1]
+        return src.device.type == "cuda" and dst.device.type == "cpu"
+    return False
+
+
+def web_like_row(seq_len: int, seed: int = 0) -> np.ndarray:
+    """(S,) document ids of one row packed from the web-like mix (the last document cut at the row's end)."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    while sum(lengths) < seq_len:
+        lengths += [int(x) for x in np.ceil(rng.lognormal(6.5, 1.0, 256))]
+    lengths = np.array(lengths)
+    lengths = lengths[:np.searchsorted(np.cumsum(lengths), seq_len) + 1]
+    lengths[-1] -= lengths.sum() - seq_len
+    return np.repeat(np.arange(lengths.size), lengths)
+
+
+def planned_calls(docs: DocumentShards, rank: int, cp: int) -> int:
+    """Attention kernel calls of one layer (forward + backward) of `rank` on CUDA flash, from the plan alone."""
+    calls = 0
+    for src in range(cp):
+        pieces = docs.layout_pieces(rank, src, True)
+        if pieces:
+            calls += 2 * len({p.is_causal for p in pieces})
+    return calls
+
+
+@dataclass
+class LayerCounts:
+    attention_kernel_calls_per_layer: int
+    aten_ops_per_layer: int
+    host_syncs_per_micro_step: int
+    transient_peak_bytes: float
+    rank: int
+    pieces: int
+    """The mask-free pieces of the rank's layer (what the per-piece path would call, forward and again backward)."""
+
+
+@contextlib.contextmanager
+def fake_group(cp: int, rank: int):
+    """A fake process group of `cp` ranks in this process (collectives return at once), unless one is up already."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _qkv(batch, length, heads, kv_heads, head_dim, dtype):
+    """Fake CUDA q, k, v as the model hands them over: (B, L, H, D) projections seen as (B, H, L, D)."""
+    make = lambda h: torch.empty(batch, length, h, head_dim, dtype=dtype, device="cuda").transpose(1, 2)  # noqa: E731
+    return make(heads), make(kv_heads), make(kv_heads)
+
+
+class ExpandGqa(TorchDispatchMode):
+    """The earlier CUDA path's GQA handling, replayed for the memory comparison: K/V expanded to the query heads
+    before every flash call (forward and backward, as `repeat_interleave` did) and dK/dV folded back."""
+
+    FORWARD = {aten._scaled_dot_product_flash_attention.default, aten._flash_attention_forward.default}
+    BACKWARD = {aten._scaled_dot_product_flash_attention_backward.default: 1,
+                aten._flash_attention_backward.default: 1}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FORWARD or func in self.BACKWARD:
+            at = 0 if func in self.FORWARD else 1  # query's position
+            q, k, v = args[at:at + 3]
+            head_dim = 1 if q.dim() == 4 else -2  # (B, H, L, D) or packed (total, H, D)
+            groups = q.size(head_dim) // k.size(head_dim)
+            if groups > 1:
+                expanded = [x.repeat_interleave(groups, dim=head_dim) for x in (k, v)]
+                result = func(*args[:at + 1], *expanded, *args[at + 3:], **kwargs)
+                if func in self.BACKWARD:
+                    dq, dk, dv = result
+                    fold = (lambda g: g.unflatten(head_dim, (k.size(head_dim), groups)).sum(  # noqa: E731
+                        dim=head_dim + 1 if head_dim > 0 else head_dim))
+                    return dq, fold(dk), fold(dv)
+                return result
+        return func(*args, **kwargs)
+
+
+class FlashWorkspace(TorchDispatchMode):
+    """The CUDA flash backward's own scratch, which its meta function does not allocate, allocated around each call
+    so the memory tracker sees it (sizes as flash-attention 2's mha_bwd / mha_varlen_bwd allocate them, vendored in
+    torch): a float32 dQ accumulator of (total_q + 128 x sequences, Hq, D rounded up to 32) rows, float32 softmax_d
+    of (Hq, total_q + 128 x sequences), and with GQA dK/dV expanded to the query heads before the kernel sums them."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten._flash_attention_backward.default:
+            q, k = args[1], args[2]  # packed (total, H, D)
+            seqs, total_q, total_k = args[6].numel() - 1, q.size(0), k.size(0)
+            heads, kv_heads, head_dim = q.size(1), k.size(1), q.size(2)
+        elif func is aten._scaled_dot_product_flash_attention_backward.default:
+            q, k = args[1], args[2]  # (B, H, L, D)
+            seqs, total_q, total_k = q.size(0), q.size(0) * q.size(2), k.size(0) * k.size(2)
+            heads, kv_heads, head_dim = q.size(1), k.size(1), q.size(3)
+        else:
+            return func(*args, **kwargs)
+        rows = total_q + 128 * seqs
+        scratch = [torch.empty(rows, heads, -(-head_dim // 32) * 32, dtype=torch.float32, device=q.device),
+                   torch.empty(heads, rows, dtype=torch.float32, device=q.device)]
+        if kv_heads != heads:
+            scratch += [torch.empty(total_k, heads, head_dim, dtype=k.dtype, device=k.device) for _ in range(2)]
+        result = func(*args, **kwargs)
+        del scratch
+        return result
+
+
+def run_layer(fwd, bwd, q, k, v, spec):
+    out, lse, auxes = fwd(q, k, v, spec)
+    grads = bwd(torch.empty_like(out), q, k, v, out, lse, auxes, spec)
+    del out, lse, auxes
+    return grads
+
+
+def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtype=torch.bfloat16,
+                  expand_gqa: bool = False, memory: bool = False, counter: LaunchCounter | None = None) -> LayerCounts:
+    """One layer's attention (forward + backward) of `rank` on fake CUDA tensors. `shape` = (batch, local length,
+    query heads, K/V heads, head dim) as this rank's attention sees them (Ulysses: the whole sequence, heads / P)."""
+    batch, length, heads, kv_heads, head_dim = shape
+    cp = len(docs.per_rank)
+    pieces = sum(len(docs.layout_pieces(rank, src, True)) for src in range(cp))
+    with fake_group(max(cp, 1) if impl == "ring" else 1, rank if impl == "ring" else 0) as group, \
+            FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = _qkv(batch, length, heads, kv_heads, head_dim, dtype)
+        if impl == "ring":
+            spec, fwd, bwd = BlockSpec(group, True, None, "documents", docs, None), sparse_forward, sparse_backward
+        else:  # Ulysses / hybrid on documents: the ring's code at P = 1 over the gathered sequence
+            spec, fwd, bwd = BlockSpec(None, True, None, "documents", docs, None), ring_forward, ring_backward
+        tracker = MemTracker() if memory else contextlib.nullcontext()
+        counter = counter or LaunchCounter()
+        # the modelled scratch sits below the counter: allocated and tracked, not counted as ops
+        with tracker, (FlashWorkspace() if memory else contextlib.nullcontext()), counter, \
+                (ExpandGqa() if expand_gqa else contextlib.nullcontext()):
+            run_layer(fwd, bwd, q, k, v, spec)
+        peak = total_bytes(tracker.get_tracker_snapshot("peak")) if memory else 0.0
+    return LayerCounts(counter.attention, counter.ops, counter.syncs, peak, rank, pieces)
+
+
+def total_bytes(snapshot: dict) -> float:
+    return float(sum(per_device.get("Total", 0) for per_device in snapshot.values()))
+
+
+def ring_counts(ids: np.ndarray, cp: int, shape: tuple, **kwargs) -> LayerCounts:
+    """The sparse ring on the documents layout of one row: the rank with the most planned calls, measured."""
+    docs = DocumentShards.from_layout(torch.from_numpy(ids)[None], DocumentLayout.plan(torch.from_numpy(ids)[None],
+                                                                                        cp))
+    busiest = max(range(cp), key=lambda r: planned_calls(docs, r, cp))
+    return measure_layer(docs, busiest, "ring", shape, **kwargs)
+
+
+def ulysses_counts(ids: np.ndarray, cp: int, shape: tuple, **kwargs) -> LayerCounts:
+    """Ulysses on the documents layout: the attention every rank runs after the all-to-all (heads / P, all tokens;
+    the same plan on every rank)."""
+    row = torch.from_numpy(ids)[None]
+    docs = concatenated_documents(DocumentShards.from_layout(row, DocumentLayout.plan(row, cp)))
+    return measure_layer(docs, 0, "ulysses", shape, **kwargs)

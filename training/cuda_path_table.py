@@ -1,0 +1,171 @@
+"""The dry run's CUDA-path numbers, one row per stage: kernel calls, aten ops and host syncs of one layer's attention
+on fake CUDA tensors (training/cuda_path_probe.py), and the step's peak with the CUDA attention's transients, GQA
+unexpanded vs the earlier expanded path. Document lengths: the recipe's prepared stores when present here, else the
+stated web-like mix."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from parallelisms.cp_toolkit import BlockSpec
+from parallelisms.ring_attention import ring_backward, ring_forward
+from training.cuda_path_probe import (ExpandGqa, FlashWorkspace, LaunchCounter, LayerCounts, fake_group,
+                                      load_fake_cuda_guard, ring_counts, run_layer, total_bytes, ulysses_counts,
+                                      web_like_row)
+
+
+def prepared_lengths(cfg) -> np.ndarray | None:
+    """Every document length of the recipe's prepared stores (pooled), or None when they are not all here (the
+    dry run's data usually lives where the recipe will run)."""
+    import os
+
+    from data.prepare import open_store
+    from data.sources import build_run_tokenizer, store_specs
+    from models.llama import recipe_model_config
+
+    if not cfg.data.tokenizer_path or not os.path.exists(cfg.data.tokenizer_path):
+        return None
+    try:
+        tokenizer = build_run_tokenizer(cfg, recipe_model_config(cfg).vocab_size)
+        stores = [open_store(spec, tokenizer) for spec in store_specs(cfg)]
+    except Exception:  # a missing or stale store, a tokenizer that does not load: the stated mix instead
+        return None
+    if not stores or any(s is None or s.num_documents == 0 for s in stores):
+        return None
+    return np.concatenate([s.doc_lengths.astype(np.int64) for s in stores])
+
+
+def row_from_lengths(lengths: np.ndarray, seq_len: int, seed: int = 0) -> np.ndarray:
+    """(S,) ids of documents drawn from `lengths` packed into one row (the last one cut at the row's end)."""
+    rng = np.random.default_rng(seed)
+    drawn = []
+    while sum(drawn) < seq_len:
+        drawn += rng.choice(lengths, 256).tolist()
+    drawn = np.maximum(np.array(drawn), 1)
+    drawn = drawn[:np.searchsorted(np.cumsum(drawn), seq_len) + 1]
+    drawn[-1] -= drawn.sum() - seq_len
+    return np.repeat(np.arange(drawn.size), drawn)
+
+
+def _stage_shape(cfg, cp: int, tp: int, gathered: bool) -> tuple:
+    from models.llama import recipe_model_config
+
+    m = recipe_model_config(cfg)
+    heads, kv = m.n_heads // tp, max(1, m.num_kv_heads // tp)
+    if gathered:  # Ulysses: the whole sequence, heads split over the group (K/V replicated up to whole groups)
+        return (1, cfg.training.seq_len, max(1, heads // cp), max(1, kv // cp), m.head_dim)
+    return (1, cfg.training.seq_len // cp, heads, kv, m.head_dim)
+
+
+def _one_document_layer(cfg, cp: int, tp: int, device: str, expand_gqa: bool = False) -> LayerCounts:
+    """One layer's attention (forward + backward) on the row the dry run's step measures (one document, zigzag's
+    layout): the dense ring on fake `device` tensors, counted, with its transient peak (inputs excluded)."""
+    batch, length, heads, kv, head_dim = _stage_shape(cfg, cp, tp, gathered=False)
+    dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
+    with fake_group(cp, 0) as group, FakeTensorMode(allow_non_fake_inputs=True):
+        make = lambda h: torch.empty(batch, length, h, head_dim, dtype=dtype, device=device).transpose(1, 2)  # noqa
+        q, k, v = make(heads), make(kv), make(kv)
+        spec = BlockSpec(group if cp > 1 else None, True, None, "zigzag", None, None)
+        with MemTracker() as tracker, FlashWorkspace(), LaunchCounter() as counter, \
+                (ExpandGqa() if expand_gqa else contextlib.nullcontext()):
+            run_layer(ring_forward, ring_backward, q, k, v, spec)
+            peak = total_bytes(tracker.get_tracker_snapshot("peak"))
+    return LayerCounts(counter.attention, counter.ops, counter.syncs, peak, 0, 0)
+
+
+def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
+    """The dry run's CUDA-path numbers of one stage: counts on a documents row (prepared stores, else web-like) and
+    one layer's attention transients on the step's own row, CPU kernels vs CUDA with GQA unexpanded and expanded."""
+    why = load_fake_cuda_guard()
+    if why:
+        return {"cuda_path": f"not measured: {why}"}
+    p = cfg.parallelism
+    ids = row_from_lengths(lengths, cfg.training.seq_len) if lengths is not None else web_like_row(
+        cfg.training.seq_len)
+    dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
+    gathered = p.cp_impl in ("ulysses", "hybrid") and cp > 1
+    documents = cfg.data.document_masking and p.cp_load_balancer == "documents"
+    counts = expanded_docs = None
+    if documents and cp > 1:  # the documents row: counted, and its varlen transients measured both ways
+        run = ulysses_counts if gathered else ring_counts
+        shape = _stage_shape(cfg, cp, tp, gathered)
+        counts = run(ids, cp, shape, dtype=dtype, memory=True)
+        expanded_docs = run(ids, cp, shape, dtype=dtype, memory=True, expand_gqa=True).transient_peak_bytes
+    cpu = _one_document_layer(cfg, cp, tp, "cpu").transient_peak_bytes
+    one_doc = _one_document_layer(cfg, cp, tp, "cuda")
+    expanded = _one_document_layer(cfg, cp, tp, "cuda", expand_gqa=True).transient_peak_bytes
+    unexpanded = one_doc.transient_peak_bytes
+    if counts is None:  # one document per row as far as CP goes: the dense ring's (or one rank's) calls
+        counts = one_doc
+    else:
+        unexpanded, expanded = max(unexpanded, counts.transient_peak_bytes), max(expanded, expanded_docs)
+    return {"attention_kernel_calls_per_layer": counts.attention_kernel_calls_per_layer,
+            "aten_ops_per_layer": counts.aten_ops_per_layer,
+            "host_syncs_per_micro_step": counts.host_syncs_per_micro_step,
+            "count_row": ("prepared stores" if lengths is not None else "web-like") if documents and cp > 1 else
+            "one document",
+            "attention_transient_gib_cpu": cpu / 2**30, "attention_transient_gib_cuda": unexpanded / 2**30,
+            "attention_transient_gib_cuda_gqa_expanded": expanded / 2**30}
+
+
+def cuda_peak_gib(step_peak_gib: float, numbers: dict, expanded: bool = False) -> float | None:
+    """The step's peak on the CUDA path: the measured step (CPU kernels) plus what one layer's CUDA attention holds
+    beyond the CPU kernels' (added whatever phase the peak is in: an upper bound)."""
+    if "attention_transient_gib_cuda" not in numbers:
+        return None
+    cuda = numbers["attention_transient_gib_cuda_gqa_expanded" if expanded else "attention_transient_gib_cuda"]
+    return step_peak_gib + max(0.0, cuda - numbers["attention_transient_gib_cpu"])
+
+
+def cuda_table(rows: list[tuple[str, float, dict]], usable_gib: float) -> str:
+    """The dry run's second table: per stage (name, step peak GiB, stage_cuda_path's numbers)."""
+    head = ("stage", "attn calls/layer", "aten ops/layer", "host syncs/micro-step", "count row",
+            "peak GiB CUDA (GQA unexpanded)", "peak GiB CUDA (GQA expanded, earlier path)", "fits")
+    lines = [head]
+    for name, peak, n in rows:
+        if "attention_transient_gib_cuda" not in n:
+            lines.append((name, n.get("cuda_path", "?"), "", "", "", "", "", ""))
+            continue
+        new, old = cuda_peak_gib(peak, n), cuda_peak_gib(peak, n, expanded=True)
+        lines.append((name, str(n["attention_kernel_calls_per_layer"]), str(n["aten_ops_per_layer"]),
+                      str(n["host_syncs_per_micro_step"]), n["count_row"], f"{new:.2f}", f"{old:.2f}",
+                      "yes" if new <= usable_gib else "NO"))
+    widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines)
+
+
+CUDA_PATH_STATEMENT = (
+    "  CUDA path, on fake CUDA tensors (training/cuda_path_table.py): attn calls / aten ops = one layer's attention "
+    "forward + backward on the busiest CP rank; host syncs = device-to-host reads in the attention path per "
+    "micro-step; the peak is the step's measured peak plus what one layer's CUDA attention (varlen gathers, flash "
+    "backward scratch, GQA dK/dV expanded inside the kernel) holds beyond the CPU kernels' (an upper bound); "
+    "'earlier path' expands K/V for GQA before every flash call")
+
+
+def print_cuda_path(cfg, results, usable_gib: float) -> None:
+    """The dry run's CUDA-path table (one row per stage; `results` are dry_run.RowResult, filled in here)."""
+    lengths = prepared_lengths(cfg)
+    rows = []
+    for index, r in enumerate(results):
+        try:
+            r.cuda = stage_cuda_path(r.row.cfg, r.dims.cp, r.dims.tp, lengths)
+        except Exception as e:  # shown, not fatal: the CPU-kernel measurement above stands on its own
+            first = (str(e).strip().splitlines() or [""])[0]
+            r.cuda = {"cuda_path": f"not measured: {type(e).__name__}: {first}"}
+        rows.append((f"{index + 1} {r.row.name}", r.peak_gib, r.cuda))
+    print(CUDA_PATH_STATEMENT)
+    print(cuda_table(rows, usable_gib))
+
+
+def cuda_json(numbers: dict, step_peak_gib: float) -> dict:
+    """dry_run.json's CUDA-path fields of one stage."""
+    out = {k: numbers[k] for k in ("attention_kernel_calls_per_layer", "aten_ops_per_layer",
+                                   "host_syncs_per_micro_step", "count_row", "cuda_path") if k in numbers}
+    if "attention_transient_gib_cuda" in numbers:
+        out["peak_device_gib_per_rank_cuda_path"] = cuda_peak_gib(step_peak_gib, numbers)
+        out["peak_device_gib_per_rank_cuda_path_gqa_expanded"] = cuda_peak_gib(step_peak_gib, numbers, True)
+    return out
