@@ -23,7 +23,8 @@ def _plan_at_tp2(usable_mib: float):
 def test_tp2_plan_probes_every_cp_in_one_process():
     """A tiny model planned at tp 2 on 8 GPUs (8 MiB usable: the 4K stage measures 11.5 MiB at cp 1, 6.0 at cp 2):
     the probes (cp 2) and the measured candidates (cp 1, 2, 4) each build their own mesh in the same process;
-    before the fix a later mesh's tp collectives named an earlier probe's process group ("Could not resolve the process group registered under the name ...")."""
+    before the fix a later mesh's tp collectives named an earlier probe's process group
+    ("Could not resolve the process group registered under the name ...")."""
     stages, usable = _in_fresh_process(_plan_at_tp2, 8.0)
     assert [s[0] for s in stages] == [256, 4096]
     assert all(tp == 2 for _, tp, _, _ in stages)
