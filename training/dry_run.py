@@ -167,8 +167,8 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
                      "micro-batch, overlapped with compute on a side stream: not in the roofline's step time")
     if cfg.data.document_masking:
         lines.append("  document masking: memory measured as plain causal attention (an upper bound: masked blocks "
-                     "skip); the prediction counts the visible pairs of a stated mix (training/step_model.py "
-                     "DOCUMENT_MIX)")
+                     "skip); the prediction counts the visible pairs of the prepared stores' documents, else of a "
+                     "stated mix (training/step_model.py DOCUMENT_MIX)")
     return lines
 
 

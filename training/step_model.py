@@ -228,9 +228,40 @@ def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None, off
     t, p = cfg.training, cfg.parallelism
     fraction = length = None
     if cfg.data.document_masking:
-        fraction, doc_length = document_pair_fraction(t.seq_len)
+        fraction, doc_length = pairs_from_stores(cfg, t.seq_len) or document_pair_fraction(t.seq_len)
         length = min(doc_length, t.seq_len / dims.cp)
     layout = Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node)
     return Workload(recipe_model_config(cfg), layout, t.seq_len, t.local_batch_size, t.grad_accum_steps(dims.dp),
                     t.dtype, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every, t.compile,
                     t.loss_chunk_tokens, p.reshard_after_forward, fraction, length, cp_ring_bytes, offload_bytes)
+
+
+def pairs_from_stores(cfg, seq_len: int) -> tuple[float, float] | None:
+    """(visible pairs / S^2, pair-weighted block length) of the recipe's prepared stores (data.cache_dir/stores/,
+    every shard's per-document lengths), sources weighted by `weight`; a document longer than a row is cut into
+    rows. None when a source has no prepared store here (the dry run then uses DOCUMENT_MIX)."""
+    import glob
+    import os
+
+    import numpy as np
+
+    from data.prepare import _safe
+
+    sources = cfg.data.sources
+    if not sources or not cfg.data.cache_dir:
+        return None
+    total_weight = sum(src.weight for src in sources)
+    fraction = weighted_length = 0.0
+    for src in sources:
+        files = glob.glob(os.path.join(cfg.data.cache_dir, "stores", f"{_safe(src.name)}-*", "shard-*.lengths"))
+        lengths = np.concatenate([np.fromfile(f, dtype=np.uint32) for f in files]) if files else np.zeros(0)
+        if lengths.sum() == 0:
+            return None
+        lengths = lengths.astype(np.float64)
+        whole, rest = np.divmod(lengths, seq_len)  # a document fills `whole` rows and a last piece of `rest`
+        pieces = np.concatenate([np.full(int(whole.sum()), float(seq_len)), rest[rest > 0]])
+        pairs = pieces * (pieces + 1) / 2
+        share = src.weight / total_weight / lengths.sum()  # per token of this source
+        fraction += share * pairs.sum() * seq_len / seq_len ** 2
+        weighted_length += share * (pairs * pieces).sum() * seq_len / seq_len ** 2
+    return fraction, weighted_length / fraction

@@ -108,3 +108,55 @@ def test_accelerator_memory_defaults_and_overrides():
     a100 = load_config(RECIPE, ["--hardware.accelerator", "a100-40gb", "--hardware.device_memory_gib", "0",
                                 "--hardware.host_memory_gib", "512"])
     assert (a100.hardware.device_memory_gib, a100.hardware.host_memory_gib) == (40.0, 512.0)
+
+
+def test_dry_run_json_carries_the_prediction_and_refuses_host_memory_over_the_node(tmp_path):
+    """The tiny offload recipe of test_dry_run_offload: 8 MiB of block inputs per GPU, 8 GPUs on the node (world 1:
+    one GPU's worth counts). With host_memory_gib below that the dry run refuses in one line naming the key; the
+    JSON is written either way and carries the predicted and roofline step times."""
+    import json
+
+    from tests.training.test_dry_run import _run_train
+    from tests.training.test_dry_run_offload import SHAPE
+
+    args = ["--dry-run", "--job.dump_folder", str(tmp_path), *SHAPE, "--activation_checkpoint.offload", "true"]
+    done, _ = _run_train(*args, "--hardware.host_memory_gib", "0.004")
+    assert done.returncode == 1, done.stdout + done.stderr[-2000:]
+    refusal = [line for line in done.stdout.splitlines() if "hardware.host_memory_gib" in line and "pins" in line]
+    assert len(refusal) == 1 and "Traceback" not in done.stderr
+    with open(tmp_path / "dry_run.json") as f:
+        (stage,) = json.load(f)["stages"]
+    low, high = stage["predicted_step_s_band"]
+    assert stage["roofline_step_s"] < low <= stage["predicted_step_s"] <= high
+    assert stage["predicted_tokens_per_sec_per_gpu"] == pytest.approx(2048 / stage["predicted_step_s"], rel=1e-9)
+    assert stage["host_gib_per_node"] == pytest.approx(4 * 2048 * 256 * 4 / 2**30, rel=1e-9)
+    done, _ = _run_train(*args)  # the default: 2,048 GiB per node
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+def test_visible_pairs_from_prepared_stores(tmp_path):
+    """Two sources at weights 1:3, their shards' document lengths written as the store does (uint32 per document):
+    'books' one 2-row document (two causal rows), 'web' 100-token documents. Closed form per row of S tokens:
+    1/4 of the tokens see S (S + 1) / 2 pairs per S tokens, 3/4 see 101 / 2 pairs per token."""
+    import numpy as np
+
+    from config.recipe import load_config
+    from training.step_model import pairs_from_stores
+
+    seq = 4096
+    for name, lengths in (("books", [2 * seq]), ("web", [100] * 50)):
+        folder = tmp_path / "stores" / f"{name}-0123456789abcdef"
+        folder.mkdir(parents=True)
+        np.asarray(lengths, dtype=np.uint32).tofile(folder / "shard-00000.lengths")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'[data]\ncache_dir = "{tmp_path}"\ndocument_masking = true\n'
+                      '[[data.sources]]\nname = "books"\npath = ["x"]\nweight = 1.0\n'
+                      '[[data.sources]]\nname = "web"\npath = ["y"]\nweight = 3.0\n')
+    cfg = load_config(str(recipe))
+    fraction, length = pairs_from_stores(cfg, seq)
+    expected = 0.25 * (seq + 1) / (2 * seq) + 0.75 * 101 / (2 * seq)
+    assert fraction == pytest.approx(expected, rel=1e-12)
+    books, web = 0.25 * (seq + 1) / (2 * seq), 0.75 * 101 / (2 * seq)
+    assert length == pytest.approx((books * seq + web * 100) / expected, rel=1e-12)
+    cfg.data.sources[1].name = "unprepared"
+    assert pairs_from_stores(cfg, seq) is None
