@@ -54,6 +54,9 @@ class AcceleratorSpec:
     transposed backward GEMMs), an assumption stated here, not a measurement."""
     flash_scale: float
     """This GPU's FlashAttention-2 rates relative to the H100 table above at the same clock."""
+    flash_fraction: tuple[float, float] = (0.85, 1.0)
+    """Spread around the FlashAttention-2 table: high = the paper's standalone kernel, low = 0.85x for PyTorch's
+    built-in build of it and shapes unlike the benchmark's (GQA, batch 1, 32 heads); an assumption stated here."""
     clock_fraction: tuple[float, float] = (1.0, 1.0)
     """Sustained tensor clock under a power cap below the data sheet's: dynamic power ~ f V^2 with V ~ f in the DVFS
     range gives f ~ P^(1/3) (high); with static power and the voltage floor f ~ P^(1/2) (low)."""

@@ -95,7 +95,8 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float) -> dict:
     gemm_flops = tokens / lay.tp * (layers * block_gemm * (3 + gemm_recompute)
                                     + output_gemm * (3 + (1 if w.loss_chunk_tokens else 0)))
     parts = {"gemm": gemm_flops / gemm_rate * w.grad_accum}
-    parts["attention"] = _attention_s(w, acc, clock, dtype_factor, attn_recompute) * w.grad_accum
+    flash = clock * _pick(acc.flash_fraction, where)
+    parts["attention"] = _attention_s(w, acc, flash, dtype_factor, attn_recompute) * w.grad_accum
     eager = not w.compile
     per_token = elementwise_bytes_per_token(m, eager, w.dtype) * layers * (3 + block_recompute)
     loss_bytes = m.vocab_size * (28 if eager else 12)

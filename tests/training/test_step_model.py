@@ -19,12 +19,9 @@ TABLE2 = [("table2_fsdp8_cp1_32k", 32768, 8, 1, 1, "full", True, 3890, 0.6, 1.0)
           ("table2_fsdp2_cp4_128k", 131072, 2, 4, 1, "full", True, 1071, 0.6, 1.0),
           ("table2_fsdp1_cp8_256k", 262144, 1, 8, 1, "full", True, 548, 0.6, 1.0)]
 OUTSIDE = {
-    "table1_fsdp_bf16_eager": "predicted 7,605 tok/s/GPU = 1.32x of 5,762 (kernel-level rates)",
-    "table1_fsdp_bf16_compile": "predicted 8,394 = 1.26x of 6,667",
-    "table2_fsdp8_cp1_32k": "predicted 4,059 (bf16) = 1.04x of 3,890 (Float8)",
-    "table2_fsdp4_cp2_64k": "predicted 2,643 = 1.04x of 2,540",
-    "table2_fsdp2_cp4_128k": "predicted 1,557 = 1.45x of 1,071",
-    "table2_fsdp1_cp8_256k": "predicted 855 = 1.56x of 548",
+    "table1_fsdp_bf16_eager": "predicted 7,471 tok/s/GPU = 1.30x of 5,762 (kernel-level rates are optimistic)",
+    "table2_fsdp2_cp4_128k": "predicted 1,459 (bf16) = 1.36x of 1,071 (Float8)",
+    "table2_fsdp1_cp8_256k": "predicted 796 (bf16) = 1.45x of 548 (Float8)",
 }
 
 
@@ -84,7 +81,8 @@ def test_causal_attention_flops_match_the_closed_form():
     flops = 4 * seq * (seq + 1) / 2 * m.n_heads * m.head_dim * m.n_layers * (1 + 2.5)
     from training.accelerators import flash_rate
 
-    fwd_rate, bwd_rate = (flash_rate(acc, phase, 128, True, seq) for phase in ("fwd", "bwd"))
+    middle = sum(acc.flash_fraction) / 2  # the prediction takes the middle of the spread
+    fwd_rate, bwd_rate = (flash_rate(acc, phase, 128, True, seq) * middle for phase in ("fwd", "bwd"))
     expected = flops / 3.5 * (1 / fwd_rate + 2.5 / bwd_rate)
     assert one.parts["attention"] == pytest.approx(expected, rel=1e-9)
 
