@@ -65,8 +65,8 @@ def main() -> int:
                 continue
             theirs = measure_row(row, args.gpus, hand.hardware.gpus_per_node)
             print(f"{stage.seq_len:>9,} tokens: planned cp {stage.chosen.cp} {stage.step_s:.2f} s/step, "
-                  f"{args.compare} cp {theirs.dims.cp} {theirs.times['overlap_s']:.2f} s/step "
-                  f"(planned / hand-written = {stage.step_s / theirs.times['overlap_s']:.3f}); peaks "
+                  f"{args.compare} cp {theirs.dims.cp} {theirs.times['predicted_s']:.2f} s/step "
+                  f"(planned / hand-written = {stage.step_s / theirs.times['predicted_s']:.3f}); peaks "
                   f"{stage.measured.peak_gib:.1f} / {theirs.peak_gib:.1f} GiB")
     return 0 if len(set(texts)) == 1 else 1
 

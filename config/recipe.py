@@ -13,7 +13,7 @@ import sys
 import typing
 
 from config.errors import RecipeError
-from config.schema import CHOICES, MIN_SEQ_LEN, SECTIONS, Config, RampTable
+from config.schema import ACCELERATOR_MEMORY_GIB, CHOICES, MIN_SEQ_LEN, SECTIONS, Config, RampTable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -199,8 +199,17 @@ def load_config(recipe_path: str, overrides: list[str] | None = None) -> Config:
         any((section, key) == ("parallelism", "cp_load_balancer") for section, key, _ in overrides)
     if not named:
         default_load_balancer(cfg)
+    default_hardware_memory(cfg)
     validate(cfg)
     return cfg
+
+
+def default_hardware_memory(cfg: Config) -> None:
+    """Device and host memory left at 0 take the named accelerator's figures."""
+    hw = cfg.hardware
+    device, host = ACCELERATOR_MEMORY_GIB[hw.accelerator]
+    hw.device_memory_gib = hw.device_memory_gib or device
+    hw.host_memory_gib = hw.host_memory_gib or host
 
 
 def default_load_balancer(cfg: Config) -> None:
@@ -220,6 +229,10 @@ def validate(cfg: Config) -> None:
     for section, key in positive:
         if getattr(getattr(cfg, section), key) < 1:
             raise RecipeError(f"{where}: {section}.{key} must be >= 1, got {getattr(getattr(cfg, section), key)}.")
+    for key in ("host_memory_gib", "nvlink_gb_per_s", "network_gb_per_s"):
+        if getattr(cfg.hardware, key) < 0:
+            raise RecipeError(f"{where}: hardware.{key} must be >= 0 (0 = the accelerator's), got "
+                              f"{getattr(cfg.hardware, key)}.")
     if cfg.parallelism.dp_shard == 0 or cfg.parallelism.dp_shard < -1:
         raise RecipeError(f"{where}: parallelism.dp_shard must be >= 1 or -1 (= the remaining ranks), "
                           f"got {cfg.parallelism.dp_shard}.")

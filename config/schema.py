@@ -27,6 +27,7 @@ ActivationCheckpointMode = Literal["none", "full", "selective", "op"]
 AsyncMode = Literal["disabled", "async"]
 ExportDtype = Literal["auto", "bfloat16", "float32", "float16"]
 DeviceKind = Literal["auto", "cuda", "cpu"]
+AcceleratorName = Literal["h100-sxm", "h100-sxm-500w", "h200", "a100-80gb", "a100-40gb"]
 TieMode = Literal["auto", "tied", "untied"]
 RopeScaling = Literal["auto", "llama3", "yarn"]
 SourceFormat = Literal["text", "chat"]
@@ -381,8 +382,24 @@ class HardwareConfig:
     line (and suggests --dry-run) instead of starting | cpu: never look for GPUs."""
     gpus_per_node: int = 8
     """GPUs per node: nodes to ask Slurm for, and which collectives the dry run puts on NVLink vs InfiniBand."""
-    device_memory_gib: float = 80.0
-    """Memory per GPU the dry run holds every stage's peak against (H100 SXM: 80 GiB)."""
+    accelerator: AcceleratorName = "h100-sxm"
+    """The GPU the dry run and --plan-ramp predict for: its peak, HBM, NVLink, network, device and host memory
+    (training/accelerators.py). h100-sxm-500w: the H100 96GB capped at 500 W of TorchTitan's published runs."""
+    device_memory_gib: float = 0.0
+    """Memory per GPU the dry run holds every stage's peak against (0 = the accelerator's: H100 80, H200 141)."""
+    host_memory_gib: float = 0.0
+    """Host memory per node that pinned activation offload may use (0 = the accelerator's node: 2048 for 8-GPU
+    H100/H200 nodes, 1024 for A100)."""
+    nvlink_gb_per_s: float = 0.0
+    """NVLink per GPU and direction, GB/s (0 = the accelerator's)."""
+    network_gb_per_s: float = 0.0
+    """Inter-node network per GPU and direction, GB/s (0 = the accelerator's)."""
+
+
+ACCELERATOR_MEMORY_GIB = {"h100-sxm": (80.0, 2048.0), "h100-sxm-500w": (96.0, 2048.0), "h200": (141.0, 2048.0),
+                          "a100-80gb": (80.0, 1024.0), "a100-40gb": (40.0, 1024.0)}
+"""(device GiB per GPU, host GiB per 8-GPU node) by accelerator: what hardware.device_memory_gib and host_memory_gib
+default to."""
 
 
 @dataclass

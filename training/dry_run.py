@@ -24,7 +24,8 @@ from training.cuda_path_table import cuda_json, print_cuda_path
 from training.memory_probe import GIB, RankMemory, measure_memory
 from training.preflight import preflight
 from training.ramp import resolve_stages
-from training.roofline import H100_SXM, ROOFLINE_STATEMENT, Layout, parameter_count, step_cost
+from training.roofline import ROOFLINE_STATEMENT, Accelerator, Layout, parameter_count, step_cost
+from training.step_model import PREDICTION_STATEMENT, accelerator_for, predict_step, workload_for
 
 RUNTIME_RESERVE_GIB = 2.0
 """Device memory that tensors cannot use: the CUDA context (~0.5 GiB) and NCCL communicator buffers (~1 GiB)."""
@@ -83,12 +84,15 @@ def measure_row(row: PlanRow, world: int, gpus_per_node: int) -> RowResult:
     ranks = ranks_that_matter(dims)
     memories = [measure_memory(cfg, world, mcfg.n_layers, rank) for rank in ranks]
     memory = max(memories, key=lambda m: m.peak)
-    return RowResult(row, world, dims, memory, roofline_times(cfg, dims, gpus_per_node, memory.cp_ring_bytes), ranks)
+    times = roofline_times(cfg, dims, gpus_per_node, memory.cp_ring_bytes, memory.host)
+    return RowResult(row, world, dims, memory, times, ranks)
 
 
-def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float | None) -> dict:
-    """The stated roofline's step times of one config (training/roofline.py); `cp_ring_bytes` None = estimated.
-    The ramp planner ranks candidate layouts with it before measuring the best."""
+def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float | None,
+                   offload_bytes: float = 0.0) -> dict:
+    """The stated roofline's step times of one config (training/roofline.py) and the calibrated prediction
+    (training/step_model.py: `predicted_s`, `predicted_band`, `predicted_tokens_per_gpu_s`); `cp_ring_bytes` None =
+    estimated. The ramp planner ranks candidate layouts with the prediction before measuring the best."""
     t, p = cfg.training, cfg.parallelism
     grad_accum = t.grad_accum_steps(dims.dp)
     layout = Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node)
@@ -96,10 +100,14 @@ def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float |
                      grad_accum=grad_accum, dtype=t.dtype, ac_mode=cfg.activation_checkpoint.mode,
                      ac_every=cfg.activation_checkpoint.every, reshard_after_forward=p.reshard_after_forward,
                      cp_ring_bytes=cp_ring_bytes)
-    times = cost.times(H100_SXM)
+    spec = accelerator_for(cfg.hardware)
+    times = cost.times(Accelerator(spec.name, spec.bf16_flops, spec.nvlink_bytes_per_s, spec.ib_bytes_per_s))
     times["tokens_per_gpu_s"] = (t.local_batch_size * dims.dp * grad_accum * t.seq_len / times["overlap_s"]
                                  / dims.world_size)
     times["comm_gib"] = (cost.nvlink_bytes + cost.ib_bytes) / GIB
+    prediction = predict_step(workload_for(cfg, dims, gpus_per_node, cp_ring_bytes, offload_bytes), spec)
+    times.update(predicted_s=prediction.step_s, predicted_band=list(prediction.band),
+                 predicted_tokens_per_gpu_s=prediction.tokens_per_sec_per_gpu, predicted_parts=prediction.parts)
     return times
 
 
@@ -155,6 +163,9 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
         f"{depth}",
         f"  device: {hw.device_memory_gib:g} GiB per GPU minus {RUNTIME_RESERVE_GIB:g} GiB for the CUDA context and "
         f"NCCL buffers = {usable:g} GiB for tensors (hardware.device_memory_gib)",
+        f"  accelerator: {cfg.hardware.accelerator} (hardware.accelerator); host memory "
+        f"{cfg.hardware.host_memory_gib:g} GiB per node (hardware.host_memory_gib)",
+        f"  {PREDICTION_STATEMENT}",
         f"  {ROOFLINE_STATEMENT}",
     ]
     if cfg.activation_checkpoint.offload:
@@ -162,12 +173,15 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
                      "and backward (host GiB; not in the device peak). The host GiB cross PCIe each way per "
                      "micro-batch, overlapped with compute on a side stream: not in the roofline's step time")
     if cfg.data.document_masking:
-        lines.append("  document masking is measured as plain causal attention (an upper bound: masked blocks skip)")
+        lines.append("  document masking: memory measured as plain causal attention (an upper bound: masked blocks "
+                     "skip); the prediction counts the visible pairs of the prepared stores' documents, else of a "
+                     "stated mix (training/step_model.py DOCUMENT_MIX)")
     return lines
 
 
 COLUMNS = ("stage", "seq_len", "cp", "dp_shard", "tp", "pp", "params", "grads", "optim", "activ", "peak GiB",
-           "eval GiB", "host GiB", "fits", "step s overlap..serial", "MFU", "tok/s/GPU", "comm GiB")
+           "eval GiB", "host GiB", "fits", "predicted s (band)", "pred tok/s/GPU", "roofline s overlap..serial", "MFU",
+           "roofline tok/s/GPU", "comm GiB")
 
 
 def _gib(nbytes: float) -> str:
@@ -180,7 +194,8 @@ def _row(result: RowResult, index: int, usable_gib: float) -> list[str]:
     return [f"{index} {result.row.name}", f"{result.row.cfg.training.seq_len:,}", str(d.cp), str(d.dp_shard),
             str(d.tp), str(d.pp), _gib(m.params), _gib(m.grads), _gib(m.optimizer), _gib(m.activations),
             _gib(m.peak), _gib(m.peak_eval), _gib(m.host), "yes" if result.peak_gib <= usable_gib else "NO",
-            f"{t['overlap_s']:.2f}..{t['serial_s']:.2f}",
+            f"{t['predicted_s']:.2f} ({t['predicted_band'][0]:.2f}..{t['predicted_band'][1]:.2f})",
+            f"{t['predicted_tokens_per_gpu_s']:,.0f}", f"{t['overlap_s']:.2f}..{t['serial_s']:.2f}",
             f"{100 * t['mfu_overlap']:.0f}%..{100 * t['mfu_serial']:.0f}%", f"{t['tokens_per_gpu_s']:,.0f}",
             f"{t['comm_gib']:.0f}"]
 
@@ -200,12 +215,32 @@ def write_json(cfg: Config, results: list[RowResult], usable_gib: float) -> str:
                "fits": r.peak_gib <= usable_gib, "world": r.world, "dp_shard": r.dims.dp_shard, "tp": r.dims.tp,
                "pp": r.dims.pp, "ac_mode": r.row.cfg.activation_checkpoint.mode,
                "offload": r.row.cfg.activation_checkpoint.offload, "peak_phase": r.memory.peak_phase,
-               "usable_device_gib": usable_gib, **cuda_json(r.cuda, r.peak_gib)} for r in results]
+               "usable_device_gib": usable_gib, "predicted_step_s": r.times["predicted_s"],
+               "predicted_step_s_band": r.times["predicted_band"],
+               "predicted_tokens_per_sec_per_gpu": r.times["predicted_tokens_per_gpu_s"],
+               "roofline_step_s": r.times["overlap_s"], "accelerator": cfg.hardware.accelerator,
+               "host_gib_per_node": node_host_gib(r, cfg.hardware.gpus_per_node),
+               "host_memory_gib_per_node": cfg.hardware.host_memory_gib, **cuda_json(r.cuda, r.peak_gib)}
+              for r in results]
     path = os.path.join(cfg.job.dump_folder, "dry_run.json")
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
     with open(path, "w") as f:
         json.dump({"stages": stages}, f, indent=1)
     return path
+
+
+def node_host_gib(result: RowResult, gpus_per_node: int) -> float:
+    """Pinned host memory one node holds for activation offload: every GPU of the node offloads the same bytes."""
+    return result.host_gib * min(result.world, gpus_per_node)
+
+
+def host_memory_refusal(cfg: Config, result: RowResult) -> str:
+    """One line: a stage whose offloaded block inputs do not fit the node's host memory."""
+    need = node_host_gib(result, cfg.hardware.gpus_per_node)
+    return (f"{cfg.recipe_path}: stage {result.row.name} (seq_len {result.row.cfg.training.seq_len:,}) pins "
+            f"{need:,.0f} GiB of offloaded activations per node > hardware.host_memory_gib = "
+            f"{cfg.hardware.host_memory_gib:g}: raise cp (fewer tokens per GPU), use more nodes, or set "
+            f"hardware.host_memory_gib to the node's real memory.")
 
 
 def run_dry_run(cfg: Config, world: int) -> int:
@@ -231,6 +266,11 @@ def run_dry_run(cfg: Config, world: int) -> int:
     print(format_table([_row(r, i + 1, usable) for i, r in enumerate(results)]))
     print_cuda_path(cfg, results, usable)
     print(f"wrote {write_json(cfg, results, usable)}")
+    over_host = next((r for r in results if node_host_gib(r, cfg.hardware.gpus_per_node)
+                      > cfg.hardware.host_memory_gib), None)
+    if over_host is not None:
+        print(host_memory_refusal(cfg, over_host))
+        return 1
     failing = next((i for i, r in enumerate(results) if r.peak_gib > usable), None)
     if failing is None:
         worst = max(results, key=lambda r: r.peak_gib)

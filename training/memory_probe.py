@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -214,11 +215,28 @@ def measure_rank(cfg: Config, world_size: int, rank: int = 0) -> RankMemory:
     # this module is imported by every training rank through train.py.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    excepthook = sys.excepthook  # init_process_group wraps it in a "[rankN]: " prefixer: once per probe otherwise
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         return _measure_step(cfg, world_size)
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
+        _forget_dtensor_caches()
+
+
+def _forget_dtensor_caches() -> None:
+    """DTensor caches sharding propagation and redistribution plans by DeviceMesh, and two meshes compare equal when
+    their shape and dim names do, whatever process groups they hold. The next probe's tp sub-mesh (a (2, 2, 2) mesh's
+    and a (4, 2) mesh's are equal) would then get outputs on this probe's mesh, whose group names were destroyed with
+    its process group or now name other groups: "Could not resolve the process group registered under the name 25"
+    in the planner's tp > 1 probes. Each probe starts from empty caches, as a fresh training process does."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def with_blocks(cfg: Config, n_layers: int) -> Config:

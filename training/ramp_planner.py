@@ -8,7 +8,8 @@ run's own probe (training/memory_probe.py: the trainer's step on a fake process 
 for a fixed model, GPU count, TP and offload setting the forward/backward peak is linear in the tokens a rank holds
 per micro-step (activations, logits chunks, ring blocks are all tokens x width), so two probes fix a line per
 setting (`MemoryLine`). The line proposes; the dry run's full measurement of the chosen layout decides (the next
-candidate is measured when it does not fit). Step times are the dry run's roofline (training/roofline.py).
+candidate is measured when it does not fit). Step times and GPU-hours are the dry run's calibrated prediction
+(training/step_model.py). A layout whose offloaded activations exceed the node's host memory does not fit.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from config import RecipeError
 from config.schema import Config, RampTable
 from models.llama import recipe_model_config
-from training.dry_run import RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, roofline_times
+from training.dry_run import RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, node_host_gib, roofline_times
 from training.memory_probe import GIB, RankMemory, measure_memory
 from training.preflight import preflight_stages
 from training.ramp_lengths import PlanRequest, stage_lengths, stage_steps, tokens_per_step_for
@@ -57,7 +58,7 @@ class MemoryLine:
 
 @dataclass
 class Candidate:
-    """One layout of one stage: its resolved Config, the line's peak and the roofline's estimated step time."""
+    """One layout of one stage: its resolved Config, the line's peak and the predicted step time."""
     cfg: Config
     cp: int
     tp: int
@@ -81,7 +82,7 @@ class PlannedStage:
 
     @property
     def step_s(self) -> float:
-        return self.measured.times["overlap_s"]
+        return self.measured.times["predicted_s"]
 
     def gpu_hours(self, gpus: int) -> float:
         return self.steps * self.step_s * gpus / 3600
@@ -97,6 +98,9 @@ class RampPlan:
 
     def total_gpu_hours(self) -> float:
         return sum(s.gpu_hours(self.request.gpus) for s in self.stages)
+
+    def total_roofline_gpu_hours(self) -> float:
+        return sum(s.steps * s.measured.times["overlap_s"] * self.request.gpus / 3600 for s in self.stages)
 
 
 class ProbeCache:
@@ -175,7 +179,7 @@ def candidates(base: Config, gpus: int, tp: int, offload: bool, seq_len: int, th
             else:
                 dims = preflight_stages(cfg, gpus, check_data=False)[0].dims
                 times = roofline_times(cfg, dims, base.hardware.gpus_per_node, None)
-                out.append(Candidate(cfg, cp, tp, offload, peak, times["overlap_s"]))
+                out.append(Candidate(cfg, cp, tp, offload, peak, times["predicted_s"]))
         cp *= 2
     return sorted(out, key=lambda c: (c.estimated_step_s, c.cp))
 
@@ -192,9 +196,13 @@ def plan_stage(base: Config, gpus: int, tp: int, seq_len: int, theta: float, tok
     passed over did not fit goes to `rejected`."""
     for candidate in candidates(base, gpus, tp, offload, seq_len, theta, tokens_per_step, probes, usable, rejected):
         result = measure_row(PlanRow(f"{seq_len}", candidate.cfg), gpus, base.hardware.gpus_per_node)
-        if result.peak_gib <= usable:
+        host = node_host_gib(result, base.hardware.gpus_per_node)
+        if result.peak_gib <= usable and host <= base.hardware.host_memory_gib:
             return candidate, result
-        rejected.append(f"cp {candidate.cp}: measured {result.peak_gib:.1f} GiB > {usable:g}")
+        if result.peak_gib > usable:
+            rejected.append(f"cp {candidate.cp}: measured {result.peak_gib:.1f} GiB > {usable:g}")
+        else:
+            rejected.append(f"cp {candidate.cp}: {host:,.0f} GiB host per node > {base.hardware.host_memory_gib:g}")
     return None
 
 

@@ -12,7 +12,8 @@ from config.schema import Config, SECTIONS, SourceConfig
 from models.llama import recipe_model_config
 from training.ramp_lengths import PlanRequest, default_out, length_name
 from training.ramp_planner import RampPlan, plan_ramp
-from training.roofline import ROOFLINE_STATEMENT, parameter_count
+from training.roofline import parameter_count
+from training.step_model import PREDICTION_STATEMENT
 from training.rope_rule import ROPE_RULE_SOURCE, men_lower_bound
 
 COLUMNS = ("stage", "seq_len", "cp", "dp_shard", "tp", "offload", "peak GiB", "host GiB", "step s", "tok/s/GPU",
@@ -73,10 +74,10 @@ def _header(plan: RampPlan, out: str, base_path: str, argv_tail: str) -> list[st
         "Each stage takes the layout with the best predicted step time among those that fit: CP as small as fits "
         "(dp_shard the rest of the GPUs), the base's TP, activation offload only when nothing fits without it. "
         "Peaks are measured by the dry run's probe (the trainer's step on a fake process group), step times are "
-        "its roofline:") + _comment(f"{ROOFLINE_STATEMENT}.", "#   ") + _comment(
+        "its calibrated prediction:") + _comment(f"{PREDICTION_STATEMENT}.", "#   ") + _comment(
         f"tokens_per_step = {plan.tokens_per_step:,} in every stage (the optimizer sees the same step); "
         f"{plan.usable_gib:g} GiB usable per GPU. {ROPE_RULE_SOURCE}. Total: {plan.total_gpu_hours():,.0f} "
-        f"GPU-hours (roofline, overlapped communication).")
+        f"GPU-hours (predicted; the roofline bound would say {plan.total_roofline_gpu_hours():,.0f}).")
 
 
 def _comment(text: str, prefix: str = "# ") -> list[str]:
@@ -93,7 +94,8 @@ def _stage_comment(plan: RampPlan, index: int) -> list[str]:
         f"stage {index}: {s.seq_len:,} tokens, {rows} row(s) per step; cp {s.chosen.cp} x dp_shard "
         f"{c.parallelism.dp_shard} (tp {s.chosen.tp}), offload {offload}: peak "
         f"{s.measured.peak_gib:.1f} GiB device, {s.measured.host_gib:.1f} GiB host, of {plan.usable_gib:g} usable. "
-        f"Predicted {s.step_s:.2f} s/step, {t['tokens_per_gpu_s']:,.0f} tok/s/GPU; {s.steps} steps = "
+        f"Predicted {s.step_s:.2f} s/step ({t['predicted_band'][0]:.2f}..{t['predicted_band'][1]:.2f}), "
+        f"{t['predicted_tokens_per_gpu_s']:,.0f} tok/s/GPU; {s.steps} steps = "
         f"{s.gpu_hours(plan.request.gpus):,.1f} GPU-hours. Not a smaller CP: {why}. rope_theta {s.rope_theta:.3g} "
         f">= Men et al. bound {men_lower_bound(s.seq_len):.3g} at this length.")
 
@@ -126,7 +128,7 @@ def format_plan_table(plan: RampPlan) -> str:
         c = s.chosen.cfg.parallelism
         rows.append([str(i), f"{s.seq_len:,}", str(s.chosen.cp), str(c.dp_shard), str(s.chosen.tp),
                      "on" if s.chosen.offload else "off", f"{s.measured.peak_gib:.1f}", f"{s.measured.host_gib:.1f}",
-                     f"{s.step_s:.2f}", f"{s.measured.times['tokens_per_gpu_s']:,.0f}", str(s.steps),
+                     f"{s.step_s:.2f}", f"{s.measured.times['predicted_tokens_per_gpu_s']:,.0f}", str(s.steps),
                      f"{s.gpu_hours(plan.request.gpus):,.1f}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
@@ -143,7 +145,7 @@ def run_plan_ramp(cfg: Config, request: PlanRequest, argv_tail: str = "") -> int
         f.write(text)
     print(f"ramp plan for {cfg.model.name} to {request.target_seq_len:,} tokens on {request.gpus} GPUs "
           f"(tokens_per_step {plan.tokens_per_step:,}, {plan.usable_gib:g} GiB usable per GPU; peaks measured by the "
-          f"dry run's probe, step times from its roofline):")
+          f"dry run's probe, step times its calibrated prediction):")
     print(format_plan_table(plan))
     print(f"total: {plan.total_gpu_hours():,.1f} GPU-hours; wrote {out}; planning took "
           f"{time.perf_counter() - start:.0f}s")

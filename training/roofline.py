@@ -30,8 +30,9 @@ class Accelerator:
 # Published figures: H100 SXM5 data sheet 989 TFLOP/s dense bf16; NVLink 4 = 900 GB/s per GPU both directions;
 # InfiniBand NDR ConnectX-7 = 400 Gb/s per GPU.
 H100_SXM = Accelerator("H100 SXM", bf16_flops=989e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9)
-ROOFLINE_STATEMENT = ("roofline: H100 SXM 989 TFLOP/s dense bf16 (fp32 at half), NVLink 450 GB/s and InfiniBand "
-                      "NDR 50 GB/s per GPU per direction; 'overlap' = max(compute, comm), 'serial' = sum")
+ROOFLINE_STATEMENT = ("roofline: the accelerator's data-sheet dense bf16 peak (fp32 at half), NVLink and network at "
+                      "their link rates (H100 SXM: 989 TFLOP/s, 450 and 50 GB/s per GPU per direction); 'overlap' = "
+                      "max(compute, comm), 'serial' = sum")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,146 @@
+"""The accelerators a recipe can name (`[hardware] accelerator`), with the data-sheet figures the roofline uses and
+the kernel-level figures the calibrated step-time model (training/step_model.py) uses, each with its source.
+
+Data-sheet figures are the vendors' (NVIDIA H100 / H200 / A100 data sheets). Kernel-level figures are published
+benchmarks of the kernels one training step runs, never end-to-end training throughputs: those (TorchTitan's
+published rows) are what the model is checked against (tests/training/test_step_model.py, docs/predictions.md).
+A (low, high) pair is the spread the sources give; the model's band comes from these pairs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# FlashAttention-2 on an H100 80GB SXM5 at 700 W, TFLOP/s (causal work counted as half), by sequence length of one
+# call (batch x seq = 16K tokens, 2,048 hidden): Shah et al. 2024, "FlashAttention-3", arXiv 2407.08608, Fig. 5
+# (forward, head dim 64 / 128 / 256, causal and not) and Fig. 6 (backward, head dim 64 / 128, not causal).
+# PyTorch's SDPA flash backend is FlashAttention-2, so these are its rates.
+FA2_H100_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+FA2_H100 = {
+    ("fwd", 128, False): (309, 350, 362, 368, 370, 370),
+    ("fwd", 128, True): (191, 260, 298, 319, 333, 335),
+    ("bwd", 128, False): (214, 260, 291, 310, 318, 322),
+    ("bwd", 64, False): (198, 238, 264, 279, 287, 291),
+    ("fwd", 256, False): (208, 251, 278, 293, 297, 298),
+}
+"""Causal backward is not in the paper: it is taken as the non-causal backward times the forward's causal /
+non-causal ratio at the same length (the same tiles skipped); head dims without a row use the nearest one scaled by
+the backward's head-dim ratio (64 vs 128)."""
+
+EFFICIENT_VS_FLASH = 0.5
+"""The memory-efficient (cutlass, xFormers-derived) kernel, used for float32 attention (flash is fp16/bf16 only), at
+about half FlashAttention-2's rate: Dao 2023, "FlashAttention-2", arXiv 2307.08691, Fig. 4-5 (xFormers cutlass vs
+FlashAttention-2 on A100, forward + backward, head dim 64 / 128: 0.4-0.6x)."""
+
+
+@dataclass(frozen=True)
+class AcceleratorSpec:
+    name: str
+    bf16_flops: float
+    """Dense bf16 tensor-core FLOP/s at the data sheet's boost clock (fp32 matmuls as TF32 at half of it)."""
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float
+    """Per GPU, one direction."""
+    ib_bytes_per_s: float
+    """Per GPU, one direction (one NIC per GPU)."""
+    pcie_bytes_per_s: float
+    """Host <-> device, one direction, pinned memory (data sheet link rate)."""
+    memory_gib: float
+    host_memory_gib_per_node: float
+    """A typical 8-GPU node of this kind (DGX / HGX: 2 TiB for H100 and H200, 1 TiB for A100 80GB, 1 TiB for 40GB)."""
+    gemm_fraction: tuple[float, float]
+    """Large bf16 GEMMs, share of the peak. High: the best shape of a cuBLAS sweep (Bekman, "Machine Learning
+    Engineering", compute/accelerator: Maximum Achievable Matmul FLOPS: H100 SXM 794.5 of 989 TFLOP/s = 0.80, A100
+    SXM 271.2 of 312 = 0.87). Low: 0.85 x that, for one layer's shapes (K/V projections with N = 1,024, the
+    transposed backward GEMMs), an assumption stated here, not a measurement."""
+    flash_scale: float
+    """This GPU's FlashAttention-2 rates relative to the H100 table above at the same clock."""
+    flash_fraction: tuple[float, float] = (0.85, 1.0)
+    """Spread around the FlashAttention-2 table: high = the paper's standalone kernel, low = 0.85x for PyTorch's
+    built-in build of it and shapes unlike the benchmark's (GQA, batch 1, 32 heads); an assumption stated here."""
+    clock_fraction: tuple[float, float] = (1.0, 1.0)
+    """Sustained tensor clock under a power cap below the data sheet's: dynamic power ~ f V^2 with V ~ f in the DVFS
+    range gives f ~ P^(1/3) (high); with static power and the voltage floor f ~ P^(1/2) (low)."""
+    hbm_fraction: tuple[float, float] = (0.85, 0.92)
+    """STREAM-like copy kernels (BabelStream, TheBandwidthBenchmark) reach 85-92% of the data-sheet HBM bandwidth on
+    A100 and H100."""
+    nvlink_busbw_fraction: tuple[float, float] = (0.75, 0.82)
+    """NCCL-tests all_gather_perf / reduce_scatter_perf bus bandwidth for large messages on one 8-GPU NVSwitch node:
+    ~340-370 GB/s of NVLink 4's 450 GB/s per direction on H100, ~230-245 GB/s of NVLink 3's 300 on A100."""
+    ib_busbw_fraction: tuple[float, float] = (0.80, 0.92)
+    """NCCL-tests across nodes, one 400G (NDR) / 200G (HDR) NIC per GPU: 40-46 GB/s of 50 (NDR)."""
+    pcie_fraction: tuple[float, float] = (0.75, 0.85)
+    """CUDA bandwidthTest pinned host<->device: ~48-55 GB/s on PCIe Gen5 x16 (64 GB/s), ~24-27 on Gen4 (32)."""
+    notes: str = field(default="", compare=False)
+
+
+H100_SXM = AcceleratorSpec(
+    "h100-sxm", bf16_flops=989e12, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9,
+    pcie_bytes_per_s=64e9, memory_gib=80.0, host_memory_gib_per_node=2048.0, gemm_fraction=(0.68, 0.80),
+    flash_scale=1.0, notes="H100 SXM5 80GB, 700 W: data sheet 989 TFLOP/s bf16 dense, HBM3 3.35 TB/s, NVLink 4 "
+    "900 GB/s both directions, NDR 400 Gb/s per GPU, PCIe Gen5")
+ACCELERATORS = {
+    "h100-sxm": H100_SXM,
+    "h100-sxm-500w": AcceleratorSpec(
+        "h100-sxm-500w", bf16_flops=989e12, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9,
+        pcie_bytes_per_s=64e9, memory_gib=96.0, host_memory_gib_per_node=2048.0, gemm_fraction=(0.68, 0.80),
+        flash_scale=1.0, clock_fraction=((500 / 700) ** 0.5, (500 / 700) ** (1 / 3)),
+        notes="H100 SXM5 96GB capped at 500 W (TorchTitan's published runs): the 700 W part's figures, tensor "
+        "clock scaled by the cap"),
+    "h200": AcceleratorSpec(
+        "h200", bf16_flops=989e12, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9,
+        pcie_bytes_per_s=64e9, memory_gib=141.0, host_memory_gib_per_node=2048.0, gemm_fraction=(0.68, 0.80),
+        flash_scale=1.0, notes="H200 SXM 141GB: the H100's compute (data sheet 989 TFLOP/s), HBM3e 4.8 TB/s"),
+    "a100-80gb": AcceleratorSpec(
+        "a100-80gb", bf16_flops=312e12, hbm_bytes_per_s=2.039e12, nvlink_bytes_per_s=300e9, ib_bytes_per_s=25e9,
+        pcie_bytes_per_s=32e9, memory_gib=80.0, host_memory_gib_per_node=1024.0, gemm_fraction=(0.74, 0.87),
+        flash_scale=0.312 / 0.989 * (0.73 / 0.374),
+        notes="A100 SXM4 80GB: 312 TFLOP/s bf16, HBM2e 2.04 TB/s, NVLink 3 600 GB/s both directions, HDR 200 "
+        "Gb/s, PCIe Gen4. FlashAttention-2 reaches up to 73% of the A100's peak forward (Dao 2023, Fig. 4) vs "
+        "37.4% (370 of 989) on the H100: the H100 table scaled by that ratio"),
+    "a100-40gb": AcceleratorSpec(
+        "a100-40gb", bf16_flops=312e12, hbm_bytes_per_s=1.555e12, nvlink_bytes_per_s=300e9, ib_bytes_per_s=25e9,
+        pcie_bytes_per_s=32e9, memory_gib=40.0, host_memory_gib_per_node=1024.0, gemm_fraction=(0.74, 0.87),
+        flash_scale=0.312 / 0.989 * (0.73 / 0.374), notes="A100 SXM4 40GB: as the 80GB, HBM2 1.56 TB/s"),
+}
+
+
+def accelerator(name: str) -> AcceleratorSpec:
+    return ACCELERATORS[name]
+
+
+def flash_rate(spec: AcceleratorSpec, phase: str, head_dim: int, causal: bool, length: float) -> float:
+    """FlashAttention-2 FLOP/s of one call whose query/key blocks are `length` tokens, at the data sheet's clock."""
+    dim = min((64, 128, 256), key=lambda d: abs(d - head_dim))
+    full = _row(phase, dim, False)
+    rate = _interpolate(full, length)
+    if causal:
+        rate *= _interpolate(FA2_H100[("fwd", 128, True)], length) / _interpolate(FA2_H100[("fwd", 128, False)],
+                                                                                  length)
+    return rate * 1e12 * spec.flash_scale
+
+
+def _row(phase: str, dim: int, causal: bool) -> tuple[float, ...]:
+    if (phase, dim, causal) in FA2_H100:
+        return FA2_H100[phase, dim, causal]
+    base = FA2_H100[phase, 128, causal] if (phase, 128, causal) in FA2_H100 else FA2_H100["fwd", 128, False]
+    if dim == 64:  # the backward's head-dim 64 / 128 ratio, applied to the forward
+        ratio = [a / b for a, b in zip(FA2_H100["bwd", 64, False], FA2_H100["bwd", 128, False])]
+    else:  # 256: the forward's 256 / 128 ratio, applied to the backward
+        ratio = [a / b for a, b in zip(FA2_H100["fwd", 256, False], FA2_H100["fwd", 128, False])]
+    return tuple(b * r for b, r in zip(base, ratio))
+
+
+def _interpolate(row: tuple[float, ...], length: float) -> float:
+    """Linear in log2(length) between the table's lengths, flat beyond its ends."""
+    import math
+
+    if length <= FA2_H100_LENGTHS[0]:
+        return row[0] * max(length, 64) / FA2_H100_LENGTHS[0]  # below 512 a call is launch- and tail-bound
+    if length >= FA2_H100_LENGTHS[-1]:
+        return row[-1]
+    x = math.log2(length)
+    for (l0, r0), (l1, r1) in zip(zip(FA2_H100_LENGTHS, row), zip(FA2_H100_LENGTHS[1:], row[1:])):
+        if l0 <= length <= l1:
+            t = (x - math.log2(l0)) / (math.log2(l1) - math.log2(l0))
+            return r0 + t * (r1 - r0)
+    return row[-1]
