@@ -66,16 +66,16 @@ def load_fake_cuda_guard() -> str | None:
     root = os.path.dirname(torch.__file__)
     lib = os.path.join(tempfile.gettempdir(), f"fake_cuda_guard_{torch.__version__.replace('+', '_')}.so")
     if not os.path.exists(lib):
-        src = lib[:-3] + ".cpp"
+        src = f"{lib[:-3]}.{os.getpid()}.cpp"  # per process: ranks and tests may build it at the same moment
         with open(src, "w") as f:
             f.write(GUARD_SOURCE)
-        cmd = ["g++", "-shared", "-fPIC", "-std=c++17", f"-I{root}/include", src, "-o", lib + ".tmp",
+        cmd = ["g++", "-shared", "-fPIC", "-std=c++17", f"-I{root}/include", src, "-o", f"{src}.so",
                f"-L{root}/lib", "-lc10", f"-Wl,-rpath,{root}/lib"]
         try:
             subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as e:
             return f"cannot build the no-op CUDA device guard ({type(e).__name__})"
-        os.replace(lib + ".tmp", lib)
+        os.replace(f"{src}.so", lib)
     ctypes.CDLL(lib)  # registration is idempotent: the registry keeps one guard per device type
     return None
 
