@@ -133,15 +133,23 @@ class RankPlan:
         pieces = [pieces_between(seg, rank, s, True) for s in range(ranks)]
         return cls(ranks, rank, pieces, recv, send, pair_rows)
 
+    @property
+    def flat_rows(self) -> torch.Tensor:
+        """Every receive then send row list in one int64 tensor (made once, in the worker; pinned with the batch)."""
+        if "flat" not in self.device_rows:
+            parts = self.recv_rows + self.send_rows
+            self.device_rows["flat"] = torch.from_numpy(np.concatenate(parts).astype(np.int64))
+        return self.device_rows["flat"]
+
+    def pin_memory(self) -> "RankPlan":
+        self.device_rows["flat"] = self.flat_rows.pin_memory()
+        return self
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "RankPlan":
         """The exchange rows as device tensors, in one host-to-device copy (views into it afterwards)."""
-        parts = self.recv_rows + self.send_rows
-        flat = torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.int64)
-        if str(device) != "cpu" and torch.cuda.is_available():
-            flat = flat.pin_memory()
-        moved = flat.to(device, non_blocking=non_blocking)
+        moved = self.flat_rows.to(device, non_blocking=non_blocking)
         views, at = [], 0
-        for part in parts:
+        for part in self.recv_rows + self.send_rows:
             views.append(moved[at:at + part.size])
             at += part.size
         plan = RankPlan(self.ranks, self.rank, self.pieces, self.recv_rows, self.send_rows, self.pair_rows)
@@ -175,11 +183,17 @@ class BatchPlan:
         elif cp_impl == "ulysses":
             concat = lambda x: np.concatenate(list(x), axis=1)[None]  # noqa: E731 (rank order, one shard)
             plan.ulysses = RankPlan.build(concat(ids), concat(positions), 0)
+        for rank_plan in (plan.ring, plan.ulysses):
+            if rank_plan is not None:
+                rank_plan.flat_rows  # noqa: B018 (made here, in the worker, not on the training thread)
         return plan
 
     def pin_memory(self) -> "BatchPlan":
         """Called by the DataLoader's pin-memory thread: page-locks the positions for a non_blocking copy."""
         self.positions = self.positions.pin_memory()
+        for plan in (self.ring, self.ulysses):
+            if plan is not None:
+                plan.pin_memory()
         return self
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "BatchPlan":
