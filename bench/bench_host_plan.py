@@ -25,6 +25,7 @@ its micro-steps. Everything runs on one thread of this CPU; "device" is the CPU 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import pickle
 import sys
@@ -48,6 +49,9 @@ from parallelisms.ring_sparse import ShiftPlan  # noqa: E402
 from training.batch_plans import StepPlanner  # noqa: E402
 
 def _ms(fn) -> tuple[float, object]:
+    """Milliseconds of fn(), after a full garbage collection (so one path's garbage is not collected in another's
+    timing; Python's collector still runs inside fn when fn allocates many objects, as it would in training)."""
+    gc.collect()
     start = time.perf_counter()
     result = fn()
     return (time.perf_counter() - start) * 1e3, result
