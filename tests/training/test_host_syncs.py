@@ -30,8 +30,7 @@ def test_counter_sees_scalar_reads_host_reads_and_device_to_host_copies():
     assert syncs.counts == {"device_to_host": 2}
 
 
-@pytest.mark.parametrize("plan_in_workers", [True])
-def test_trainer_micro_step_at_cp2_dp2_with_documents_and_placement_makes_no_host_sync(tmp_path, plan_in_workers):
+def test_trainer_micro_step_at_cp2_dp2_with_documents_and_placement_makes_no_host_sync(tmp_path):
     recipe = short_documents_recipe(str(tmp_path))
     out = tmp_path / "syncs"
     out.mkdir()
