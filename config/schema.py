@@ -232,7 +232,8 @@ class DataConfig:
     document_masking: bool = False
     """Attention stays inside each packed document and positions restart per document."""
     num_workers: int = 0
-    """Data-loader worker processes per rank."""
+    """Data-loader worker processes per rank; the trainer uses at least 1 (each step is placed and its CP plan made
+    there, one step ahead: training/batch_plans.py)."""
     dataset: Dataset = "text"
     """text: packed documents of `corpus`; passkey: synthetic passkey retrieval rows with `corpus` as filler text;
     niah: synthetic needle-in-a-haystack rows (data/niah.py) at random depths, what the NIAH evaluation asks."""

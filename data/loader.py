@@ -92,10 +92,14 @@ class DataParallelBatchSampler:
 class PackedRowLoader(StatefulDataLoader):
     """A StatefulDataLoader whose checkpoint state is the global number of rows consumed (see module docstring)."""
 
-    def __init__(self, dataset: GlobalRowStream, batch_sampler: DataParallelBatchSampler, num_workers: int = 0):
+    def __init__(self, dataset: GlobalRowStream, batch_sampler: DataParallelBatchSampler, num_workers: int = 0,
+                 collate_fn=None, pin_memory: bool = False):
+        """`collate_fn` runs in the workers (training/batch_plans.py makes each step's plans there); the batch
+        sampler's `global_batch_rows` is what one yielded item counts as consumed."""
         with warnings.catch_warnings():  # torchdata 0.11 calls a torch API that torch 2.13 deprecates; not ours
             warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
-            super().__init__(dataset, batch_sampler=batch_sampler, num_workers=num_workers)
+            super().__init__(dataset, batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                             pin_memory=pin_memory)
         self.packed = dataset.packed
         self.global_rows_consumed = 0
 

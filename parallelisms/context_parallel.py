@@ -93,12 +93,30 @@ def _documents_impl(cp_impl: str, document_ids) -> str:
     return "ring" if cp_impl == "auto" else cp_impl
 
 
+def _check_plan(plan, cp_size: int, cp_rank: int, document_ids: torch.Tensor) -> None:
+    """Shapes only (host metadata): a plan made for another mesh or batch must not shard this one."""
+    expected = (cp_size, document_ids.size(0), document_ids.size(1) // cp_size)
+    if tuple(plan.positions.shape) != expected or plan.cp_rank != cp_rank or plan.rank_positions is None:
+        raise ValueError(f"context_parallel: the batch plan holds positions {tuple(plan.positions.shape)} for cp rank "
+                         f"{plan.cp_rank}, but this call shards {tuple(document_ids.shape)} over {cp_size} ranks as "
+                         f"rank {cp_rank} (or the plan was not moved with .to(device)); make it with "
+                         "host_plan.BatchPlan.build for this mesh")
+
+
+def _shard_by_plan(buf: torch.Tensor, seq_dim: int, plan) -> torch.Tensor:
+    """This rank's tokens of a (B, S, ...) buffer at the plan's device positions (a gather, no host copy)."""
+    if seq_dim != 1:
+        raise ValueError(f"the documents layout is per row: it needs seq_dim = 1, got {seq_dim}")
+    rows = torch.arange(buf.size(0), device=buf.device)[:, None]
+    return buf[rows, plan.rank_positions]
+
+
 @contextlib.contextmanager
 def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
                      no_restore_buffers: Sequence[torch.Tensor] | None = None, load_balancer: str = "zigzag",
                      document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
                      cp_impl: str = "ring", ulysses_degree: int | None = None,
-                     cp_subgroups: dict | None = None) -> Iterator[None]:
+                     cp_subgroups: dict | None = None, plan=None) -> Iterator[None]:
     """Shards `buffers` in place along `buffer_seq_dims` and routes SDPA to the ring until exit.
 
     cp_mesh: a 1-D DeviceMesh or ProcessGroup (size 1 is valid and runs the same path). Buffers are restored on exit
@@ -109,7 +127,9 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     path above; see cp_choice.py); `ulysses_degree`: the Ulysses group size of cp_impl="hybrid" (None: in-node ranks).
     `cp_subgroups`: hybrid CP's {degree: (Ulysses group, ring group)}, made at setup (parallelisms/stage_meshes.py).
     `load_balancer="documents"` plans each row's layout from `document_ids` (document_layout.py) and runs the sparse
-    ring (ring_sparse.py; auto resolves to it), the sparse all-gather, Ulysses or hybrid.
+    ring (ring_sparse.py; auto resolves to it), the sparse all-gather, Ulysses or hybrid. `plan`: that layout made
+    before the step (parallelisms/host_plan.BatchPlan, moved with `.to(device)`), as the trainer's data workers make
+    it; then nothing here plans or reads a device tensor back. Without it the layout is planned here, on the host.
     """
     group = resolve_group(cp_mesh)
     check_load_balancer(load_balancer)
@@ -121,8 +141,12 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     documents, layout = None, None
     if load_balancer == "documents":  # per row, planned from the full ids (identical on every rank)
         cp_impl = _documents_impl(cp_impl, document_ids)
-        layout = DocumentLayout.plan(document_ids, cp_size)
-        documents = DocumentShards.from_layout(document_ids.detach(), layout)
+        if plan is not None:
+            _check_plan(plan, cp_size, cp_rank, document_ids)
+            documents = DocumentShards.from_plan(plan)
+        else:
+            layout = DocumentLayout.plan(document_ids, cp_size)
+            documents = DocumentShards.from_layout(document_ids.detach(), layout)
     elif document_ids is not None:  # every rank's ids, taken before sharding (no collective needed)
         documents = DocumentShards.from_full(document_ids.detach(), cp_size, load_balancer)
     variant = None
@@ -133,8 +157,12 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     originals = []
     with torch.no_grad():
         for buf, dim in zip(buffers, buffer_seq_dims):
-            local = (layout.shard(buf, dim, cp_rank) if layout is not None
-                     else shard_sequence(buf, dim, cp_rank, cp_size, load_balancer))
+            if plan is not None and load_balancer == "documents":
+                local = _shard_by_plan(buf, dim, plan)
+            elif layout is not None:
+                local = layout.shard(buf, dim, cp_rank)
+            else:
+                local = shard_sequence(buf, dim, cp_rank, cp_size, load_balancer)
             local = local.clone(memory_format=torch.contiguous_format)
             if id(buf) not in keep:
                 originals.append((buf, torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf)))

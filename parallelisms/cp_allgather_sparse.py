@@ -32,8 +32,12 @@ class RowsPlan:
                      for src in range(self.size)]
         self.send_splits = [2 * rows.numel() * width for rows in self.send]  # K and V of each row
         self.recv_splits = [2 * rows.numel() * width for rows in self.recv]
-        self.anyone_sends = any(docs.visible_rows(r, s, causal).numel()
-                                for r in range(self.size) for s in range(self.size) if r != s)
+        self.anyone_sends = bool(docs.pair_rows(causal).any())  # host integers, no per-layer P^2 look-ups
+
+    @classmethod
+    def of(cls, spec: BlockSpec, device: torch.device, width: int) -> "RowsPlan":
+        """Built once per batch (DocumentShards.cached) and reused by every layer's forward and backward."""
+        return spec.docs.cached(("rows plan", spec.is_causal, str(device), width), lambda: cls(spec, device, width))
 
 
 def _exchange_kv(k, v, plan: RowsPlan, spec: BlockSpec, backward: bool):
@@ -57,7 +61,7 @@ def _sources(recv: torch.Tensor, plan: RowsPlan, k, v):
 
 
 def sparse_allgather_forward(q, k, v, spec: BlockSpec):
-    plan = RowsPlan(spec, k.device, k.size(1) * k.size(3))
+    plan = RowsPlan.of(spec, k.device, k.size(1) * k.size(3))
     recv, work = _exchange_kv(k, v, plan, spec, backward=False)
     acc, auxes = LseAccumulator(q, v), []
 
@@ -75,7 +79,7 @@ def sparse_allgather_forward(q, k, v, spec: BlockSpec):
 
 
 def sparse_allgather_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
-    plan = RowsPlan(spec, k.device, k.size(1) * k.size(3))
+    plan = RowsPlan.of(spec, k.device, k.size(1) * k.size(3))
     recv, work = _exchange_kv(k, v, plan, spec, backward=True)
     lse = lse_for_backward(lse)
     aux_iter = iter(auxes)

@@ -222,7 +222,7 @@ def concatenated_documents(documents: DocumentShards) -> DocumentShards:
     """Every rank's ids and positions of the documents layout, concatenated in rank order as one shard (what each
     rank attends over after `concatenated_order_plan`'s all-to-all)."""
     positions = torch.cat(list(documents.positions), dim=1)  # (B, S)
-    return DocumentShards([torch.cat(documents.per_rank, dim=1)], positions[None])
+    return DocumentShards([torch.cat(documents.per_rank, dim=1)], positions[None], documents.concatenated_plan)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,

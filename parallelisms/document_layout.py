@@ -20,6 +20,7 @@ positions (position_ids are sharded with the tokens) and the loss, a sum over to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -50,31 +51,41 @@ def _split_over_all(start: int, length: int, room: np.ndarray, owned: list[list[
     room -= counts
 
 
-SPREAD_FRACTIONS = (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625)
+SPREAD_FRACTIONS = tuple(Fraction(1, 2**k) for k in range(7))
 """A document is split over all ranks when its work exceeds this fraction of a rank's ideal work; the largest
 fraction whose plan is balanced (BALANCED, STEP_EFFICIENCY) is used (a split document's K/V goes to every rank)."""
-BALANCED, STEP_EFFICIENCY = 1.02, 0.95
+BALANCED, STEP_EFFICIENCY = Fraction(102, 100), Fraction(95, 100)
+
+
+def _total(values: np.ndarray, axis: int | None = None):
+    """Every sum the planner takes goes through here. Work is int64 (integer units), so the sum is exact in any
+    order: ranks whose CPUs sum in a different order still plan the same layout (a test shuffles the order)."""
+    return values.sum(axis=axis)
 
 
 def _place(starts: np.ndarray, lengths: np.ndarray, spread: np.ndarray, cp_size: int, share: int):
-    """(per-rank position arrays, (P ranks, P shifts) work estimate in len^2 units) with the `spread` documents split
-    over all ranks and the others placed whole by LPT (straddling documents fill the roomiest ranks in turn)."""
-    work = lengths.astype(np.float64) ** 2
+    """(per-rank position arrays, (P ranks, P shifts) int64 work estimate) with the `spread` documents split over
+    all ranks and the others placed whole by LPT (straddling documents fill the roomiest ranks in turn).
+
+    Work units: one visible pair is P^2 units, so a spread document's len^2 / P^2 per (rank, shift) is an integer
+    and every comparison below is exact (no float rounding can make two ranks disagree)."""
+    units = cp_size * cp_size
+    work = lengths.astype(np.int64) ** 2
     room = np.full(cp_size, share, dtype=np.int64)
-    steps = np.zeros((cp_size, cp_size))  # [rank, shift]: work of rank against the K/V of rank - shift
+    steps = np.zeros((cp_size, cp_size), dtype=np.int64)  # [rank, shift]: work of rank against rank - shift's K/V
     owned: list[list[np.ndarray]] = [[] for _ in range(cp_size)]
     for i in np.flatnonzero(spread):
         _split_over_all(int(starts[i]), int(lengths[i]), room, owned)
-        steps += work[i] / cp_size ** 2  # zigzag's split: the same work at every rank and shift
+        steps += work[i]  # zigzag's split: len^2 / P^2 pairs at every rank and shift
     whole = np.flatnonzero(~spread)
     for i in whole[np.argsort(-lengths[whole], kind="stable")]:
         start, length = int(starts[i]), int(lengths[i])
         fits = np.flatnonzero(room >= length)
         if fits.size:
-            r = fits[np.argmin(steps[fits].sum(axis=1))]
+            r = fits[np.argmin(_total(steps[fits], axis=1))]
             owned[r].append(np.arange(start, start + length))
             room[r] -= length
-            steps[r, 0] += work[i]
+            steps[r, 0] += work[i] * units
             continue
         placed: list[tuple[int, int]] = []  # (rank, tokens) of this document's earlier pieces: later ones see them
         while length:  # straddles: fill the roomiest ranks in turn
@@ -82,34 +93,66 @@ def _place(starts: np.ndarray, lengths: np.ndarray, spread: np.ndarray, cp_size:
             take = min(length, int(room[r]))
             owned[r].append(np.arange(start, start + take))
             room[r] -= take
-            steps[r, 0] += float(take) ** 2
+            steps[r, 0] += take * take * units
             for earlier, n in placed:
-                steps[r, (r - earlier) % cp_size] += 2.0 * n * take
+                steps[r, (r - earlier) % cp_size] += 2 * n * take * units
             placed.append((r, take))
             start, length = start + take, length - take
     assert not room.any(), room  # every share filled exactly (the lengths sum to S)
     return owned, steps
 
 
-def _quality(steps: np.ndarray) -> tuple[float, float]:
-    """(busiest / mean rank, ring-step efficiency) of a work estimate."""
-    load = steps.sum(axis=1)
-    return load.max() / load.mean(), steps.mean(axis=0).sum() / steps.max(axis=0).sum()
+@dataclass(frozen=True)
+class _Quality:
+    """Exact (integer) balance of a work estimate: busiest / mean rank = busiest * P / total, ring-step efficiency
+    = total / (P * sum over shifts of the busiest rank)."""
+    total: int
+    busiest: int
+    step_busiest: int
+    cp_size: int
+
+    @classmethod
+    def of(cls, steps: np.ndarray) -> "_Quality":
+        load = _total(steps, axis=1)
+        return cls(int(_total(load)), int(load.max()), int(_total(steps.max(axis=0))), steps.shape[0])
+
+    @property
+    def imbalance(self) -> Fraction:
+        return Fraction(self.busiest * self.cp_size, self.total)
+
+    @property
+    def efficiency(self) -> Fraction:
+        return Fraction(self.total, self.cp_size * self.step_busiest)
+
+    @property
+    def score(self) -> Fraction:
+        """efficiency / imbalance: higher is better."""
+        return self.efficiency / self.imbalance
+
+    @property
+    def balanced(self) -> bool:
+        return self.imbalance <= BALANCED and self.efficiency >= STEP_EFFICIENCY
+
+
+def _spread(lengths: np.ndarray, share: int, cp_size: int, fraction: Fraction) -> np.ndarray:
+    """Documents split over all ranks: longer than a share, or len^2 > fraction * (total len^2 / P), exactly."""
+    work = lengths.astype(np.int64) ** 2
+    total = int(_total(work))
+    exceeds = [w * cp_size * fraction.denominator > fraction.numerator * total for w in work.tolist()]
+    return (lengths > share) | np.array(exceeds, dtype=bool)
 
 
 def plan_row(ids: np.ndarray, cp_size: int) -> np.ndarray:
     """(P, S / P) int64: the increasing global positions each rank holds of one row with document ids `ids`."""
     share = ids.size // cp_size
     starts, lengths = _runs(ids)
-    work = lengths.astype(np.float64) ** 2
-    ideal = work.sum() / cp_size
     best = None
     for fraction in SPREAD_FRACTIONS:
-        owned, steps = _place(starts, lengths, (lengths > share) | (work > fraction * ideal), cp_size, share)
-        imbalance, efficiency = _quality(steps)
-        if best is None or efficiency / imbalance > best[0]:
-            best = (efficiency / imbalance, owned)
-        if imbalance <= BALANCED and efficiency >= STEP_EFFICIENCY:
+        owned, steps = _place(starts, lengths, _spread(lengths, share, cp_size, fraction), cp_size, share)
+        quality = _Quality.of(steps)
+        if best is None or quality.score > best[0]:
+            best = (quality.score, owned)
+        if quality.balanced:
             break
     return np.stack([np.sort(np.concatenate(parts)) for parts in best[1]])
 

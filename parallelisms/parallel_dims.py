@@ -10,6 +10,8 @@ where it is; only the data split and the CP groups change.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -87,8 +89,9 @@ class TrainingMesh:
     def dp_rank(self) -> int:
         return self.data.get_local_rank()
 
-    @property
+    @functools.cached_property
     def cp_mesh(self):
+        """Sliced once: slicing reads the mesh's rank tensor back (.tolist), which every micro-step would repeat."""
         return self.world["cp"]
 
     @property

@@ -169,9 +169,11 @@ class DocumentShards:
     The runs are read on the host once (one device sync) and the pieces of each (rank, source) are cached here, so
     every layer of a step reuses them (context_parallel builds one DocumentShards per batch)."""
 
-    def __init__(self, per_rank: list[torch.Tensor], positions: torch.Tensor | None = None):
+    def __init__(self, per_rank: list[torch.Tensor], positions: torch.Tensor | None = None, rank_plan=None):
         self.per_rank = per_rank
         self.positions = positions  # (P, B, L) host positions of the "documents" layout, else None
+        self.rank_plan = rank_plan  # host_plan.RankPlan made before the step (its rank's pieces and rows), or None
+        self.concatenated_plan = None  # the same for Ulysses over the rank-ordered concatenation (cp_ulysses.py)
         self._runs: list[list[list[Run]]] | None = None
         self._segments: list[list[list[Segment]]] | None = None
         self._pieces: dict = {}
@@ -181,11 +183,31 @@ class DocumentShards:
         """Every rank's ids and positions under a DocumentLayout (the documents load balancer)."""
         return cls([layout.shard(full_ids, 1, r) for r in range(layout.cp_size)], layout.positions)
 
-    def cached(self, key: tuple, make):
-        """`make()` once per batch under `key` (kernel plans derived from the pieces, e.g. varlen_blocks.py)."""
+    @classmethod
+    def from_plan(cls, plan) -> "DocumentShards":
+        """From a host_plan.BatchPlan made before the step: host ids and positions, and its rank's pieces and rows
+        (nothing is planned or read back from the device here)."""
+        shards = cls(list(plan.per_rank_ids), plan.positions, plan.ring)
+        shards.concatenated_plan = plan.ulysses
+        return shards
+
+    def cached(self, key, build):
+        """A value derived from this batch's plan, built once and reused by every layer (ShiftPlan, RowsPlan)."""
         if key not in self._pieces:
-            self._pieces[key] = make()
+            self._pieces[key] = build()
         return self._pieces[key]
+
+    def _planned(self, rank: int, src: int, is_causal: bool) -> bool:
+        return self.rank_plan is not None and is_causal and self.rank_plan.rank in (rank, src)
+
+    def pair_rows(self, is_causal: bool) -> np.ndarray:
+        """(P, P) int64 rows rank r reads of rank s's K/V (0 on the diagonal), from the plan when there is one."""
+        if self.rank_plan is not None and is_causal:
+            return self.rank_plan.pair_rows
+        size = len(self.per_rank)
+        return self.cached(("pair rows", is_causal), lambda: np.array(
+            [[self.visible_rows(r, s, is_causal).numel() if r != s else 0 for s in range(size)]
+             for r in range(size)], dtype=np.int64))
 
     def segments(self, rank: int) -> list[list[Segment]]:
         if self._segments is None:
@@ -196,6 +218,9 @@ class DocumentShards:
     def layout_pieces(self, rank: int, src: int, is_causal: bool) -> list[Piece]:
         """The pieces of `rank`'s queries against `src`'s keys under the documents layout (cached)."""
         key = ("layout", rank, src, is_causal)
+        if key not in self._pieces and self._planned(rank, src, is_causal) and rank == self.rank_plan.rank:
+            self._pieces[key] = [Piece(slice(b, b + 1), slice(q0, q1), slice(k0, k1), bool(c))
+                                 for b, q0, q1, k0, k1, c in self.rank_plan.pieces[src].tolist()]
         if key not in self._pieces:
             self._pieces[key] = segment_pieces(self.segments(rank), self.segments(src), rank == src, is_causal)
         return self._pieces[key]
@@ -203,6 +228,10 @@ class DocumentShards:
     def visible_rows(self, rank: int, src: int, is_causal: bool) -> torch.Tensor:
         """Flat (batch * L + row) indices, increasing, of `src`'s K/V rows that `rank`'s pieces read (int64, host)."""
         key = ("rows", rank, src, is_causal)
+        if key not in self._pieces and self._planned(rank, src, is_causal) and rank != src:
+            plan = self.rank_plan
+            rows = plan.recv_rows[src] if rank == plan.rank else plan.send_rows[rank]
+            self._pieces[key] = torch.from_numpy(rows)
         if key not in self._pieces:
             batch, local_len = self.per_rank[src].shape
             seen = np.zeros(batch * local_len, dtype=bool)
@@ -214,6 +243,9 @@ class DocumentShards:
     def visible_rows_on(self, device: torch.device, rank: int, src: int, is_causal: bool) -> torch.Tensor:
         """`visible_rows` on `device`, copied there once per batch (every layer reuses it, no copy per call)."""
         key = ("rows on", str(device), rank, src, is_causal)
+        moved = self.rank_plan.device_rows.get(str(device)) if self._planned(rank, src, is_causal) else None
+        if key not in self._pieces and moved is not None and rank != src:  # copied with the batch (non_blocking)
+            self._pieces[key] = moved[0][src] if rank == self.rank_plan.rank else moved[1][rank]
         if key not in self._pieces:
             self._pieces[key] = self.visible_rows(rank, src, is_causal).to(device)
         return self._pieces[key]

@@ -48,17 +48,24 @@ def _unpack_rows(buf: torch.Tensor, k, v, n_rows: int) -> tuple[torch.Tensor, to
 
 
 class ShiftPlan:
-    """Which rows each shift moves, for this rank, read from the documents plan (cached with it)."""
+    """Which rows each shift moves, for this rank, read from the documents plan (built once per batch: every layer's
+    forward and backward reuse it through DocumentShards.cached)."""
 
     def __init__(self, spec: BlockSpec, links: ShiftLinks, device: torch.device):
         size, rank, causal = links.size, links.rank, spec.is_causal
         docs = spec.docs
         self.rank, self.size = rank, size
+        pair_rows = docs.pair_rows(causal)  # (P, P) host integers: no per-layer P^2 look-ups
         # shifts in which some rank sees some row of the rank s before it
         self.shifts = [s for s in range(1, size)
-                       if any(docs.visible_rows((r + s) % size, r, causal).numel() for r in range(size))]
+                       if any(pair_rows[(r + s) % size, r] for r in range(size))]
         self.send_rows = {s: docs.visible_rows_on(device, (rank + s) % size, rank, causal) for s in self.shifts}
         self.recv_rows = {s: docs.visible_rows_on(device, rank, (rank - s) % size, causal) for s in self.shifts}
+
+    @classmethod
+    def of(cls, spec: BlockSpec, links: ShiftLinks, device: torch.device) -> "ShiftPlan":
+        return spec.docs.cached(("shift plan", links.rank, links.size, spec.is_causal, str(device)),
+                                lambda: cls(spec, links, device))
 
     def source(self, shift: int) -> int:
         return (self.rank - shift) % self.size
@@ -101,7 +108,7 @@ def _received_block(buf: torch.Tensor, rows: torch.Tensor, k, v):
 
 def sparse_forward(q, k, v, spec: BlockSpec):
     links = ShiftLinks(spec.group)
-    plan = ShiftPlan(spec, links, k.device)
+    plan = ShiftPlan.of(spec, links, k.device)
     acc, auxes = LseAccumulator(q, v), []
 
     def compute(src, k_blk, v_blk):
@@ -138,7 +145,7 @@ def backward_block(spec: BlockSpec, rank: int, src: int, dout, q, k_blk, v_blk, 
 
 def sparse_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
     links = ShiftLinks(spec.group)
-    plan = ShiftPlan(spec, links, k.device)
+    plan = ShiftPlan.of(spec, links, k.device)
     lse = lse_for_backward(lse)
     aux_iter = iter(auxes)
     dq = RowBuffer(q, q.shape, 0.0)  # (B, Hq, L, D) float32

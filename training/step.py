@@ -61,7 +61,13 @@ def cp_context(setup: StepSetup, batch: dict):
         setup.mesh.cp_mesh, buffers=[batch[n] for n in names], buffer_seq_dims=[1] * len(names),
         no_restore_buffers={batch[n] for n in names}, load_balancer=p.cp_load_balancer, cp_impl=p.cp_impl,
         document_ids=batch["document_ids"] if setup.document_masking else None, stats=setup.stats,
-        cp_subgroups=setup.mesh.cp_subgroups)
+        cp_subgroups=setup.mesh.cp_subgroups, plan=batch.get("plan"))
+
+
+def move_batch(batch: dict, device: torch.device) -> dict:
+    """The batch (and its host plan, training/batch_plans.py) on the run's device: host-to-device copies posted
+    with non_blocking=True from the loader's pinned memory, so the host never waits for the stream here."""
+    return {name: value.to(device, non_blocking=True) for name, value in batch.items()}
 
 
 def local_loss_sum(setup: StepSetup, batch: dict) -> torch.Tensor:

@@ -11,12 +11,13 @@ import torch
 import torch.distributed as dist
 
 from config.schema import Config
-from data.placement import StepPlacement, StepSlots
+from data.placement import StepSlots
 from data.sources import describe_chat_rows, labels_every_token, packing_efficiency
 from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import uses_loss_parallel
 from parallelisms.stage_meshes import release_stage
 from training import step
+from training.batch_plans import CpPlanning, step_loader
 from training.build import (build_model, build_optimizer, build_run_meshes, build_shared_tokenizer, build_stage_data,
                             build_stores, init_distributed)
 from training.checkpoint import Checkpointer
@@ -55,6 +56,8 @@ class Trainer:
                            if hasattr(part, "activation_offloader")]
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model_parts)
         self.comm_stats = CommStats()
+        self.whole_row_steps = 0
+        """Steps placed by work that fell back to whole-row moves (metrics.jsonl: placement_whole_row_steps)."""
         self.step_pairs: list[torch.Tensor] = []
         """This rank's visible attention pairs in each micro-step of the last step (training/metrics.py)."""
         self.dataloader = self._enter_stage(first)
@@ -94,12 +97,22 @@ class Trainer:
         for offloader in self.offloaders:  # the old stage's host arena is unpinned and freed (host_arena.py)
             offloader.release_arena()
             offloader.enabled = cfg.activation_checkpoint.offload
-        self.placement = None
-        if cfg.data.places_by_work():
+        self.places_by_work = cfg.data.places_by_work()
+        micro_loader = build_stage_data(cfg, self.tokenizer, self.stores, self.mesh, rows_consumed)
+        return self._step_loader(stage, micro_loader)
+
+    def _step_loader(self, stage: RampStage, micro_loader):
+        """Whole steps with their host plans, made in the loader's workers (training/batch_plans.py)."""
+        cfg, p = stage.cfg, stage.cfg.parallelism
+        slots = None
+        if self.places_by_work:
             slots = StepSlots(stage.grad_accum_steps, self.mesh.dims.dp, cfg.training.local_batch_size,
                               cfg.training.seq_len)
-            self.placement = StepPlacement(slots, self.mesh.dp_rank)
-        return build_stage_data(cfg, self.tokenizer, self.stores, self.mesh, rows_consumed)
+        cp = None
+        if self.setup.shards_sequence and self.setup.document_masking and p.cp_load_balancer == "documents":
+            cp = CpPlanning(p.cp, self.mesh.cp_mesh.get_local_rank(), p.cp_impl)
+        return step_loader(micro_loader, stage.grad_accum_steps, slots, self.mesh.dp_rank, cp,
+                           num_workers=max(1, cfg.data.num_workers), pin_memory=self.device.type == "cuda")
 
     def _switch_stage(self, stage: RampStage, rows_consumed: int = 0) -> None:
         self.dataloader = self.checkpointer.dataloader = self._enter_stage(stage, rows_consumed)
@@ -117,7 +130,7 @@ class Trainer:
         loss = torch.zeros((), dtype=torch.float32, device=device)
         pairs = []
         for batch in batches:
-            local = {k: v.to(device) for k, v in batch.items()}
+            local = step.move_batch(batch, device)
             loss += step.micro_step(self.setup, local, global_tokens)
             pairs.append(visible_pairs(local["position_ids"]))  # after the step: this rank's CP shard
         self.step_pairs = pairs
@@ -169,8 +182,8 @@ class Trainer:
                     record["source_tokens"] = source_tokens_seen(self.stages, self.step)
                     if efficiency := packing_efficiency(self.cfg, self.dataloader.packed):  # chat sources' rows
                         record["packing_efficiency"] = efficiency
-                if self.placement is not None:  # steps of this process that moved whole rows (no exact fill)
-                    record["placement_whole_row_steps"] = self.placement.whole_row_steps
+                if self.places_by_work:  # steps of this process that moved whole rows (no exact fill)
+                    record["placement_whole_row_steps"] = self.whole_row_steps
                 if self.offloaders:  # this rank's offloaded block inputs at their most since the last record
                     record["offload_host_peak_bytes"] = sum(o.peak_host_bytes for o in self.offloaders)
                     record["offload_pinned_bytes"] = sum(o.pinned_bytes for o in self.offloaders)  # 0 on CPU
@@ -187,10 +200,10 @@ class Trainer:
                              self.dist.comm)
 
     def _step_batches(self, data_iter) -> list[dict]:
-        """This rank's micro-batches of the next optimizer step: the loader's, or placed by work."""
-        if self.placement is not None:
-            return self.placement.take(data_iter)
-        return [next(data_iter) for _ in range(self.stage.grad_accum_steps)]
+        """This rank's micro-batches of the next optimizer step (placed by work and planned in the workers)."""
+        planned = next(data_iter)
+        self.whole_row_steps += planned["whole_rows"]
+        return planned["micro_batches"]
 
     def _niah_due(self, last: bool) -> bool:
         e = self.cfg.eval

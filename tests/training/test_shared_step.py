@@ -59,7 +59,7 @@ def _trainer_calls(overrides):
         trainer = Trainer(load_config(os.path.join(ROOT, "recipes", "debug.toml"),
                                       overrides + ["--job.dump_folder", out]))
         try:
-            trainer.train_step([next(iter(trainer.dataloader))])
+            trainer.train_step(trainer._step_batches(iter(trainer.dataloader)))  # a step, planned in the workers
         finally:
             trainer.close()
     return calls

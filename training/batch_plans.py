@@ -1,0 +1,92 @@
+"""The batch travels with its plan (issue 27): the trainer's loader yields whole optimizer steps, each micro-batch
+with everything the host must decide about it, made in the loader's worker processes one step ahead.
+
+What a worker does per step (`StepPlanner`, the loader's collate_fn): stacks the step's rows (numpy), places them by
+attention work over the data-parallel ranks and micro-steps when placement is on (data/placement.py, the same
+`place_step` the training thread ran before), keeps this dp rank's micro-batches, and for the documents CP layout
+makes each micro-batch's `BatchPlan` (parallelisms/host_plan.py: positions, this CP rank's pieces and exchange rows,
+in integer work units, so every rank makes the same plan). The DataLoader pins it (pin_memory on CUDA); the step
+moves it with non_blocking copies (`training/step.move_batch`) and hands it to context_parallel, so nothing in the
+step plans or reads a device tensor back.
+
+The rows are exactly the loader's: a step is `micro_steps` consecutive global micro-batches, as the training thread
+read them one by one before; the checkpointed count of global rows consumed advances by a whole step per item handed
+to the trainer (prefetched steps are not counted), so a resume continues at the same row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from data.loader import PackedRowLoader
+from data.placement import StepSlots, place_step
+from parallelisms.host_plan import BatchPlan
+
+
+class StepBatchSampler:
+    """Groups `micro_steps` consecutive batches of a per-micro-batch sampler into one list of rows per step."""
+
+    def __init__(self, micro_sampler, micro_steps: int):
+        self.micro_sampler, self.micro_steps = micro_sampler, micro_steps
+        self.start_row = 0
+
+    @property
+    def global_batch_rows(self) -> int:
+        """Global rows of one step (what the loader counts as consumed per item)."""
+        return self.micro_sampler.global_batch_rows * self.micro_steps
+
+    def __iter__(self):
+        self.micro_sampler.start_row = self.start_row
+        micro = iter(self.micro_sampler)
+        while True:
+            yield [row for _ in range(self.micro_steps) for row in next(micro)]
+
+
+@dataclass(frozen=True)
+class CpPlanning:
+    """What a worker needs to plan the documents layout for this rank."""
+    cp_size: int
+    cp_rank: int
+    cp_impl: str
+
+
+class StepPlanner:
+    """The loader's collate_fn (runs in the workers): one step's rows -> {"micro_batches": [this dp rank's
+    micro-batch dicts, each with its "plan" when `cp` is set], "whole_rows": placement fell back to whole rows}."""
+
+    def __init__(self, micro_steps: int, slots: StepSlots | None, dp_rank: int, cp: CpPlanning | None):
+        self.micro_steps, self.slots, self.dp_rank, self.cp = micro_steps, slots, dp_rank, cp
+
+    def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict:
+        fields = {name: np.stack([row[name].numpy() for row in rows]) for name in rows[0]}
+        whole_rows = False
+        if self.slots is not None:
+            placement = place_step(fields, self.slots)
+            whole_rows = placement.whole_rows
+            micro = [{name: values[self.slots.of(m, self.dp_rank)] for name, values in placement.fields.items()}
+                     for m in range(self.micro_steps)]
+        else:
+            per = len(rows) // self.micro_steps
+            micro = [{name: values[m * per:(m + 1) * per] for name, values in fields.items()}
+                     for m in range(self.micro_steps)]
+        batches = []
+        for values in micro:
+            batch = {name: torch.from_numpy(np.ascontiguousarray(v)) for name, v in values.items()}
+            if self.cp is not None:
+                batch["plan"] = BatchPlan.build(values["document_ids"], self.cp.cp_size, self.cp.cp_rank,
+                                                self.cp.cp_impl)
+            batches.append(batch)
+        return {"micro_batches": batches, "whole_rows": whole_rows}
+
+
+def step_loader(micro_loader: PackedRowLoader, micro_steps: int, slots: StepSlots | None, dp_rank: int,
+                cp: CpPlanning | None, num_workers: int, pin_memory: bool) -> PackedRowLoader:
+    """A loader of whole steps over the same row stream as `micro_loader` (built by training/build.py for this rank,
+    or for the whole global micro-batch when placing by work), at the same count of rows consumed."""
+    loader = PackedRowLoader(micro_loader.dataset, StepBatchSampler(micro_loader.batch_sampler, micro_steps),
+                             num_workers=num_workers, collate_fn=StepPlanner(micro_steps, slots, dp_rank, cp),
+                             pin_memory=pin_memory)
+    loader.global_rows_consumed = micro_loader.global_rows_consumed
+    return loader
