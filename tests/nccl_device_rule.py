@@ -177,14 +177,16 @@ def _reduce_op_of(args) -> str:
 class CollectiveRules(TorchDispatchMode):
     """Refuses host tensors in every collective and compares reduce ops across each communicator's members."""
 
-    def __init__(self, hosts: HostTensors):
+    def __init__(self, hosts: HostTensors, timeout_s: float = RULE_TIMEOUT_S):
         super().__init__()
-        self.hosts, self.reduce_counts = hosts, {}
+        self.hosts, self.timeout_s, self.reduce_counts = hosts, timeout_s, {}
+        self.checked = 0  # collectives seen (a test can tell the rules ran)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         namespace = func.namespace
         if namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
+            self.checked += 1
             refuse_off_device(self.hosts, str(func), _tensors((*args, *kwargs.values())))
             if func._schema.name.split("::")[-1] in REDUCING:
                 self._agree(func, args, _reduce_op_of(args))
@@ -197,7 +199,7 @@ class CollectiveRules(TorchDispatchMode):
         store, me = dist.distributed_c10d._get_default_store(), dist.get_rank()
         prefix = f"nccl_double/reduce_op/{name}/{count}"
         store.set(f"{prefix}/{me}", op)
-        store.wait([f"{prefix}/{r}" for r in ranks], datetime.timedelta(seconds=RULE_TIMEOUT_S))
+        store.wait([f"{prefix}/{r}" for r in ranks], datetime.timedelta(seconds=self.timeout_s))
         ops = {r: store.get(f"{prefix}/{r}").decode() for r in ranks}
         if len(set(ops.values())) > 1:
             raise RuntimeError(f"reduce ops differ in reduction #{count} on ranks {ranks} ({func}): {ops}; NCCL "
@@ -231,11 +233,11 @@ def world_new_group(real_new_group, timeout_s: float = RULE_TIMEOUT_S):
     return new_group
 
 
-def install() -> tuple:
+def install(timeout_s: float = RULE_TIMEOUT_S) -> tuple:
     """Enters both modes for the rest of the process and makes `new_group` a world collective; returns the modes."""
     hosts = HostTensors()
-    rules = CollectiveRules(hosts)
-    dist.new_group = world_new_group(dist.new_group)
+    rules = CollectiveRules(hosts, timeout_s)
+    dist.new_group = world_new_group(dist.new_group, timeout_s)
     for name, make in host_factories().items():
         setattr(torch, name, make)
     hosts.__enter__()
