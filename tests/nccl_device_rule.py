@@ -181,12 +181,14 @@ class CollectiveRules(TorchDispatchMode):
         super().__init__()
         self.hosts, self.timeout_s, self.reduce_counts = hosts, timeout_s, {}
         self.checked = 0  # collectives seen (a test can tell the rules ran)
+        self.seen: dict[str, int] = {}  # per namespace: c10d (FSDP2, the project), _c10d_functional (DTensor / TP)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         namespace = func.namespace
         if namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
             self.checked += 1
+            self.seen[namespace] = self.seen.get(namespace, 0) + 1
             refuse_off_device(self.hosts, str(func), _tensors((*args, *kwargs.values())))
             if func._schema.name.split("::")[-1] in REDUCING:
                 self._agree(func, args, _reduce_op_of(args))
@@ -245,8 +247,21 @@ def install(timeout_s: float = RULE_TIMEOUT_S) -> tuple:
     return hosts, rules
 
 
+def _report(rules: CollectiveRules, folder: str) -> None:
+    """What this rank's collectives went through the rules (NCCL_DOUBLE_REPORT names the folder)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+        json.dump({"collectives": rules.checked, **rules.seen, "reductions_compared": sum(rules.reduce_counts.values())},
+                  f)
+
+
 if __name__ == "__main__":
     handles = install()
+    if os.environ.get("NCCL_DOUBLE_REPORT"):  # train.py leaves through os._exit, past atexit: report on the way
+        def _exit_after_report(code, _real_exit=os._exit):
+            _report(handles[1], os.environ["NCCL_DOUBLE_REPORT"])
+            _real_exit(code)
+        os._exit = _exit_after_report
     script, sys.argv = sys.argv[1], sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
