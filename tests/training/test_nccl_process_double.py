@@ -57,6 +57,7 @@ def _groups(rank, world_size, everyone):
     return None
 
 
+@pytest.mark.slow  # the thread double shows the same rule in the fast tier (test_nccl_rules.py)
 @pytest.mark.timeout(150)
 def test_group_creation_is_a_collective_of_the_whole_world():
     assert run_ranks(_groups, 4, args=(True,), timeout=120) == [[0, 1], [0, 1], [2, 3], [2, 3]]
@@ -82,6 +83,7 @@ def _reduce(rank, world_size, ops):
     return c10d, functional
 
 
+@pytest.mark.slow  # the thread double shows the same rule in the fast tier (test_nccl_rules.py)
 @pytest.mark.timeout(120)
 def test_reduce_ops_must_agree_across_ranks():
     assert run_ranks(_reduce, 2, args=(["max", "max"],), timeout=100) == [([2.0, 2.0], [2.0, 2.0])] * 2
