@@ -24,6 +24,8 @@ every world rank must call its k-th `new_group` at that point, `use_local_synchr
 groups must partition consistently. `new_group` here meets the other ranks through the store first and raises,
 naming the ranks that never came, instead of hanging.
 
+Data movement. Inputs are copied at post and outputs poisoned until wait (tests/nccl_async_data.py).
+
 Reduce ops. Every reducing collective (c10d all-reduce / reduce-scatter, their functional forms) on a communicator
 compares its op with the other members' (through the store): SUM on one rank and MAX on another is an error, which
 NCCL would compute silently with mismatched results.
@@ -45,6 +47,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.nccl_async_data import AsyncData
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -177,9 +181,9 @@ def _reduce_op_of(args) -> str:
 class CollectiveRules(TorchDispatchMode):
     """Refuses host tensors in every collective and compares reduce ops across each communicator's members."""
 
-    def __init__(self, hosts: HostTensors, timeout_s: float = RULE_TIMEOUT_S):
+    def __init__(self, hosts: HostTensors, timeout_s: float = RULE_TIMEOUT_S, data: AsyncData | None = None):
         super().__init__()
-        self.hosts, self.timeout_s, self.reduce_counts = hosts, timeout_s, {}
+        self.hosts, self.timeout_s, self.reduce_counts, self.data = hosts, timeout_s, {}, data
         self.checked = 0  # collectives seen (a test can tell the rules ran)
         self.seen: dict[str, int] = {}  # per namespace: c10d (FSDP2, the project), _c10d_functional (DTensor / TP)
 
@@ -192,6 +196,10 @@ class CollectiveRules(TorchDispatchMode):
             refuse_off_device(self.hosts, str(func), _tensors((*args, *kwargs.values())))
             if func._schema.name.split("::")[-1] in REDUCING:
                 self._agree(func, args, _reduce_op_of(args))
+        if self.data is not None and namespace == "c10d":
+            return self.data.run_c10d(func, args, kwargs)
+        if self.data is not None and namespace == "_c10d_functional":
+            return self.data.run_functional(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _agree(self, func, args, op: str) -> None:
@@ -236,9 +244,10 @@ def world_new_group(real_new_group, timeout_s: float = RULE_TIMEOUT_S):
 
 
 def install(timeout_s: float = RULE_TIMEOUT_S) -> tuple:
-    """Enters both modes for the rest of the process and makes `new_group` a world collective; returns the modes."""
+    """Enters both modes for the rest of the process, makes `new_group` a world collective and collectives move
+    data as NCCL does (tests/nccl_async_data.py); returns the modes."""
     hosts = HostTensors()
-    rules = CollectiveRules(hosts, timeout_s)
+    rules = CollectiveRules(hosts, timeout_s, AsyncData())
     dist.new_group = world_new_group(dist.new_group, timeout_s)
     for name, make in host_factories().items():
         setattr(torch, name, make)
@@ -251,8 +260,8 @@ def _report(rules: CollectiveRules, folder: str) -> None:
     """What this rank's collectives went through the rules (NCCL_DOUBLE_REPORT names the folder)."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
-        json.dump({"collectives": rules.checked, **rules.seen, "reductions_compared": sum(rules.reduce_counts.values())},
-                  f)
+        json.dump({"collectives": rules.checked, **rules.seen, "reductions_compared": sum(rules.reduce_counts.values()),
+                   "buffers_delivered_at_wait": rules.data.delivered if rules.data else 0}, f)
 
 
 if __name__ == "__main__":

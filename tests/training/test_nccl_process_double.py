@@ -89,3 +89,32 @@ def test_reduce_ops_must_agree_across_ranks():
     assert run_ranks(_reduce, 2, args=(["max", "max"],), timeout=100) == [([2.0, 2.0], [2.0, 2.0])] * 2
     for c10d, functional in run_ranks(_reduce, 2, args=(["sum", "max"],), timeout=100):
         assert "reduce ops differ in reduction #0" in c10d and "reduce ops differ in reduction #1" in functional
+
+
+def _async_reads(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from tests import nccl_device_rule
+
+    nccl_device_rule.install(timeout_s=20)
+    device = torch.device("cpu")
+    out, inp = torch.zeros(2 * world_size, device=device), torch.full((2,), float(rank + 1), device=device)
+    work = dist.all_gather_into_tensor(out, inp, async_op=True)
+    inp.fill_(-5.0)  # a write after post: not what is sent
+    before = out.clone()
+    work.wait()
+    summed = funcol.all_reduce(torch.full((2,), float(rank + 1), device=device), "sum", dist.group.WORLD)
+    early = summed.elem.clone() if hasattr(summed, "elem") else None  # the result before anything waited on it
+    return before.tolist(), out.tolist(), early, (summed * 1).tolist()
+
+
+@pytest.mark.timeout(120)
+def test_outputs_hold_poison_until_wait_and_inputs_are_read_at_post():
+    import math
+
+    for before, after, early, summed in run_ranks(_async_reads, 2, timeout=100):
+        assert all(math.isnan(x) for x in before) and after == [1.0, 1.0, 2.0, 2.0]
+        assert early is None or all(math.isnan(x) for x in early.tolist())
+        assert summed == [3.0, 3.0]
