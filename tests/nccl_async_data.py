@@ -45,7 +45,9 @@ class AsyncData:
 
     def __init__(self):
         self.pending: dict[int, tuple] = {}  # id(work) -> (work, [(caller's buffer, private buffer)])
-        self.shown: dict[int, tuple] = {}  # id(tensor handed to the caller) -> (that tensor, the real result)
+        # storage of the tensor handed to the caller -> (that tensor, the real result); by storage, because an
+        # AsyncCollectiveTensor waits on views of it (its view ops re-wrap without waiting)
+        self.shown: dict[int, tuple] = {}
         self.delivered = 0  # buffers filled at wait (a test can tell the rule ran)
         real_wait = Work.wait
 
@@ -90,16 +92,18 @@ class AsyncData:
         if not isinstance(real, torch.Tensor):
             return real
         shown = args[0] if name.endswith("_") else torch.empty_like(real)
-        poison(shown)
-        self.shown[id(shown)] = (shown, real)
-        return shown
+        if shown.numel():
+            poison(shown)
+            self.shown[shown.untyped_storage().data_ptr()] = (shown, real)
+        return shown if shown.numel() else real
 
     def _wait_tensor(self, func, tensor):
-        entry = self.shown.pop(id(tensor), None)
-        if entry is None or entry[0] is not tensor:
+        entry = self.shown.pop(tensor.untyped_storage().data_ptr(), None) if tensor.numel() else None
+        if entry is None:
             return func(tensor)
-        func(entry[1])
+        shown, real = entry
+        func(real)
         with torch.no_grad():
-            tensor.copy_(entry[1])
+            shown.copy_(real)
         self.delivered += 1
         return tensor
