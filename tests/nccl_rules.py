@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tests.nccl_async_data import poison
 from tests.nccl_device_rule import HostTensors, host_factories, refuse_off_device
 
 
@@ -124,11 +125,6 @@ def _check_contiguous(rank: int, *tensors: torch.Tensor) -> None:
             raise ValueError(f"rank {rank}: NCCL needs contiguous buffers, got strides {t.stride()}")
 
 
-def _poison(t: torch.Tensor) -> None:
-    with torch.no_grad():
-        t.fill_(float("nan") if t.is_floating_point() or t.is_complex() else (True if t.dtype == torch.bool else -1))
-
-
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
     """What NCCL will send: the buffer as it is at post (later writes are not seen)."""
     with torch.no_grad():
@@ -139,7 +135,7 @@ def _receive_into(op: _Op, user: torch.Tensor) -> torch.Tensor:
     """A private buffer that the data arrive in; the caller's buffer is poisoned until `wait()` delivers them."""
     private = torch.empty_like(user)
     op.deliveries.append((user, private))
-    _poison(user)
+    poison(user)
     return private
 
 
