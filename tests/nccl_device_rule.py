@@ -79,9 +79,10 @@ class HostTensors(TorchFunctionMode):
     project's own calls make host tensors (torch's internals choose their devices right on CUDA); results of host
     tensors are host tensors wherever they are computed."""
 
-    def __init__(self, run_device_type: str = "cpu", tests_are_project: bool = True):
+    def __init__(self, run_device_type: str | None = "cpu", tests_are_project: bool = True):
         """`tests_are_project=False`: a test's own constructors without a device are not host tensors (the thread
-        double's tests build their inputs that way); its explicit host choices still are."""
+        double's tests build their inputs that way); its explicit host choices still are. `run_device_type=None`:
+        the device type of the first buffer that reaches a collective."""
         super().__init__()
         self.run_device_type, self.tests_are_project = run_device_type, tests_are_project
         self.host: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> tensor (ids, not __eq__)
@@ -96,7 +97,8 @@ class HostTensors(TorchFunctionMode):
         """True: that device is the host; False: the run device (or another); None: no device given."""
         if device is None:
             return None
-        return torch.device(device).type == "cpu" and (isinstance(device, str) or self.run_device_type != "cpu")
+        return torch.device(device).type == "cpu" and (isinstance(device, str) or
+                                                        self.run_device_type not in ("cpu", None))
 
     def _lands_on_host(self, func, args, kwargs, unnamed_is_host: bool) -> bool | None:
         """True / False when the call names where its result lives (host / run device), None when it does not."""
@@ -152,6 +154,8 @@ def host_factories() -> dict:
 
 def refuse_off_device(hosts: HostTensors, where: str, tensors) -> None:
     for t in tensors:
+        if hosts.run_device_type is None:
+            hosts.run_device_type = t.device.type
         if hosts.is_host(t):
             kind = "a host tensor (made by from_numpy, .cpu(), device=\"cpu\" or without a device)" \
                 if t.device.type == hosts.run_device_type else f"a {t.device.type} tensor"

@@ -141,7 +141,7 @@ def _receive_into(op: _Op, user: torch.Tensor) -> torch.Tensor:
 
 
 class NcclP2PWorld:
-    def __init__(self, size: int, run_device_type: str = "cpu"):
+    def __init__(self, size: int, run_device_type: str | None = None):
         self.size = size
         self.hosts = [HostTensors(run_device_type, tests_are_project=False) for _ in range(size)]
         self.cond = threading.Condition()
@@ -182,7 +182,8 @@ class NcclP2PWorld:
         with self.cond:
             outputs = [] if output is None else output if isinstance(output, list) else [output]
             _check_contiguous(rank, tensor, *outputs)
-            refuse_off_device(self.hosts[rank], f"rank {rank}'s {kind}", [tensor, *outputs])
+            if kind != "new_group":
+                refuse_off_device(self.hosts[rank], f"rank {rank}'s {kind}", [tensor, *outputs])
             count = self.collective_counts.get((comm, rank), 0)
             self.collective_counts[(comm, rank)] = count + 1
             op = _Op(False, rank, -1, _snapshot(tensor), len(self.groups[rank]), count, comm, collective=kind,
@@ -345,7 +346,7 @@ def _patched_dist(world: NcclP2PWorld, local: threading.local, bound_device: boo
     def new_group(ranks=None, *args, **kwargs):
         members = tuple(sorted(ranks)) if ranks is not None else tuple(range(world.size))
         if bound_device:  # ncclCommSplit of the world communicator: every world rank takes part
-            marker = torch.empty(0, device=torch.device(world.hosts[local.rank].run_device_type))
+            marker = torch.empty(0)
             run(local.world_group, "new_group", None, marker, False, splits=members)
         return SimGroup(world, local.rank, members) if local.rank in members else None
 
@@ -362,9 +363,10 @@ def run_ring_ranks(fn, size: int, monkeypatch, timeout: float = 120.0, run_devic
                    bound_device: bool = True) -> list:
     """`fn(group)` on `size` simulated ranks in threads; returns their results in rank order, or raises the first
     rank's error (an `NcclDeadlock` when the code breaks NCCL's ordering rules). `run_device_type`: the device the
-    buffers must be on ("cuda" where CUDA is available, else "cpu", which then stands in for it); `bound_device`:
+    buffers must be on (by default the device of the first buffer a rank posts: "cuda" in the GPU tier, "cpu",
+    standing in for it, elsewhere); `bound_device`:
     `init_process_group(device_id=...)` was called, as build.py does on CUDA (group creation splits the world)."""
-    world = NcclP2PWorld(size, run_device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+    world = NcclP2PWorld(size, run_device_type)
     local = threading.local()
     for name, value in _patched_dist(world, local, bound_device).items():
         monkeypatch.setattr(dist, name, value, raising=False)  # older torch lacks some *_single names
