@@ -14,8 +14,18 @@ test finds what would hang a real run:
   variable splits: rank i's j-th input split must be rank j's i-th output split) is a group of its own in the same
   stream order: it runs once every member of its communicator is running its k-th
   collective on that communicator, and they must all be the same kind with the same sizes;
-- `new_group(ranks)` makes a sub-communicator (hybrid CP's Ulysses and ring groups);
-- buffers must be contiguous;
+- `new_group(ranks)` makes a sub-communicator (hybrid CP's Ulysses and ring groups); with a device bound (as
+  build.py binds it on CUDA) it splits the world communicator (ncclCommSplit): every world rank's k-th `new_group`
+  is one collective of the whole world, `use_local_synchronization=True` or not, and the groups must partition
+  consistently; a rank that never comes leaves the others waiting (`NcclDeadlock`);
+- reducing collectives (`all_reduce`, `reduce_scatter_single`) must use the same op on every member (NCCL would
+  combine SUM on one rank with MAX on another silently);
+- buffers must be contiguous and on the run's device: a host tensor (from `torch.from_numpy`, `.cpu()`,
+  `device="cpu"`, ...; tagged by tests/nccl_device_rule.py's `HostTensors` inside each rank) is refused with
+  NCCL's "No backend type associated with device type cpu";
+- data move as NCCL moves them, asynchronously: a send buffer (a collective's input) is copied at post, so writing
+  it afterwards changes nothing received; a receive buffer (a collective's output) holds poison (NaN, or -1 for
+  integers) from post until `wait()` on its work, which delivers the data;
 - when every rank still running is waiting and nothing can run, it raises `NcclDeadlock` on every rank, naming what
   each rank waits for.
 
@@ -30,6 +40,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from tests.nccl_async_data import poison
+from tests.nccl_collectives import execute
+from tests.nccl_device_rule import HostTensors, host_factories, refuse_off_device
 
 
 class NcclDeadlock(RuntimeError):
@@ -49,6 +63,15 @@ class _Op:
     collective: str | None = None  # kind of collective, None for point-to-point
     output: object = None  # a collective's output tensor (a list of tensors for all_gather)
     splits: tuple | None = None  # all_to_all_single with variable splits: (output splits, input splits)
+    reduce_op: object = None  # a reducing collective's op
+    deliveries: list = field(default_factory=list)  # (the caller's buffer, the private one the data arrive in)
+
+    def deliver(self) -> None:
+        """At `wait()`: the data reach the caller's receive buffers (poisoned until now)."""
+        with torch.no_grad():
+            for user, private in self.deliveries:
+                user.copy_(private)
+        self.deliveries = []
 
     def describe(self) -> str:
         if self.collective is not None:
@@ -85,6 +108,8 @@ class _Work:
         return True
 
     def is_completed(self) -> bool:
+        if self.op.done:
+            self.op.deliver()  # completion observed: the data are there
         return self.op.done
 
 
@@ -101,71 +126,24 @@ def _check_contiguous(rank: int, *tensors: torch.Tensor) -> None:
             raise ValueError(f"rank {rank}: NCCL needs contiguous buffers, got strides {t.stride()}")
 
 
-def _all_to_all_v(ops: list[_Op]) -> str | None:
-    """all_to_all_single with variable splits: rank i's j-th input split must be rank j's i-th output split."""
-    n = len(ops)
-    for op in ops:
-        out_splits, in_splits = op.splits
-        if len(out_splits) != n or len(in_splits) != n or sum(in_splits) != op.tensor.numel() \
-                or sum(out_splits) != op.output.numel() or op.output.dtype != op.tensor.dtype:
-            return f"all_to_all_single on ranks {list(op.comm)}: rank {op.rank}'s splits {op.splits} do not fit its " \
-                   f"input {op.tensor.numel()} / output {op.output.numel()} x {op.tensor.dtype}"
-    for i, a in enumerate(ops):
-        for j, b in enumerate(ops):
-            if a.splits[1][j] != b.splits[0][i]:
-                return f"all_to_all_single on ranks {list(a.comm)}: rank {a.rank} sends {a.splits[1][j]} elements " \
-                       f"to rank {b.rank}, which expects {b.splits[0][i]}"
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    """What NCCL will send: the buffer as it is at post (later writes are not seen)."""
     with torch.no_grad():
-        for i, a in enumerate(ops):
-            out_at = [sum(a.splits[0][:j]) for j in range(n)]
-            for j, b in enumerate(ops):
-                at = sum(b.splits[1][:i])
-                a.output.view(-1)[out_at[j]:out_at[j] + a.splits[0][j]].copy_(
-                    b.tensor.reshape(-1)[at:at + b.splits[1][i]])
-    return None
+        return t.detach().clone()
 
 
-def _execute(kind: str, ops: list[_Op]) -> str | None:
-    """Runs one collective over its members' ops (in communicator rank order); returns an error or None."""
-    if kind == "all_to_all_single_v":
-        return _all_to_all_v(ops)
-    n, inputs = len(ops), [op.tensor for op in ops]
-    if len({(t.numel(), t.dtype) for t in inputs}) != 1:
-        return f"{kind} on ranks {list(ops[0].comm)}: inputs differ: {[(t.numel(), t.dtype) for t in inputs]}"
-    if kind != "all_gather" and any(op.output.dtype != inputs[0].dtype for op in ops):
-        return f"{kind} on ranks {list(ops[0].comm)}: output dtype differs from the input's"
-    count = inputs[0].numel()
-    expected_out = {"all_gather_single": n * count, "reduce_scatter_single": count // n, "all_to_all_single": count}
-    if kind in expected_out and (any(op.output.numel() != expected_out[kind] for op in ops) or
-                                 (kind != "all_gather_single" and count % n)):
-        return f"{kind} on ranks {list(ops[0].comm)}: output of {ops[0].output.numel()} elements for inputs of {count}"
-    with torch.no_grad():
-        if kind == "all_gather":
-            for op in ops:
-                for out, src in zip(op.output, inputs):
-                    out.copy_(src)
-        elif kind == "all_gather_single":
-            for op in ops:
-                op.output.view(n, -1).copy_(torch.stack([t.reshape(-1) for t in inputs]))
-        elif kind == "reduce_scatter_single":
-            total = inputs[0].reshape(n, -1).clone()
-            for t in inputs[1:]:
-                total += t.reshape(n, -1)
-            for i, op in enumerate(ops):
-                op.output.view(-1).copy_(total[i])
-        elif kind == "all_to_all_single":
-            for i, op in enumerate(ops):
-                out = op.output.view(n, -1)
-                for j, t in enumerate(inputs):
-                    out[j].copy_(t.reshape(n, -1)[i])
-        else:
-            return f"unknown collective {kind}"
-    return None
+def _receive_into(op: _Op, user: torch.Tensor) -> torch.Tensor:
+    """A private buffer that the data arrive in; the caller's buffer is poisoned until `wait()` delivers them."""
+    private = torch.empty_like(user)
+    op.deliveries.append((user, private))
+    poison(user)
+    return private
 
 
 class NcclP2PWorld:
-    def __init__(self, size: int):
+    def __init__(self, size: int, run_device_type: str | None = None):
         self.size = size
+        self.hosts = [HostTensors(run_device_type, tests_are_project=False) for _ in range(size)]
         self.cond = threading.Condition()
         self.groups: list[list[_Group]] = [[] for _ in range(size)]
         self.pairs: dict[tuple, list[_Op]] = {}
@@ -182,9 +160,14 @@ class NcclP2PWorld:
             index = len(self.groups[rank])
             for p in p2p_ops:
                 _check_contiguous(rank, p.tensor)
+                refuse_off_device(self.hosts[rank], f"rank {rank}'s batch_isend_irecv", [p.tensor])
+            sends = {id(p): _snapshot(p.tensor) for p in p2p_ops if p.op is dist.isend}  # before any poisoning
+            for p in p2p_ops:
                 send = p.op is dist.isend
                 queue = self.pairs.setdefault((comm, send, rank, p.peer), [])
-                op = _Op(send, rank, p.peer, p.tensor, index, len(queue), comm)
+                op = _Op(send, rank, p.peer, sends.get(id(p)), index, len(queue), comm)
+                if not send:
+                    op.tensor = _receive_into(op, p.tensor)
                 queue.append(op)
                 group.ops.append(op)
             self.groups[rank].append(group)
@@ -193,14 +176,20 @@ class NcclP2PWorld:
             self.cond.notify_all()
             return [_Work(self, op) for op in group.ops]
 
-    def collective(self, rank: int, comm: tuple, kind: str, output, tensor: torch.Tensor, splits=None) -> _Work:
+    def collective(self, rank: int, comm: tuple, kind: str, output, tensor: torch.Tensor, splits=None,
+                   reduce_op=None) -> _Work:
         """A collective is a group of its own, in stream order with the point-to-point groups."""
         with self.cond:
-            _check_contiguous(rank, tensor, *(output if isinstance(output, list) else [output]))
+            outputs = [] if output is None else output if isinstance(output, list) else [output]
+            _check_contiguous(rank, tensor, *outputs)
+            if kind != "new_group":
+                refuse_off_device(self.hosts[rank], f"rank {rank}'s {kind}", [tensor, *outputs])
             count = self.collective_counts.get((comm, rank), 0)
             self.collective_counts[(comm, rank)] = count + 1
-            op = _Op(False, rank, -1, tensor, len(self.groups[rank]), count, comm, collective=kind, output=output,
-                     splits=splits)
+            op = _Op(False, rank, -1, _snapshot(tensor), len(self.groups[rank]), count, comm, collective=kind,
+                     splits=splits, reduce_op=reduce_op)
+            private = [_receive_into(op, t) for t in outputs]
+            op.output = private if isinstance(output, list) else (private[0] if private else None)
             self.groups[rank].append(_Group([op]))
             self._progress()
             self.cond.notify_all()
@@ -231,7 +220,7 @@ class NcclP2PWorld:
                 continue
             kinds = {op.collective for op in ops}
             error = f"ranks {list(head.comm)} run different collectives together: {sorted(kinds)}" \
-                if len(kinds) > 1 else _execute(head.collective, ops)
+                if len(kinds) > 1 else execute(head.collective, ops)
             if error:
                 self.failure = error
                 return moved
@@ -285,6 +274,7 @@ class NcclP2PWorld:
                         self.cond.notify_all()
                         raise NcclDeadlock(self.failure)
                     self.cond.wait(timeout=1.0)
+                op.deliver()
             finally:
                 self.waiting.pop(op.rank, None)
 
@@ -313,14 +303,14 @@ class NcclP2PWorld:
         return "\n".join(lines)
 
 
-def _patched_dist(world: NcclP2PWorld, local: threading.local) -> dict:
+def _patched_dist(world: NcclP2PWorld, local: threading.local, bound_device: bool) -> dict:
     """The torch.distributed entry points the project's CP code calls, answered by the double."""
     def group_of(group) -> SimGroup:
         return group if isinstance(group, SimGroup) else local.world_group
 
-    def run(group, kind, output, tensor, async_op, splits=None):
+    def run(group, kind, output, tensor, async_op, splits=None, reduce_op=None):
         g = group_of(group)
-        work = world.collective(g.global_rank, g.members, kind, output, tensor, splits)
+        work = world.collective(g.global_rank, g.members, kind, output, tensor, splits, reduce_op)
         if async_op:
             return work
         work.wait()
@@ -339,9 +329,10 @@ def _patched_dist(world: NcclP2PWorld, local: threading.local) -> dict:
         return run(group, "all_gather_single", output_tensor, input_tensor, async_op)
 
     def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if op != dist.ReduceOp.SUM:
-            raise NotImplementedError("the NCCL-rule double reduces with SUM only")
-        return run(group, "reduce_scatter_single", output, input, async_op)
+        return run(group, "reduce_scatter_single", output, input, async_op, reduce_op=op)
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        return run(group, "all_reduce", tensor, tensor, async_op, reduce_op=op)
 
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False):
@@ -353,30 +344,41 @@ def _patched_dist(world: NcclP2PWorld, local: threading.local) -> dict:
         return run(group, "all_to_all_single", output, input, async_op)
 
     def new_group(ranks=None, *args, **kwargs):
-        return SimGroup(world, local.rank, sorted(ranks) if ranks is not None else None)
+        members = tuple(sorted(ranks)) if ranks is not None else tuple(range(world.size))
+        if bound_device:  # ncclCommSplit of the world communicator: every world rank takes part
+            marker = torch.empty(0)
+            run(local.world_group, "new_group", None, marker, False, splits=members)
+        return SimGroup(world, local.rank, members) if local.rank in members else None
 
     return {"P2POp": SimP2POp, "batch_isend_irecv": batch_isend_irecv, "all_gather": all_gather,
             "all_gather_single": all_gather_single, "all_gather_into_tensor": all_gather_single,
             "reduce_scatter_single": reduce_scatter_single, "reduce_scatter_tensor": reduce_scatter_single,
-            "all_to_all_single": all_to_all_single, "new_group": new_group,
+            "all_to_all_single": all_to_all_single, "new_group": new_group, "all_reduce": all_reduce,
             "get_rank": lambda group=None: group_of(group).rank,
             "get_world_size": lambda group=None: group_of(group).size,
             "get_global_rank": lambda group, rank: group_of(group).members[rank], "is_initialized": lambda: True}
 
 
-def run_ring_ranks(fn, size: int, monkeypatch, timeout: float = 120.0) -> list:
+def run_ring_ranks(fn, size: int, monkeypatch, timeout: float = 120.0, run_device_type: str | None = None,
+                   bound_device: bool = True) -> list:
     """`fn(group)` on `size` simulated ranks in threads; returns their results in rank order, or raises the first
-    rank's error (an `NcclDeadlock` when the code breaks NCCL's ordering rules)."""
-    world = NcclP2PWorld(size)
+    rank's error (an `NcclDeadlock` when the code breaks NCCL's ordering rules). `run_device_type`: the device the
+    buffers must be on (by default the device of the first buffer a rank posts: "cuda" in the GPU tier, "cpu",
+    standing in for it, elsewhere); `bound_device`:
+    `init_process_group(device_id=...)` was called, as build.py does on CUDA (group creation splits the world)."""
+    world = NcclP2PWorld(size, run_device_type)
     local = threading.local()
-    for name, value in _patched_dist(world, local).items():
+    for name, value in _patched_dist(world, local, bound_device).items():
         monkeypatch.setattr(dist, name, value, raising=False)  # older torch lacks some *_single names
+    for name, value in host_factories().items():
+        monkeypatch.setattr(torch, name, value)
     results, errors = [None] * size, [None] * size
 
     def body(rank):
         local.rank, local.world_group = rank, SimGroup(world, rank)
         try:
-            results[rank] = fn(local.world_group)
+            with world.hosts[rank]:  # tags this rank's host tensors (modes are per thread)
+                results[rank] = fn(local.world_group)
         except BaseException as e:  # reported below, in rank order
             errors[rank] = e
         finally:

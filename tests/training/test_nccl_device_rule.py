@@ -1,5 +1,6 @@
-"""The trainer under NCCL's device rule, emulated on CPU (tests/nccl_device_rule.py): every tensor that reaches a
-collective must live on the run's device, as an NCCL group (CUDA only) requires. Each run must train as usual."""
+"""The trainer under the process-level NCCL double, on CPU (tests/nccl_device_rule.py): every tensor that reaches a
+collective must live on the run's device, as an NCCL group (CUDA only) requires; groups are made by the whole world;
+reduce ops agree. Each run must train (and evaluate) as usual."""
 import json
 import os
 import subprocess
@@ -57,19 +58,27 @@ def _train_under_rule(recipe: str, out: str, *overrides: str, nproc: int = 4, ti
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.join(ROOT, "tests", "nccl_device_rule.py"), os.path.join(ROOT, "train.py"), recipe,
            "--job.dump_folder", out, *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, NCCL_DOUBLE_REPORT=os.path.join(out, "nccl_double"),
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def _check(tmp_path, recipe_text: str, *overrides: str) -> str:
+def _check(tmp_path, recipe_text: str, *overrides: str, nproc: int = 4, steps: int = 2, timeout: int = 240) -> str:
     recipe, out = tmp_path / "recipe.toml", str(tmp_path / "run")
     recipe.write_text(recipe_text)
-    result = _train_under_rule(str(recipe), out, *overrides)
-    rank0 = [line for line in result.stderr.splitlines() if line.startswith("[rank0]") and "^^^" not in line]
+    result = _train_under_rule(str(recipe), out, *overrides, nproc=nproc, timeout=timeout)
+    rank0 = [line for line in result.stderr.splitlines()
+             if line.startswith("[rank0]") and "^^^" not in line and not line.startswith("[rank0]:W")]
     assert result.returncode == 0, "\n".join(rank0[-12:]) or result.stderr[-3000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        assert [json.loads(line)["step"] for line in f] == [1, 2]
+        assert [json.loads(line)["step"] for line in f if "loss" in json.loads(line)] == list(range(1, steps + 1))
     return out
+
+
+def _double_report(out: str) -> list[dict]:
+    """Per rank: the collectives the double checked (c10d: FSDP2 and the project's; _c10d_functional: DTensor)."""
+    folder = os.path.join(out, "nccl_double")
+    return [json.load(open(os.path.join(folder, name))) for name in sorted(os.listdir(folder))]
 
 
 @pytest.mark.timeout(300)
@@ -78,6 +87,7 @@ def test_trainer_keeps_every_collective_on_the_run_device(tmp_path):
     gathered over cp): token counting, the loss, metrics and evaluation all pass through collectives."""
     out = _check(tmp_path, PASSKEY)
     assert os.path.exists(os.path.join(out, "passkey_eval.json"))
+    assert all(rank["collectives"] > 0 and rank["reductions_compared"] > 0 for rank in _double_report(out))
 
 
 @pytest.mark.slow
@@ -91,3 +101,60 @@ def test_every_cp_variant_and_mesh_keeps_collectives_on_the_run_device(tmp_path,
     """Document masking with GQA through every CP variant (plans, masks, all-to-all, all-gather), TP with its
     norm reductions and a checkpoint, and pipeline parallelism."""
     _check(tmp_path, DOCUMENTS, *overrides)
+
+
+EVERY_EVAL = """
+[model]
+name = "debug"
+dim = 64
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+[training]
+steps = 2
+seq_len = 256
+local_batch_size = 1
+[data]
+corpus = ["pydoc"]
+[parallelism]
+cp = 2
+tp = 2
+[metrics]
+enable_tensorboard = false
+"""
+EVALS = """
+[eval]
+long_doc_loss = true
+long_doc_interval = 1
+long_doc_rows = 8
+long_doc_heldout = 0.05
+passkey = true
+passkey_lengths = [256]
+passkey_depths = 2
+passkey_samples = 2
+niah = true
+niah_lengths = [256]
+niah_depths = 2
+niah_samples = 2
+niah_interval = 2
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dp, evals", [(3, False), (3, True), (2, True)], ids=["dp3-train", "dp3-evals", "dp2-evals"])
+def test_trainer_step_and_every_eval_under_the_double(tmp_path, dp, evals):
+    """FSDP2 over dp_shard x cp, TP 2 (DTensor's functional collectives), CP 2, on a data-parallel degree that does
+    not divide the eval rows (8 long-document rows, 4 passkey and 4 NIAH rows over dp 3): every collective of the
+    step and of the long-document loss, passkey and NIAH evals passes the double's rules."""
+    overrides = ("--parallelism.dp_shard", str(dp), "--data.cache_dir", str(tmp_path / "cache"))
+    out = _check(tmp_path, EVERY_EVAL + (EVALS if evals else ""), *overrides, nproc=dp * 4, timeout=540)
+    report = _double_report(out)
+    assert len(report) == dp * 4
+    assert all(rank["c10d"] > 0 and rank["_c10d_functional"] > 0 and rank["reductions_compared"] > 0
+               and rank["buffers_delivered_at_wait"] > 0 for rank in report), report
+    if evals:
+        for name in ("passkey_eval.json", "niah_eval.json"):
+            assert os.path.exists(os.path.join(out, name)), name
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            assert any("long_doc_loss" in line for line in f)
