@@ -44,7 +44,7 @@ from training.cuda_path_probe import LaunchCounter
 from training.host_syncs import HostSyncCounter
 from training.memory_probe import _forget_dtensor_caches, _sharding_propagation_in_its_own_fake_mode
 from training.metrics import visible_pairs
-from training.step import StepSetup
+from training.step import StepSetup, clip_grad_norm_
 
 
 FAKE_CUDA_RUNTIME_SOURCE = r"""#include <ATen/detail/CUDAHooksInterface.h>
@@ -134,6 +134,9 @@ class StepSyncs:
     attention_calls: dict
     """{aten op name: calls} of the attention kernels the micro-steps ran (CUDA flash / varlen on fake CUDA)."""
     aten_ops: int
+    clip_counts: dict | None = None
+    """Host syncs of the step's gradient clipping by the global norm (`step.clip_grad_norm_`), once per optimizer
+    step after the micro-steps; None when the micro-steps stopped early."""
     stopped: str | None = None
     """Why the micro-steps stopped early: fake tensors hold no values, so a step that reads one back (`.item()`,
     `.tolist()`) fails right after the counter has seen and located that read."""
@@ -210,4 +213,9 @@ def _count(cfg: Config, world_size: int, micro_loader_for, steps: int, where: bo
             ops += launches.ops
             if stopped:
                 break
-    return StepSyncs(len(batches), dict(counts), dict(places), dict(attention), ops, stopped)
+        clip = None
+        if not stopped:
+            with HostSyncCounter() as clip_syncs:
+                clip_grad_norm_(list(model.parameters()), t.max_norm)
+            clip = dict(clip_syncs.counts)
+    return StepSyncs(len(batches), dict(counts), dict(places), dict(attention), ops, clip, stopped)
