@@ -74,14 +74,16 @@ C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, FakeCudaHooks);
 
 
 def fake_cuda_runtime() -> str:
-    """The preloadable fake CUDA runtime library (see the module docstring), compiled once per torch version into
-    the temp folder; raises when it cannot be built (no compiler or headers)."""
+    """The preloadable fake CUDA runtime library (see the module docstring), compiled once per torch version and
+    source into the temp folder; raises when it cannot be built (no compiler or headers)."""
+    import hashlib
     import os
     import subprocess
     import tempfile
 
     root = os.path.dirname(torch.__file__)
-    lib = os.path.join(tempfile.gettempdir(), f"fake_cuda_runtime_{torch.__version__.replace('+', '_')}.so")
+    digest = hashlib.sha256(FAKE_CUDA_RUNTIME_SOURCE.encode()).hexdigest()[:12]  # a changed source is rebuilt
+    lib = os.path.join(tempfile.gettempdir(), f"fake_cuda_runtime_{torch.__version__.replace('+', '_')}_{digest}.so")
     if not os.path.exists(lib):
         src = f"{lib[:-3]}.{os.getpid()}.cpp"  # per process: tests may build it at the same moment
         with open(src, "w") as f:
@@ -141,10 +143,6 @@ class StepSyncs:
     """Why the micro-steps stopped early: fake tensors hold no values, so a step that reads one back (`.item()`,
     `.tolist()`) fails right after the counter has seen and located that read."""
 
-    @property
-    def per_micro_step(self) -> float:
-        return sum(self.counts.values()) / self.micro_steps
-
 
 def host_steps(cfg: Config, mesh, micro_loader, steps: int) -> list[dict]:
     """`steps` optimizer steps of this rank as the trainer's loader yields them (Trainer._step_loader's arguments):
@@ -190,32 +188,36 @@ def _count(cfg: Config, world_size: int, micro_loader_for, steps: int, where: bo
     batches = [b for s in host_steps(cfg, mesh, micro_loader_for(mesh), steps) for b in s["micro_batches"]]
     with torch.device("meta"):
         model = Llama(mcfg)
-    global_tokens = t.global_batch_rows(dims.dp) * t.seq_len
-    counts, places, attention = collections.Counter(), collections.Counter(), collections.Counter()
-    ops, stopped = 0, None
     with FakeTensorMode(allow_non_fake_inputs=True), _sharding_propagation_in_its_own_fake_mode():
         model = parallelize(model, mesh, cfg)  # in the mode: FSDP makes its (empty) buffers on "cuda"
         model.to_empty(device="cuda")
         setup = StepSetup(model, mesh, p, cfg.data.document_masking, uses_loss_parallel(cfg, mesh), CommStats(),
                           loss_chunk_tokens=t.loss_chunk_tokens)
-        for batch in batches:  # the trainer's loop body (Trainer.train_step), one micro-step each
-            launches = LaunchCounter(record=True)
-            try:
-                with launches, HostSyncCounter(where=where) as syncs:
-                    local = step.move_batch(batch, torch.device("cuda"))
-                    step.micro_step(setup, local, global_tokens)
-                    visible_pairs(local["position_ids"])
-            except Exception as e:  # a value read back from a fake tensor: counted and located above
-                stopped = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-            counts.update(syncs.counts)
-            places.update(syncs.places or {})
-            attention.update(str(call[0]) for call in launches.attention_calls)
-            ops += launches.ops
-            if stopped:
-                break
-        clip = None
-        if not stopped:
+        counted = _count_micro_steps(setup, batches, t.global_batch_rows(dims.dp) * t.seq_len, where)
+        if not counted.stopped:
             with HostSyncCounter() as clip_syncs:
                 clip_grad_norm_(list(model.parameters()), t.max_norm)
-            clip = dict(clip_syncs.counts)
-    return StepSyncs(len(batches), dict(counts), dict(places), dict(attention), ops, clip, stopped)
+            counted.clip_counts = dict(clip_syncs.counts)
+    return counted
+
+
+def _count_micro_steps(setup: StepSetup, batches: list[dict], global_tokens: int, where: bool) -> StepSyncs:
+    """The trainer's loop body (Trainer.train_step) per micro-batch, counted; stops at the first failure."""
+    counts, places, attention = collections.Counter(), collections.Counter(), collections.Counter()
+    ops, stopped = 0, None
+    for batch in batches:
+        launches = LaunchCounter(record=True)
+        try:
+            with launches, HostSyncCounter(where=where) as syncs:
+                local = step.move_batch(batch, torch.device("cuda"))
+                step.micro_step(setup, local, global_tokens)
+                visible_pairs(local["position_ids"])
+        except Exception as e:  # a value read back from a fake tensor (counted and located), or any failure
+            stopped = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        counts.update(syncs.counts)
+        places.update(syncs.places or {})
+        attention.update(str(call[0]) for call in launches.attention_calls)
+        ops += launches.ops
+        if stopped:
+            break
+    return StepSyncs(len(batches), dict(counts), dict(places), dict(attention), ops, None, stopped)
