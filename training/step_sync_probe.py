@@ -92,6 +92,7 @@ def fake_cuda_runtime() -> str:
                         f"-L{root}/lib", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root}/lib"],
                        check=True, capture_output=True, timeout=300)
         os.replace(f"{src}.so", lib)
+        os.remove(src)
     return lib
 
 

@@ -20,6 +20,25 @@ from tests.trainer_runs import ROOT
 pytestmark = pytest.mark.timeout(300)
 
 
+def test_counter_on_a_device_run_ignores_scalar_reads_of_host_tensors():
+    """Plans keep host integers (Ulysses' exchange plan reads them with int()): no wait for the device there."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    from training.host_syncs import HostSyncCounter
+
+    with FakeTensorMode():
+        device = torch.empty(3, device="cuda")
+        with HostSyncCounter() as syncs:
+            with unset_fake_temporarily():  # as the exchange plans make their host integers
+                int(torch.arange(3)[1])
+            device.cpu(), device.sum()
+    assert syncs.counts == {"device_to_host": 1}
+    with HostSyncCounter(strict=True) as syncs:
+        int(torch.arange(3)[1])
+    assert syncs.counts == {"_local_scalar_dense": 1}
+
+
 def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement_makes_no_host_sync():
     from training.step_sync_probe import fake_cuda_env
 
