@@ -1,5 +1,5 @@
 """Counting the points where the host would wait for the device (issue 27): `.item()` / `bool()` / `int()` of a
-tensor (aten._local_scalar_dense), device-to-host copies (`.cpu()`, `.to("cpu")`, `.tolist()` of a device tensor),
+device tensor (aten._local_scalar_dense; of any tensor with `strict`), device-to-host copies (`.cpu()`, `.to("cpu")`, `.tolist()` of a device tensor),
 and, on a CPU-only run standing in for a GPU run (`strict`), the host reads of any tensor (`.cpu()`, `.numpy()`,
 `.tolist()`), which on the GPU would be reads of a device tensor.
 
@@ -26,12 +26,15 @@ _HOST_READS = ("cpu", "numpy", "tolist")
 
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MODE_HOOKS = ("__torch_function__", "__torch_dispatch__")
+"""Frames of the repository's own torch modes (context_parallel's routing): they pass calls on, never make them."""
 
 
 def _where() -> str:
     """The innermost frame of this repository (not this module) that made the call: where to look for the sync."""
     for frame in reversed(traceback.extract_stack()):
-        if frame.filename.startswith(_REPO) and not frame.filename.endswith("host_syncs.py"):
+        if frame.filename.startswith(_REPO) and not frame.filename.endswith("host_syncs.py") and \
+                frame.name not in _MODE_HOOKS:
             return f"{os.path.relpath(frame.filename, _REPO)}:{frame.lineno} {frame.name}"
     return "outside the repository"
 
@@ -41,9 +44,12 @@ def _device_of(value) -> torch.device | None:
 
 
 class _DispatchCounter(TorchDispatchMode):
-    def __init__(self, counts: collections.Counter, places: collections.Counter | None):
+    def __init__(self, counts: collections.Counter, places: collections.Counter | None, host_scalars: bool):
         super().__init__()
         self.counts, self.places = counts, places
+        self.host_scalars = host_scalars
+        """Count scalar reads of CPU tensors too (strict: CPU stands in for the device); else only of device
+        tensors, since reading a host tensor (a plan's host integers) does not wait for the device."""
 
     def count(self, kind: str) -> None:
         self.counts[kind] += 1
@@ -53,7 +59,8 @@ class _DispatchCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default:
-            self.count("_local_scalar_dense")
+            if self.host_scalars or args[0].device.type != "cpu":
+                self.count("_local_scalar_dense")
         elif func in _COPIES:
             source = _device_of(args[1] if func is aten.copy_.default else args[0])
             target = kwargs.get("device") or (_device_of(args[0]) if func is aten.copy_.default else None)
@@ -90,7 +97,7 @@ class HostSyncCounter:
         self._modes: list = []
 
     def __enter__(self) -> "HostSyncCounter":
-        dispatch = _DispatchCounter(self.counts, self.places)
+        dispatch = _DispatchCounter(self.counts, self.places, host_scalars=self.strict)
         self._modes = [dispatch]
         if self.strict:
             self._modes.append(_HostReadCounter(dispatch))

@@ -1,0 +1,65 @@
+"""Issue 27, acceptance 1 on fake CUDA: the trainer's micro-step at cp 2 x dp 2 with documents and placement by work
+makes 0 host syncs. Every rank's micro-batches and plans come from the trainer's loader path (placement and the
+documents plan made by the step loader's collate function); each micro-step (`step.move_batch` to "cuda",
+`step.micro_step`, the per-micro-step metric) runs the CUDA path (bf16: varlen flash calls) on fake CUDA tensors with
+a real autograd backward, under a fake process group of 4 ranks (training/step_sync_probe.py). A device-to-host copy
+or a `_local_scalar_dense` there would be the host waiting for the GPU.
+
+Outside the micro-step and not counted here: `Trainer.train_step` reads the loss and the grad norm back once per
+optimizer step (`loss.item()`, `float(grad_norm)`, for the finite-loss check and the log); gradient clipping itself
+makes none (asserted below)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.trainer_runs import ROOT
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_counter_on_a_device_run_ignores_scalar_reads_of_host_tensors():
+    """Plans keep host integers (Ulysses' exchange plan reads them with int()): no wait for the device there."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    from training.host_syncs import HostSyncCounter
+
+    with FakeTensorMode():
+        device = torch.empty(3, device="cuda")
+        with HostSyncCounter() as syncs:
+            with unset_fake_temporarily():  # as the exchange plans make their host integers
+                int(torch.arange(3)[1])
+            device.cpu(), device.sum()
+    assert syncs.counts == {"device_to_host": 1}
+    with HostSyncCounter(strict=True) as syncs:
+        int(torch.arange(3)[1])
+    assert syncs.counts == {"_local_scalar_dense": 1}
+
+
+def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement_makes_no_host_sync():
+    from training.step_sync_probe import fake_cuda_env
+
+    try:
+        env = fake_cuda_env(dict(os.environ, PYTHONPATH=ROOT))
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"cannot build the fake CUDA runtime ({type(e).__name__})")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fake_cuda_step_ranks.py"),
+                             "--training.dtype", "bfloat16"],
+                            capture_output=True, text=True, timeout=270, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    per_rank = json.loads(result.stdout.strip().splitlines()[-1])
+    print({rank: (r["counts"], r["micro_steps"]) for rank, r in per_rank.items()})
+    assert sorted(per_rank) == ["0", "1", "2", "3"]
+    for record in per_rank.values():
+        assert record["counts"] == {}, record["places"]
+        assert record["stopped"] is None, record
+        assert record["micro_steps"] == 2
+        # the step really ran the CUDA path: varlen flash calls forward and backward, not the CPU kernels
+        calls = record["attention_calls"]
+        assert calls.get("aten._flash_attention_forward.default", 0) > 0, calls
+        assert calls.get("aten._flash_attention_backward.default", 0) > 0, calls
+        assert not any("for_cpu" in name for name in calls), calls
+        assert record["clip_counts"] == {}
