@@ -15,8 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from parallelisms.document_layout import DocumentLayout
-from parallelisms.ring_plan import DocumentShards, Piece, block_tasks
+from parallelisms.cp.plan_layout import DocumentLayout
+from parallelisms.cp.layouts import DOCUMENTS
+from parallelisms.cp.plan_piece import Piece
+from parallelisms.cp.plan_pieces import DocumentShards, block_tasks
 
 KV_BYTES, GRAD_BYTES = 2, 4  # bf16 K/V, float32 dK/dV accumulators (per element)
 
@@ -58,7 +60,7 @@ def piece_pairs(p: Piece) -> int:
 
 
 def _shards(ids: torch.Tensor, cp: int, balancer: str) -> DocumentShards:
-    if balancer == "documents":
+    if balancer == DOCUMENTS:
         return DocumentShards.from_layout(ids, DocumentLayout.plan(ids, cp))
     return DocumentShards.from_full(ids, cp, balancer)
 
@@ -70,7 +72,7 @@ def pair_matrix(ids: torch.Tensor, cp: int, balancer: str) -> tuple[np.ndarray, 
     pairs = np.zeros((cp, cp))
     for r in range(cp):
         for src in range(cp):
-            if balancer == "documents":
+            if balancer == DOCUMENTS:
                 pieces = shards.layout_pieces(r, src, True)
             else:
                 pieces = shards.pieces(r, src, block_tasks(r, src, cp, local, balancer, True), local)
@@ -90,7 +92,7 @@ def balance(pairs: np.ndarray) -> tuple[float, float]:
 def cp_bytes(ids: torch.Tensor, cp: int, balancer: str, shards: DocumentShards | None = None) -> float:
     """Bytes the busiest rank sends in one attention forward + backward, per K/V element of one token (see above)."""
     rows, local = ids.size(0), ids.size(1) // cp
-    if balancer != "documents":
+    if balancer != DOCUMENTS:
         return rows * ((cp - 1) * local * 2 * KV_BYTES + cp * local * GRAD_BYTES)
     shards = shards or _shards(ids, cp, balancer)
     sent = [sum(shards.visible_rows((r + s) % cp, r, True).numel() for s in range(1, cp)) for r in range(cp)]

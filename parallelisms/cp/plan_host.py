@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from parallelisms.document_layout import plan_row
+from parallelisms.cp.plan_layout import plan_row
 
 PIECE_COLUMNS = ("batch", "q_start", "q_end", "kv_start", "kv_end", "causal")
 """The columns of a piece array, one row per mask-free kernel call (as ring_plan.Piece)."""

@@ -24,32 +24,11 @@ that a rank's pieces read: all the sparse ring (ring_sparse.py) sends.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from parallelisms.sequence_sharding import local_positions
-
-FULL = slice(None)
-
-
-@dataclass(frozen=True)
-class BlockTask:
-    q_rows: slice
-    kv_rows: slice
-    is_causal: bool  # top-left aligned; only ever used with as many Q rows as K/V rows
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One mask-free kernel call: `batch` rows, `q_rows` of the local queries against `kv_rows` of the source's K/V.
-    Causal pieces are squares (Lq == Lk), so top-left (CPU) and bottom-right (CUDA flash) alignment agree."""
-    batch: slice
-    q_rows: slice
-    kv_rows: slice
-    is_causal: bool
-
+from parallelisms.cp.layouts import CONTIGUOUS, STRIPED, ZIGZAG, fixed_positions
+from parallelisms.cp.plan_piece import FULL, BlockTask, Piece
 
 def block_tasks(rank: int, src: int, cp_size: int, local_len: int, load_balancer: str,
                 is_causal: bool) -> list[BlockTask]:
@@ -57,14 +36,14 @@ def block_tasks(rank: int, src: int, cp_size: int, local_len: int, load_balancer
         return [BlockTask(FULL, FULL, False)]
     if src == rank:
         return [BlockTask(FULL, FULL, True)]
-    if load_balancer == "contiguous":
+    if load_balancer == CONTIGUOUS:
         return [BlockTask(FULL, FULL, False)] if src < rank else []
-    if load_balancer == "zigzag":
+    if load_balancer == ZIGZAG:
         half = local_len // 2
         if src < rank:
             return [BlockTask(FULL, slice(0, half), False)]
         return [BlockTask(slice(half, local_len), FULL, False)]
-    if load_balancer == "striped":
+    if load_balancer == STRIPED:
         if src < rank:
             return [BlockTask(FULL, FULL, True)]
         return [BlockTask(slice(1, local_len), slice(0, local_len - 1), True)] if local_len > 1 else []
@@ -253,7 +232,7 @@ class DocumentShards:
     @classmethod
     def from_full(cls, full_ids: torch.Tensor, cp_size: int, load_balancer: str) -> "DocumentShards":
         seq_len = full_ids.size(1)
-        return cls([full_ids.index_select(1, local_positions(seq_len, r, cp_size, load_balancer,
+        return cls([full_ids.index_select(1, fixed_positions(seq_len, r, cp_size, load_balancer,
                                                               device=full_ids.device))
                     for r in range(cp_size)])
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from parallelisms.attention_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock
+from parallelisms.cp.kernel_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock
 from tests.gpu.devices import FAST_CPU, require
 
 KERNELS = {"cpu_flash": CpuFlashBlock, "cuda_flash": CudaFlashBlock, "cuda_efficient": CudaEfficientBlock}

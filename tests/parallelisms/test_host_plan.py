@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from bench.cp_balance_counts import MIXES, packed_row
 from parallelisms import context_parallel as cp_module
-from parallelisms import ring_plan
-from parallelisms.document_layout import DocumentLayout
-from parallelisms.host_plan import BatchPlan, RankPlan, Segments, pieces_between
-from parallelisms.ring_plan import DocumentShards
+from parallelisms.cp import plan_pieces as ring_plan
+from parallelisms.cp.plan_layout import DocumentLayout
+from parallelisms.cp.plan_host import BatchPlan, RankPlan, Segments, pieces_between
+from parallelisms.cp.plan_pieces import DocumentShards
 from tests.nccl_rules import run_ring_ranks
 
 pytestmark = pytest.mark.timeout(120)

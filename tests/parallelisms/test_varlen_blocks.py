@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-import parallelisms.cp_toolkit as cp_toolkit
-import parallelisms.ring_attention as ring_attention
-from parallelisms.cp_ulysses import concatenated_documents
-from parallelisms.document_layout import DocumentLayout
-from parallelisms.ring_attention import local_segment_attention
-from parallelisms.ring_plan import DocumentShards
-from parallelisms.varlen_blocks import plan_calls
+import parallelisms.cp.kernel_calls as cp_toolkit
+import parallelisms.cp.exchange_ring as ring_attention
+from parallelisms.cp.exchange_alltoall import concatenated_documents
+from parallelisms.cp.plan_layout import DocumentLayout
+from parallelisms.cp.attention import local_segment_attention
+from parallelisms.cp.plan_pieces import DocumentShards
+from parallelisms.cp.kernel_varlen import plan_calls
 from tests.parallelisms.attention_reference import relative_error
 from tests.parallelisms.varlen_reference import ReferenceVarlen
 from training import cuda_path_probe as probe
