@@ -113,7 +113,7 @@ class _LocalLinks:
 
 
 def _ring_comm_only(k, v, group):
-    """The ring's transfers for one fwd+bwd, nothing computed, posted as ring_attention.py posts them: P-1 K/V hops
+    """The ring's transfers for one fwd+bwd, nothing computed, posted as cp/exchange_ring.py posts them: P-1 K/V hops
     forward; backward, one exchange per step (the float32 dK/dV accumulator after the first step, the K/V hop before
     the last) and the final return hop."""
     from parallelisms.comm import RingLinks, wait_all

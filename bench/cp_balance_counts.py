@@ -2,13 +2,13 @@
 numbers bench/bench_cp_balance.py prints for zigzag and documents side by side.
 
 - pairs[r, src]: the visible (query, key) pairs rank r computes against rank src's K/V, summed from the mask-free
-  pieces the ring itself runs (ring_plan.py);
+  pieces the ring itself runs (cp/plan_pieces.py);
 - busiest / mean: the busiest rank's pairs over the mean rank's, over the whole step;
 - ring-step efficiency: sum over ring steps of the mean rank's pairs / sum over ring steps of the busiest rank's
   (every step waits for its slowest rank; steps in which nobody computes are skipped and count for neither);
 - CP bytes per rank and step: zigzag's dense ring sends P - 1 K/V blocks forward, P - 1 again backward and P float32
   dK/dV accumulators; the documents ring sends each visible row once forward, once backward and its float32 dK/dV
-  once (ring_sparse.py). Both in units of one token's K+V at 2 bytes per element, so the ratio needs no model shape.
+  once (cp/exchange_ring_sparse.py). Both in units of one token's K+V at 2 bytes per element, so the ratio needs no model shape.
 """
 from __future__ import annotations
 

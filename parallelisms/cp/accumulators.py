@@ -63,7 +63,7 @@ class RowBuffer:
 
     def ensure_filled(self) -> None:
         """Rows not written yet hold `fill` from now on (one kernel when the buffer is new): the varlen blocks
-        (varlen_blocks.py) merge by row index, so they cannot fill the rows a piece touches first."""
+        (kernel_varlen.py) merge by row index, so they cannot fill the rows a piece touches first."""
         if self.filled:
             return
         if self.data is None:

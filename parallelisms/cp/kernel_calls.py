@@ -58,7 +58,7 @@ def varlen_calls(spec: BlockSpec, pieces: list[Piece], device: torch.device):
 
 def forward_pieces(q, k_blk, v_blk, pieces: list[Piece], spec: BlockSpec, acc: LseAccumulator,
                    auxes: list) -> None:
-    """One (rank, source) block merged into `acc`: on CUDA flash at most two varlen calls (varlen_blocks.py),
+    """One (rank, source) block merged into `acc`: on CUDA flash at most two varlen calls (kernel_varlen.py),
     otherwise one kernel call per piece. Kernel auxiliaries are appended to `auxes` in call order."""
     if uses_varlen(q, pieces):
         forward_calls(q, k_blk, v_blk, varlen_calls(spec, pieces, q.device), spec.scale, acc, auxes)

@@ -16,11 +16,11 @@ rectangles and top-left causal squares, which every kernel computes without a ma
 (out, lse) merge exactly. A (S x S) mask would cost 32 GiB per block at 128K tokens per rank; pieces cost O(runs) and
 the work is the visible pairs. Rows that see nothing get no piece (out 0, lse -inf in the accumulator).
 
-The "documents" layout (document_layout.py) is planned per row, so no fixed block task describes it. Its pieces come
+The "documents" layout (plan_layout.py) is planned per row, so no fixed block task describes it. Its pieces come
 from position segments instead (runs of one document at consecutive global positions): two segments of one document
 on different ranks hold disjoint position intervals, so a query segment sees a key segment whole (keys earlier),
 not at all (keys later), or as a causal square (the same segment). `visible_rows` lists the K/V rows of a source
-that a rank's pieces read: all the sparse ring (ring_sparse.py) sends.
+that a rank's pieces read: all the sparse ring (exchange_ring_sparse.py) sends.
 """
 from __future__ import annotations
 
@@ -151,8 +151,8 @@ class DocumentShards:
     def __init__(self, per_rank: list[torch.Tensor], positions: torch.Tensor | None = None, rank_plan=None):
         self.per_rank = per_rank
         self.positions = positions  # (P, B, L) host positions of the "documents" layout, else None
-        self.rank_plan = rank_plan  # host_plan.RankPlan made before the step (its rank's pieces and rows), or None
-        self.concatenated_plan = None  # the same for Ulysses over the rank-ordered concatenation (cp_ulysses.py)
+        self.rank_plan = rank_plan  # plan_host.RankPlan made before the step (its rank's pieces and rows), or None
+        self.concatenated_plan = None  # the same for Ulysses over the rank-ordered concatenation (exchange_ulysses.py)
         self._runs: list[list[list[Run]]] | None = None
         self._segments: list[list[list[Segment]]] | None = None
         self._pieces: dict = {}
@@ -164,7 +164,7 @@ class DocumentShards:
 
     @classmethod
     def from_plan(cls, plan) -> "DocumentShards":
-        """From a host_plan.BatchPlan made before the step: host ids and positions, and its rank's pieces and rows
+        """From a plan_host.BatchPlan made before the step: host ids and positions, and its rank's pieces and rows
         (nothing is planned or read back from the device here)."""
         shards = cls(list(plan.per_rank_ids), plan.positions, plan.ring)
         shards.concatenated_plan = plan.ulysses

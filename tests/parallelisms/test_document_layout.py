@@ -3,6 +3,7 @@ and backward against every document run alone through plain SDPA, under NCCL's r
 import pytest
 import torch
 
+from parallelisms.cp.layouts import DOCUMENTS
 from parallelisms.cp.plan_layout import DocumentLayout
 from parallelisms.cp.plan_sharding import local_positions, shard_sequence
 from tests.nccl_rules import run_ring_ranks
@@ -245,12 +246,12 @@ def test_recipes_with_document_masking_default_to_the_documents_layout_which_nee
     recipe = tmp_path / "r.toml"
     recipe.write_text('[data]\ncorpus = ["pydoc"]\n')
     assert load_config(str(recipe)).parallelism.cp_load_balancer == "zigzag"
-    assert load_config(str(recipe), ["--data.document_masking", "true"]).parallelism.cp_load_balancer == "documents"
+    assert load_config(str(recipe), ["--data.document_masking", "true"]).parallelism.cp_load_balancer == DOCUMENTS
     named = ["--data.document_masking", "true", "--parallelism.cp_load_balancer", "zigzag"]
     assert load_config(str(recipe), named).parallelism.cp_load_balancer == "zigzag"
     ulysses = ["--data.document_masking", "true", "--parallelism.cp_impl", "ulysses"]
-    assert load_config(str(recipe), ulysses).parallelism.cp_load_balancer == "documents"
+    assert load_config(str(recipe), ulysses).parallelism.cp_load_balancer == DOCUMENTS
     hybrid = ["--data.document_masking", "true", "--parallelism.cp_impl", "hybrid"]
-    assert load_config(str(recipe), hybrid).parallelism.cp_load_balancer == "documents"
+    assert load_config(str(recipe), hybrid).parallelism.cp_load_balancer == DOCUMENTS
     with pytest.raises(RecipeError, match="cp_load_balancer = \"documents\".*needs data.document_masking = true"):
         load_config(str(recipe), ["--parallelism.cp_load_balancer", "documents"])

@@ -1,4 +1,4 @@
-"""Document masking by pieces (ring_plan.py): every CP variant against each document run alone through plain SDPA,
+"""Document masking by pieces (cp/plan_pieces.py): every CP variant against each document run alone through plain SDPA,
 and no S x S tensor anywhere in a masked forward + backward."""
 import itertools
 

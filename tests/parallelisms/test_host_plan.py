@@ -1,5 +1,5 @@
-"""The documents layout planned before the step (parallelisms/host_plan.py, issue 27): its whole-array pieces and
-exchange rows are exactly what the per-call planner (ring_plan.segment_pieces, DocumentShards.visible_rows) finds,
+"""The documents layout planned before the step (parallelisms/cp/plan_host.py, issue 27): its whole-array pieces and
+exchange rows are exactly what the per-call planner (plan_pieces.segment_pieces, DocumentShards.visible_rows) finds,
 and context_parallel handed the plan gives bit-identical outputs and gradients without planning anything itself."""
 import numpy as np
 import pytest

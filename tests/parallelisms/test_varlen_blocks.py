@@ -1,4 +1,4 @@
-"""The CUDA varlen path of document blocks (parallelisms/varlen_blocks.py), checked without a GPU:
+"""The CUDA varlen path of document blocks (parallelisms/cp/kernel_varlen.py), checked without a GPU:
 - exactness of its orchestration (packed gathers, fused rectangles, log-sum-exp merges of the causal and the
   rectangle call, gradient scatters with repeated key rows) on CPU, the two varlen ops answered by a float64
   stand-in, against a float64 per-document reference with explicit masks;
