@@ -8,7 +8,8 @@ numbers bench/bench_cp_balance.py prints for zigzag and documents side by side.
   (every step waits for its slowest rank; steps in which nobody computes are skipped and count for neither);
 - CP bytes per rank and step: zigzag's dense ring sends P - 1 K/V blocks forward, P - 1 again backward and P float32
   dK/dV accumulators; the documents ring sends each visible row once forward, once backward and its float32 dK/dV
-  once (cp/exchange_ring_sparse.py). Both in units of one token's K+V at 2 bytes per element, so the ratio needs no model shape.
+  once (cp/exchange_ring_sparse.py). Both in units of one token's K+V at 2 bytes per element, so the ratio needs no
+  model shape.
 """
 from __future__ import annotations
 

@@ -130,8 +130,8 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     path above; see cp/choice.py); `ulysses_degree`: the Ulysses group size of cp_impl="hybrid" (None: in-node ranks).
     `cp_subgroups`: hybrid CP's {degree: (Ulysses group, ring group)}, made at setup (parallelisms/stage_meshes.py).
     `load_balancer="documents"` plans each row's layout from `document_ids` (cp/plan_layout.py) and runs the sparse
-    ring (cp/exchange_ring_sparse.py; auto resolves to it), the sparse all-gather, Ulysses or hybrid. `plan`: that layout made
-    before the step (parallelisms/cp/plan_host.BatchPlan, moved with `.to(device)`), as the trainer's data workers make
+    ring (cp/exchange_ring_sparse.py; auto resolves to it), the sparse all-gather, Ulysses or hybrid. `plan`: that
+    layout made before the step (parallelisms/cp/plan_host.BatchPlan, moved with `.to(device)`), as the trainer's data workers make
     it; then nothing here plans or reads a device tensor back. Without it the layout is planned here, on the host.
     """
     group = resolve_group(cp_mesh)

@@ -2,7 +2,12 @@
 the final out and lse, given as functions (the exchanges); nothing is recomputed. A leaf of the package."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # an annotation only: the wrapper stays a leaf
+    from parallelisms.cp.block_spec import BlockSpec
 
 
 class LseAttentionFunction(torch.autograd.Function):

@@ -2,6 +2,7 @@
 with (ring, all-gather; Ulysses shares the input check)."""
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from parallelisms.cp.counters import UnsupportedAttentionError

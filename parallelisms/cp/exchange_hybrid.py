@@ -79,7 +79,8 @@ def ring_documents(full_ids: torch.Tensor, cp_size: int, ulysses_degree: int, lo
 
 def documents_ring_shards(documents: DocumentShards, ulysses_degree: int) -> DocumentShards:
     """On the documents layout, ring rank rho attends over its U members' tokens concatenated in member order
-    (exchange_alltoall.concatenated_order_plan): their ids and positions, the sparse ring's plan over the R ring ranks."""
+    (exchange_alltoall.concatenated_order_plan): their ids and positions, the sparse ring's plan over the R ring
+    ranks."""
     size = len(documents.per_rank)
     ids = [torch.cat(documents.per_rank[rho:rho + ulysses_degree], dim=1) for rho in range(0, size, ulysses_degree)]
     positions = torch.stack([torch.cat(list(documents.positions[rho:rho + ulysses_degree]), dim=1)

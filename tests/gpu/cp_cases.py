@@ -64,7 +64,7 @@ def cp_cases(size: int, thorough: bool) -> list[CpCase]:
 def hybrid_2x2_groups(group) -> tuple:
     """This rank's (Ulysses, ring) groups of hybrid 2 x 2, as the trainer's setup makes them
     (parallelisms/stage_meshes.py): built directly for threads under the NCCL-rule double (its `new_group` serves
-    members only), made by every rank for real processes (parallelisms/cp_hybrid.hybrid_groups)."""
+    members only), made by every rank for real processes (parallelisms/cp/exchange_hybrid.hybrid_groups)."""
     from tests.nccl_rules import SimGroup
     if isinstance(group, SimGroup):
         members, rank = group.members, group.rank
