@@ -12,7 +12,8 @@ GQA: K/V heads are split too. When the degree does not divide the K/V heads, eac
 (to lcm(kv_heads, P) heads) that every rank gets whole groups; its gradients fold back through autograd. The query
 heads must be a multiple of that count.
 
-`ExchangePlan` is also the inner step of hybrid CP (exchange_hybrid.py); the exchange itself is in exchange_alltoall.py, where the target order is a ring rank's layout.
+The exchange itself (`ExchangePlan`, the all-to-alls, `replicate_kv`) is in exchange_alltoall.py; it is also the inner
+step of hybrid CP (exchange_hybrid.py), where the target order is a ring rank's layout.
 """
 from __future__ import annotations
 
