@@ -35,7 +35,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.cp_balance_counts import MIXES, layout_figures, packed_row  # noqa: E402
-from parallelisms.document_layout import DocumentLayout  # noqa: E402
+from parallelisms.cp.plan_layout import DocumentLayout  # noqa: E402
+from parallelisms.cp.layouts import DOCUMENTS  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "recipes", "debug.toml")
 
@@ -81,7 +82,7 @@ def timed_steps(steps: int, warmup: int, seq_len: int, rounds: int) -> None:
         for balancer in ("zigzag", "documents") if i % 2 == 0 else ("documents", "zigzag"):
             records = run_trainer(balancer, overrides)
             times[balancer].append(sum(r["step_time"] for r in records[warmup:]))
-            if balancer == "documents":
+            if balancer == DOCUMENTS:
                 balance += [r["attention_balance"] for r in records[warmup:] if "attention_balance" in r]
     z, d = (statistics.fmean(times[b]) for b in ("zigzag", "documents"))
     print(f"\n4 gloo ranks, cp 4, debug model, seq {seq_len}, pydoc documents, document masking, {os.cpu_count()} "
@@ -102,14 +103,14 @@ def _attention_rank(rank, size, ids, shape, reps):
 
     from parallelisms.comm import Collectives
     from parallelisms.context_parallel import ring_attention
-    from parallelisms.ring_plan import DocumentShards
+    from parallelisms.cp.plan_pieces import DocumentShards
 
     heads, kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(rank)
     local = ids.size(1) // size
     q, grad = (torch.randn(1, heads, local, head_dim, generator=gen) for _ in range(2))
     k, v = (torch.randn(1, kv_heads, local, head_dim, generator=gen) for _ in range(2))
-    shards = {lb: DocumentShards.from_layout(ids, DocumentLayout.plan(ids, size)) if lb == "documents"
+    shards = {lb: DocumentShards.from_layout(ids, DocumentLayout.plan(ids, size)) if lb == DOCUMENTS
               else DocumentShards.from_full(ids, size, lb) for lb in ("zigzag", "documents")}
 
     def step(lb):

@@ -48,9 +48,9 @@ def _inputs(shape, size, seed=0):
 
 def _ours_step(shape, impl):
     from parallelisms.context_parallel import ring_attention
-    from parallelisms.cp_allgather import allgather_attention
-    from parallelisms.cp_hybrid import hybrid_attention
-    from parallelisms.cp_ulysses import ulysses_attention
+    from parallelisms.cp.attention import allgather_attention
+    from parallelisms.cp.exchange_hybrid import hybrid_attention
+    from parallelisms.cp.exchange_ulysses import ulysses_attention
     size = dist.get_world_size()
     fn = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention,
           "hybrid": lambda *a, **kw: hybrid_attention(*a, ulysses_degree=2, **kw)}[impl]
@@ -88,7 +88,7 @@ def _steps(shape, size):
 
 def variants(rank, size, shapes, reps):
     """{shape: {variant: (wall, cpu, peak bytes)}} and auto's choice per shape."""
-    from parallelisms.cp_choice import Topology, choose_cp_impl
+    from parallelisms.cp.choice import Topology, choose_cp_impl
     results = {}
     for shape in shapes:
         steps = _steps(shape, size)
@@ -113,11 +113,11 @@ class _LocalLinks:
 
 
 def _ring_comm_only(k, v, group):
-    """The ring's transfers for one fwd+bwd, nothing computed, posted as ring_attention.py posts them: P-1 K/V hops
+    """The ring's transfers for one fwd+bwd, nothing computed, posted as cp/exchange_ring.py posts them: P-1 K/V hops
     forward; backward, one exchange per step (the float32 dK/dV accumulator after the first step, the K/V hop before
     the last) and the final return hop."""
     from parallelisms.comm import RingLinks, wait_all
-    from parallelisms.cp_toolkit import pack_kv
+    from parallelisms.cp.rows import pack_kv
     links = RingLinks(group)
     size = links.size
     kv = pack_kv(k, v)
@@ -137,7 +137,7 @@ def _ring_comm_only(k, v, group):
 
 
 def ring_overlap(rank, size, shape, reps):
-    import parallelisms.ring_attention as ring_module
+    import parallelisms.cp.exchange_ring as ring_module
     step = _ours_step(shape, "ring")
     _, k, v, _ = _inputs(shape, size)
     real_links = ring_module.RingLinks

@@ -42,10 +42,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_dp_placement import packed_steps  # noqa: E402
 from bench.cp_balance_counts import MIXES, packed_row  # noqa: E402
 from data.placement import StepPlacement, StepSlots  # noqa: E402
-from parallelisms.document_layout import DocumentLayout  # noqa: E402
-from parallelisms.host_plan import BatchPlan  # noqa: E402
-from parallelisms.ring_plan import DocumentShards  # noqa: E402
-from parallelisms.ring_sparse import ShiftPlan  # noqa: E402
+from parallelisms.cp.plan_layout import DocumentLayout  # noqa: E402
+from parallelisms.cp.plan_host import BatchPlan  # noqa: E402
+from parallelisms.cp.plan_pieces import DocumentShards  # noqa: E402
+from parallelisms.cp.exchange_ring_sparse import ShiftPlan  # noqa: E402
 from training.batch_plans import StepPlanner  # noqa: E402
 
 def _ms(fn) -> tuple[float, object]:

@@ -2,21 +2,24 @@
 numbers bench/bench_cp_balance.py prints for zigzag and documents side by side.
 
 - pairs[r, src]: the visible (query, key) pairs rank r computes against rank src's K/V, summed from the mask-free
-  pieces the ring itself runs (ring_plan.py);
+  pieces the ring itself runs (cp/plan_pieces.py);
 - busiest / mean: the busiest rank's pairs over the mean rank's, over the whole step;
 - ring-step efficiency: sum over ring steps of the mean rank's pairs / sum over ring steps of the busiest rank's
   (every step waits for its slowest rank; steps in which nobody computes are skipped and count for neither);
 - CP bytes per rank and step: zigzag's dense ring sends P - 1 K/V blocks forward, P - 1 again backward and P float32
   dK/dV accumulators; the documents ring sends each visible row once forward, once backward and its float32 dK/dV
-  once (ring_sparse.py). Both in units of one token's K+V at 2 bytes per element, so the ratio needs no model shape.
+  once (cp/exchange_ring_sparse.py). Both in units of one token's K+V at 2 bytes per element, so the ratio needs no
+  model shape.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from parallelisms.document_layout import DocumentLayout
-from parallelisms.ring_plan import DocumentShards, Piece, block_tasks
+from parallelisms.cp.plan_layout import DocumentLayout
+from parallelisms.cp.layouts import DOCUMENTS
+from parallelisms.cp.plan_piece import Piece
+from parallelisms.cp.plan_pieces import DocumentShards, block_tasks
 
 KV_BYTES, GRAD_BYTES = 2, 4  # bf16 K/V, float32 dK/dV accumulators (per element)
 
@@ -58,7 +61,7 @@ def piece_pairs(p: Piece) -> int:
 
 
 def _shards(ids: torch.Tensor, cp: int, balancer: str) -> DocumentShards:
-    if balancer == "documents":
+    if balancer == DOCUMENTS:
         return DocumentShards.from_layout(ids, DocumentLayout.plan(ids, cp))
     return DocumentShards.from_full(ids, cp, balancer)
 
@@ -70,7 +73,7 @@ def pair_matrix(ids: torch.Tensor, cp: int, balancer: str) -> tuple[np.ndarray, 
     pairs = np.zeros((cp, cp))
     for r in range(cp):
         for src in range(cp):
-            if balancer == "documents":
+            if balancer == DOCUMENTS:
                 pieces = shards.layout_pieces(r, src, True)
             else:
                 pieces = shards.pieces(r, src, block_tasks(r, src, cp, local, balancer, True), local)
@@ -90,7 +93,7 @@ def balance(pairs: np.ndarray) -> tuple[float, float]:
 def cp_bytes(ids: torch.Tensor, cp: int, balancer: str, shards: DocumentShards | None = None) -> float:
     """Bytes the busiest rank sends in one attention forward + backward, per K/V element of one token (see above)."""
     rows, local = ids.size(0), ids.size(1) // cp
-    if balancer != "documents":
+    if balancer != DOCUMENTS:
         return rows * ((cp - 1) * local * 2 * KV_BYTES + cp * local * GRAD_BYTES)
     shards = shards or _shards(ids, cp, balancer)
     sent = [sum(shards.visible_rows((r + s) % cp, r, True).numel() for s in range(1, cp)) for r in range(cp)]

@@ -300,7 +300,7 @@ class ParallelismConfig:
     """Tensor-parallel degree (with sequence parallelism)."""
     cp_load_balancer: LoadBalancer = "zigzag"
     """How sequence chunks are laid out on CP ranks: zigzag | striped | contiguous | documents (per row, documents
-    placed by attention work; needs data.document_masking; parallelisms/document_layout.py). A recipe that names
+    placed by attention work; needs data.document_masking; parallelisms/cp/plan_layout.py). A recipe that names
     none gets documents when data.document_masking is on, else zigzag."""
     cp_impl: CpImpl = "ring"
     """CP attention: ring | allgather (one K/V all-gather) | ulysses (all-to-all over heads) | hybrid (Ulysses in-node,

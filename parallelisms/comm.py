@@ -108,7 +108,8 @@ class RingLinks:
 
 
 class ShiftLinks:
-    """Point-to-point with the ranks at any offset of a group (the documents layout's sparse ring, ring_sparse.py)."""
+    """Point-to-point with the ranks at any offset of a group (the documents layout's sparse ring,
+    cp/exchange_ring_sparse.py)."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group

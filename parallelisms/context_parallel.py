@@ -1,10 +1,11 @@
-"""Context parallelism for any model that calls `F.scaled_dot_product_attention` (CONTRACT, see docs/design.md).
+"""Context parallelism for any model that calls `F.scaled_dot_product_attention` (CONTRACT, see docs/design.md): the
+façade of the CP package (parallelisms/cp/, drawn in its __init__), which users and the trainer import.
 
 `context_parallel(...)` shards the batch's sequence buffers in place (tokens, labels, position_ids, document ids: all
 the same way, so RoPE sees true positions) and routes every SDPA call made inside it to a CP variant (`ring_attention`
 by default) through a TorchFunctionMode, `SdpaToContextParallel`: no monkey-patching, and the model needs no CP-specific code. SDPA calls the ring cannot compute
 exactly (an attn_mask, dropout) raise `UnsupportedAttentionError` instead of computing something else.
-`cp_impl` picks another exact variant on the same layouts (all-gather, Ulysses, hybrid, or auto: see cp_choice.py).
+`cp_impl` picks another exact variant on the same layouts (all-gather, Ulysses, hybrid, or auto: see cp/choice.py).
 
 Labels must be shifted BEFORE sharding, and the loss divides the local sum by the global token count.
 """
@@ -18,13 +19,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from parallelisms.cp_choice import CP_IMPLS, CPAttention, check_cp_impl
-from parallelisms.cp_toolkit import CommStats, UnsupportedAttentionError
-from parallelisms.document_layout import DocumentLayout
-from parallelisms.ring_attention import ring_attention
-from parallelisms.ring_plan import DocumentShards
-from parallelisms.sequence_sharding import (LOAD_BALANCERS, check_load_balancer, check_sequence_length,
-                                            local_positions, resolve_group, shard_sequence, unshard_sequence)
+from parallelisms.cp.attention import ring_attention
+from parallelisms.cp.choice import CP_IMPLS, CPAttention, check_cp_impl
+from parallelisms.cp.counters import CommStats, UnsupportedAttentionError
+from parallelisms.cp.groups import resolve_group
+from parallelisms.cp.layouts import (AUTO, DOCUMENTS, LOAD_BALANCERS, RING, ZIGZAG, check_load_balancer,
+                                     check_sequence_length)
+from parallelisms.cp.plan_layout import DocumentLayout
+from parallelisms.cp.plan_pieces import DocumentShards
+from parallelisms.cp.plan_sharding import local_positions, shard_sequence, unshard_sequence
 
 __all__ = ["shard_sequence", "unshard_sequence", "ring_attention", "context_parallel", "CommStats",
            "UnsupportedAttentionError", "LOAD_BALANCERS", "CP_IMPLS", "check_sequence_length", "local_positions"]
@@ -90,7 +93,7 @@ def _documents_impl(cp_impl: str, document_ids) -> str:
     if document_ids is None:
         raise ValueError("context_parallel: load_balancer='documents' plans the layout from the document ids; "
                          "pass document_ids=")
-    return "ring" if cp_impl == "auto" else cp_impl
+    return RING if cp_impl == AUTO else cp_impl
 
 
 def _check_plan(plan, cp_size: int, cp_rank: int, document_ids: torch.Tensor) -> None:
@@ -100,7 +103,7 @@ def _check_plan(plan, cp_size: int, cp_rank: int, document_ids: torch.Tensor) ->
         raise ValueError(f"context_parallel: the batch plan holds positions {tuple(plan.positions.shape)} for cp rank "
                          f"{plan.cp_rank}, but this call shards {tuple(document_ids.shape)} over {cp_size} ranks as "
                          f"rank {cp_rank} (or the plan was not moved with .to(device)); make it with "
-                         "host_plan.BatchPlan.build for this mesh")
+                         "parallelisms.cp.plan_host.BatchPlan.build for this mesh")
 
 
 def _shard_by_plan(buf: torch.Tensor, seq_dim: int, plan) -> torch.Tensor:
@@ -113,9 +116,9 @@ def _shard_by_plan(buf: torch.Tensor, seq_dim: int, plan) -> torch.Tensor:
 
 @contextlib.contextmanager
 def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
-                     no_restore_buffers: Sequence[torch.Tensor] | None = None, load_balancer: str = "zigzag",
+                     no_restore_buffers: Sequence[torch.Tensor] | None = None, load_balancer: str = ZIGZAG,
                      document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
-                     cp_impl: str = "ring", ulysses_degree: int | None = None,
+                     cp_impl: str = RING, ulysses_degree: int | None = None,
                      cp_subgroups: dict | None = None, plan=None) -> Iterator[None]:
     """Shards `buffers` in place along `buffer_seq_dims` and routes SDPA to the ring until exit.
 
@@ -124,11 +127,11 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     refuses tensors that changed after it saved them (tokens for the embedding, labels for the loss). `document_ids` (B, S), one of `buffers`: every routed SDPA
     call then masks attention to each token's own document, combined with causality when the call is causal.
     `stats`: a CommStats the ring adds its counters to. `cp_impl`: one of CP_IMPLS ("ring" is the default and the
-    path above; see cp_choice.py); `ulysses_degree`: the Ulysses group size of cp_impl="hybrid" (None: in-node ranks).
+    path above; see cp/choice.py); `ulysses_degree`: the Ulysses group size of cp_impl="hybrid" (None: in-node ranks).
     `cp_subgroups`: hybrid CP's {degree: (Ulysses group, ring group)}, made at setup (parallelisms/stage_meshes.py).
-    `load_balancer="documents"` plans each row's layout from `document_ids` (document_layout.py) and runs the sparse
-    ring (ring_sparse.py; auto resolves to it), the sparse all-gather, Ulysses or hybrid. `plan`: that layout made
-    before the step (parallelisms/host_plan.BatchPlan, moved with `.to(device)`), as the trainer's data workers make
+    `load_balancer="documents"` plans each row's layout from `document_ids` (cp/plan_layout.py) and runs the sparse
+    ring (cp/exchange_ring_sparse.py; auto resolves to it), the sparse all-gather, Ulysses or hybrid. `plan`: that
+    layout made before the step (parallelisms/cp/plan_host.BatchPlan, moved with `.to(device)`), as the trainer's data workers make
     it; then nothing here plans or reads a device tensor back. Without it the layout is planned here, on the host.
     """
     group = resolve_group(cp_mesh)
@@ -139,7 +142,7 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     for buf, dim in zip(buffers, buffer_seq_dims):
         check_sequence_length(buf.size(dim), cp_size, load_balancer)
     documents, layout = None, None
-    if load_balancer == "documents":  # per row, planned from the full ids (identical on every rank)
+    if load_balancer == DOCUMENTS:  # per row, planned from the full ids (identical on every rank)
         cp_impl = _documents_impl(cp_impl, document_ids)
         if plan is not None:
             _check_plan(plan, cp_size, cp_rank, document_ids)
@@ -150,14 +153,14 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     elif document_ids is not None:  # every rank's ids, taken before sharding (no collective needed)
         documents = DocumentShards.from_full(document_ids.detach(), cp_size, load_balancer)
     variant = None
-    if cp_impl != "ring":
+    if cp_impl != RING:
         full_ids = None if document_ids is None else document_ids.detach().clone()
         variant = CPAttention(cp_impl, group, load_balancer, full_ids, documents, stats, ulysses_degree, cp_subgroups)
     keep = {id(b) for b in (no_restore_buffers or [])}
     originals = []
     with torch.no_grad():
         for buf, dim in zip(buffers, buffer_seq_dims):
-            if plan is not None and load_balancer == "documents":
+            if plan is not None and load_balancer == DOCUMENTS:
                 local = _shard_by_plan(buf, dim, plan)
             elif layout is not None:
                 local = layout.shard(buf, dim, cp_rank)

@@ -22,7 +22,8 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallelisms.cp_choice import Topology, choose_cp_impl, hybrid_degree
+from parallelisms.cp.choice import Topology, choose_cp_impl, hybrid_degree
+from parallelisms.cp.layouts import AUTO, DOCUMENTS, HYBRID
 from parallelisms.parallel_dims import ParallelDims, TrainingMesh
 
 
@@ -74,7 +75,7 @@ def planned_ulysses_degree(mesh: TrainingMesh, cp_impl: str, load_balancer: str,
                            device_type: str) -> int | None:
     """The Ulysses degree hybrid CP will run on `mesh` (the rule CPAttention applies at its first call, with the
     heads one TP rank holds), or None when this stage's attention makes no hybrid groups."""
-    if mesh.dims.cp == 1 or cp_impl not in ("hybrid", "auto") or (cp_impl == "auto" and load_balancer == "documents"):
+    if mesh.dims.cp == 1 or cp_impl not in (HYBRID, AUTO) or (cp_impl == AUTO and load_balancer == DOCUMENTS):
         return None
     topology = Topology.of(mesh.cp_mesh.get_group(), device_type)
     degree = hybrid_degree(topology, q_heads, kv_heads)

@@ -22,7 +22,7 @@ import torch
 
 from data.loader import PackedRowLoader
 from data.placement import StepSlots, place_step
-from parallelisms.host_plan import BatchPlan
+from parallelisms.cp.plan_host import BatchPlan
 
 
 class StepBatchSampler:

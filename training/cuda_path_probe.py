@@ -28,12 +28,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallelisms.cp_toolkit import BlockSpec
-from parallelisms.cp_ulysses import concatenated_documents
-from parallelisms.document_layout import DocumentLayout
-from parallelisms.ring_attention import ring_backward, ring_forward
-from parallelisms.ring_plan import DocumentShards
-from parallelisms.ring_sparse import sparse_backward, sparse_forward
+from parallelisms.cp.block_spec import BlockSpec
+from parallelisms.cp.exchange_alltoall import concatenated_documents
+from parallelisms.cp.plan_layout import DocumentLayout
+from parallelisms.cp.exchange_ring import ring_backward, ring_forward
+from parallelisms.cp.plan_pieces import DocumentShards
+from parallelisms.cp.exchange_ring_sparse import sparse_backward, sparse_forward
 
 aten = torch.ops.aten
 WEB_LIKE = "web-like: document lengths lognormal(6.5, 1.0) tokens (median ~665), packed into one row"

@@ -11,8 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from parallelisms.cp_toolkit import BlockSpec
-from parallelisms.ring_attention import ring_backward, ring_forward
+from parallelisms.cp.block_spec import BlockSpec
+from parallelisms.cp.exchange_ring import ring_backward, ring_forward
 from training.cuda_path_probe import (ExpandGqa, FlashWorkspace, LaunchCounter, LayerCounts, fake_group,
                                       load_fake_cuda_guard, ring_counts, run_layer, total_bytes, ulysses_counts,
                                       web_like_row)

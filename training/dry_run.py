@@ -18,7 +18,7 @@ from config import RecipeError
 from config.schema import Config
 from models.llama import recipe_model_config
 from parallelisms.host_arena import stage_pinned_bytes
-from parallelisms.sequence_sharding import sequence_divisor
+from parallelisms.cp.layouts import sequence_divisor
 from training.eval_memory import eval_refusal, stage_eval_config
 from training.cuda_path_table import cuda_json, print_cuda_path
 from training.memory_probe import GIB, RankMemory, measure_memory

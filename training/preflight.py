@@ -9,11 +9,11 @@ from config.recipe import check_offload
 from config.schema import Config
 from data.sources import check_sources
 from models.llama import recipe_model_config
-from parallelisms.cp_ulysses import kv_replication
+from parallelisms.cp.exchange_alltoall import kv_replication
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline_parallel import plan_pipeline
-from parallelisms.cp_toolkit import UnsupportedAttentionError
-from parallelisms.sequence_sharding import sequence_divisor
+from parallelisms.cp.counters import UnsupportedAttentionError
+from parallelisms.cp.layouts import sequence_divisor
 from parallelisms.tensor_parallel import check_tp_degree
 from training.eval_memory import stage_eval_config
 from training.niah_eval import niah_eval_lengths

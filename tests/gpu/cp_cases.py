@@ -64,21 +64,21 @@ def cp_cases(size: int, thorough: bool) -> list[CpCase]:
 def hybrid_2x2_groups(group) -> tuple:
     """This rank's (Ulysses, ring) groups of hybrid 2 x 2, as the trainer's setup makes them
     (parallelisms/stage_meshes.py): built directly for threads under the NCCL-rule double (its `new_group` serves
-    members only), made by every rank for real processes (parallelisms/cp_hybrid.hybrid_groups)."""
+    members only), made by every rank for real processes (parallelisms/cp/exchange_hybrid.hybrid_groups)."""
     from tests.nccl_rules import SimGroup
     if isinstance(group, SimGroup):
         members, rank = group.members, group.rank
         return (SimGroup(group.world, group.global_rank, members[rank // 2 * 2:rank // 2 * 2 + 2]),
                 SimGroup(group.world, group.global_rank, members[rank % 2::2]))
-    from parallelisms.cp_hybrid import hybrid_groups
+    from parallelisms.cp.exchange_hybrid import hybrid_groups
     return hybrid_groups(group, 2)
 
 
 def attention_for(variant: str, group):
     from parallelisms.context_parallel import ring_attention
-    from parallelisms.cp_allgather import allgather_attention
-    from parallelisms.cp_hybrid import hybrid_attention
-    from parallelisms.cp_ulysses import ulysses_attention
+    from parallelisms.cp.attention import allgather_attention
+    from parallelisms.cp.exchange_hybrid import hybrid_attention
+    from parallelisms.cp.exchange_ulysses import ulysses_attention
     if variant == "hybrid":
         groups = hybrid_2x2_groups(group)
         return lambda *args, **kwargs: hybrid_attention(*args, ulysses_degree=2, _groups=groups, **kwargs)
@@ -97,7 +97,7 @@ def _inputs(case: CpCase, seed: int):
 
 def run_cp_case(group, device: torch.device, case: CpCase, seed: int = 0) -> list[float]:
     """This rank's max relative errors of (out, dq, dk, dv) for `case` on `group`, computed on `device`."""
-    from parallelisms.sequence_sharding import shard_sequence
+    from parallelisms.cp.plan_sharding import shard_sequence
 
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     q, k, v, grad_out, docs = _inputs(case, seed)

@@ -6,7 +6,7 @@ and a second block standing for the rest of the ring. Their outputs merge throug
 backward then gets the MERGED output and log-sum-exp, with q, dout and out as row slices of (B, L, H, D) or
 (B, H, L, D) memory (the ring's layouts). Checked: each block's forward output and log-sum-exp, and the summed
 dQ/dK/dV, against float64 math with GQA heads expanded. Rows that see nothing in a block get output 0 and
-log-sum-exp -inf there (as `ring_attention._block_forward` does); rows that see nothing at all must get zero
+log-sum-exp -inf there (as `exchange_ring._block_forward` does); rows that see nothing at all must get zero
 gradients.
 
 The cpu variants run the CPU flash kernel in the fast tier; the cuda variants (`./run_tests.sh --gpu`) run
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from parallelisms.attention_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock
+from parallelisms.cp.kernel_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock
 from tests.gpu.devices import FAST_CPU, require
 
 KERNELS = {"cpu_flash": CpuFlashBlock, "cuda_flash": CudaFlashBlock, "cuda_efficient": CudaEfficientBlock}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallelisms.document_layout import DocumentLayout
+from parallelisms.cp.plan_layout import DocumentLayout
 from tests.gpu.cp_cases import hybrid_2x2_groups, tolerance
 from tests.gpu.devices import FAST_CPU, require
 from tests.nccl_rules import run_ring_ranks
@@ -19,10 +19,11 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
 def _attention(variant: str, group, local, ids: torch.Tensor, layout: DocumentLayout):
     """This rank's output of `variant` on the documents layout, with the plans context_parallel would build."""
     from parallelisms.context_parallel import ring_attention
-    from parallelisms.cp_allgather import allgather_attention
-    from parallelisms.cp_hybrid import documents_ring_shards, hybrid_attention
-    from parallelisms.cp_ulysses import concatenated_documents, concatenated_order_plan, ulysses_attention
-    from parallelisms.ring_plan import DocumentShards
+    from parallelisms.cp.attention import allgather_attention
+    from parallelisms.cp.exchange_hybrid import documents_ring_shards, hybrid_attention
+    from parallelisms.cp.exchange_alltoall import concatenated_documents, concatenated_order_plan
+    from parallelisms.cp.exchange_ulysses import ulysses_attention
+    from parallelisms.cp.plan_pieces import DocumentShards
 
     shards = DocumentShards.from_layout(ids, layout)
     common = dict(is_causal=True, load_balancer="documents")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallelisms.cp_ulysses import concatenated_documents
-from parallelisms.document_layout import DocumentLayout
-from parallelisms.ring_attention import local_segment_attention
-from parallelisms.ring_plan import DocumentShards
+from parallelisms.cp.exchange_alltoall import concatenated_documents
+from parallelisms.cp.plan_layout import DocumentLayout
+from parallelisms.cp.attention import local_segment_attention
+from parallelisms.cp.plan_pieces import DocumentShards
 from tests.gpu.devices import CUDA_ONLY, require
 from tests.parallelisms.attention_reference import relative_error
 from training.cuda_path_probe import LaunchCounter

@@ -3,9 +3,11 @@ wrappers against the ops' own schemas and shape rules on the meta device (this b
 import pytest
 import torch
 
-from parallelisms.attention_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock, kernel_for
-from parallelisms.cp_toolkit import LseAccumulator, block_forward
-from parallelisms.ring_plan import FULL, BlockTask, DocumentShards
+from parallelisms.cp.kernel_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock, kernel_for
+from parallelisms.cp.accumulators import LseAccumulator
+from parallelisms.cp.kernel_calls import block_forward
+from parallelisms.cp.plan_piece import BlockTask, FULL
+from parallelisms.cp.plan_pieces import DocumentShards
 from tests.parallelisms.attention_reference import relative_error
 
 
@@ -136,8 +138,8 @@ def test_flash_only_for_head_dims_it_has_kernels_for():
 
 def test_document_masked_attention_asks_for_no_mask_so_cuda_flash_serves_it_in_bf16(monkeypatch):
     """Pieces need no mask: every kernel choice of a document-masked call says so, which on CUDA in bf16 is flash."""
-    import parallelisms.cp_toolkit as toolkit
-    from parallelisms.ring_attention import local_segment_attention
+    import parallelisms.cp.kernel_calls as toolkit
+    from parallelisms.cp.attention import local_segment_attention
     asked = []
 
     def recording(q, needs_mask):

@@ -19,9 +19,9 @@ VARIANTS = {1: ("allgather", "ulysses"), 2: ("allgather", "ulysses"), 4: ("allga
 
 
 def _attention_fn(variant):
-    from parallelisms.cp_allgather import allgather_attention
-    from parallelisms.cp_hybrid import hybrid_attention
-    from parallelisms.cp_ulysses import ulysses_attention
+    from parallelisms.cp.attention import allgather_attention
+    from parallelisms.cp.exchange_hybrid import hybrid_attention
+    from parallelisms.cp.exchange_ulysses import ulysses_attention
     if variant == "hybrid":  # 2 x 2 at CP=4
         return lambda *args, **kwargs: hybrid_attention(*args, ulysses_degree=2, **kwargs)
     return {"allgather": allgather_attention, "ulysses": ulysses_attention}[variant]
@@ -51,9 +51,9 @@ def _bytes_sent(rank, size):
     """Per variant (calls, forward K/V bytes, total bytes by its CommStats, bytes measured at the collective calls);
     (P-1) x local K+V bytes; the byte model the `auto` rule uses for the ring and Ulysses."""
     from parallelisms.context_parallel import CommStats, ring_attention
-    from parallelisms.cp_allgather import allgather_attention
-    from parallelisms.cp_choice import bytes_sent_per_call
-    from parallelisms.cp_ulysses import ulysses_attention
+    from parallelisms.cp.attention import allgather_attention
+    from parallelisms.cp.choice import bytes_sent_per_call
+    from parallelisms.cp.exchange_ulysses import ulysses_attention
     from tests.distributed import WireBytes
     local_len, head_dim, counts = 24 // size, 8, {}
     for name, fn in (("allgather", allgather_attention), ("ring", ring_attention), ("ulysses", ulysses_attention)):
@@ -162,7 +162,7 @@ def test_variants_match_sdpa_with_the_other_layouts_and_at_cp1(size):
 
 
 def test_auto_rule_picks_by_topology_heads_and_bytes():
-    from parallelisms.cp_choice import Topology, choose_cp_impl, hybrid_degree
+    from parallelisms.cp.choice import Topology, choose_cp_impl, hybrid_degree
     cpu = {p: Topology(cp_size=p, nodes=1, ranks_per_node=p, device_type="cpu") for p in (2, 4)}
     two_gpu_nodes = Topology(cp_size=16, nodes=2, ranks_per_node=8, device_type="cuda")
     one_gpu_node = Topology(cp_size=8, nodes=1, ranks_per_node=8, device_type="cuda")
@@ -186,8 +186,8 @@ def test_auto_rule_picks_by_topology_heads_and_bytes():
 
 def test_ulysses_head_limits_and_hybrid_layouts_raise_clear_errors():
     from parallelisms.context_parallel import UnsupportedAttentionError
-    from parallelisms.cp_hybrid import check_hybrid
-    from parallelisms.cp_ulysses import kv_replication
+    from parallelisms.cp.exchange_hybrid import check_hybrid
+    from parallelisms.cp.exchange_alltoall import kv_replication
     assert kv_replication(8, 2, 4) == 2 and kv_replication(8, 8, 4) == 1 and kv_replication(8, 1, 2) == 2
     assert kv_replication(6, 3, 2) == 2 and kv_replication(12, 4, 6) == 3
     with pytest.raises(UnsupportedAttentionError, match="multiple of 4.*cp_impl"):
@@ -199,15 +199,15 @@ def test_ulysses_head_limits_and_hybrid_layouts_raise_clear_errors():
 
 
 def test_unknown_cp_impl_is_a_recipe_error():
-    from parallelisms.cp_choice import check_cp_impl
+    from parallelisms.cp.choice import check_cp_impl
     from config import RecipeError
     with pytest.raises(RecipeError, match="parallelism.cp_impl.*ring, allgather, ulysses, hybrid, auto"):
         check_cp_impl("ulyses")
 
 
 def test_exchange_placements_compress_to_slices():
-    from parallelisms.cp_ulysses import _as_runs
-    from parallelisms.sequence_sharding import local_positions
+    from parallelisms.cp.exchange_alltoall import _as_runs
+    from parallelisms.cp.plan_sharding import local_positions
     zigzag = _as_runs(local_positions(32, 1, 4, "zigzag"))
     assert zigzag == ((slice(0, 4), slice(4, 8)), (slice(4, 8), slice(24, 28)))
     assert _as_runs(local_positions(32, 3, 4, "striped")) == ((slice(0, 8), slice(3, 32, 4)),)
@@ -251,7 +251,7 @@ class _RecordSdpa(torch.overrides.TorchFunctionMode):
 
 
 def _ulysses_with_documents(group, q, k, v, docs):
-    from parallelisms.cp_ulysses import ulysses_attention
+    from parallelisms.cp.exchange_ulysses import ulysses_attention
     recorder = _RecordSdpa()
     with recorder:
         out = ulysses_attention(q, k, v, group, is_causal=True, document_ids=docs)

@@ -3,8 +3,9 @@ and backward against every document run alone through plain SDPA, under NCCL's r
 import pytest
 import torch
 
-from parallelisms.document_layout import DocumentLayout
-from parallelisms.sequence_sharding import local_positions, shard_sequence
+from parallelisms.cp.layouts import DOCUMENTS
+from parallelisms.cp.plan_layout import DocumentLayout
+from parallelisms.cp.plan_sharding import local_positions, shard_sequence
 from tests.nccl_rules import run_ring_ranks
 from tests.parallelisms.attention_reference import per_document_attention, relative_error
 
@@ -68,9 +69,9 @@ def test_documents_are_whole_spread_over_every_rank_or_straddle_a_share_and_work
 
 def _documents_ring(group, q, k, v, grad_out, ids, impl="ring"):
     from parallelisms.context_parallel import ring_attention
-    from parallelisms.cp_allgather import allgather_attention
-    from parallelisms.cp_toolkit import CommStats
-    from parallelisms.ring_plan import DocumentShards
+    from parallelisms.cp.attention import allgather_attention
+    from parallelisms.cp.counters import CommStats
+    from parallelisms.cp.plan_pieces import DocumentShards
 
     layout = DocumentLayout.plan(ids, group.size)
 
@@ -135,8 +136,9 @@ def test_bf16_sparse_ring_and_allgather_stay_within_the_bf16_bound_of_every_docu
 
 
 def _documents_ulysses(group, q, k, v, grad_out, ids):
-    from parallelisms.cp_ulysses import concatenated_documents, concatenated_order_plan, ulysses_attention
-    from parallelisms.ring_plan import DocumentShards
+    from parallelisms.cp.exchange_alltoall import concatenated_documents, concatenated_order_plan
+    from parallelisms.cp.exchange_ulysses import ulysses_attention
+    from parallelisms.cp.plan_pieces import DocumentShards
 
     layout = DocumentLayout.plan(ids, group.size)
 
@@ -170,9 +172,9 @@ def test_ulysses_accepts_and_undoes_the_documents_layout(monkeypatch, cp):
 
 
 def _documents_hybrid(group, q, k, v, grad_out, ids):
-    from parallelisms.cp_hybrid import documents_ring_shards, hybrid_attention
-    from parallelisms.cp_ulysses import concatenated_order_plan
-    from parallelisms.ring_plan import DocumentShards
+    from parallelisms.cp.exchange_hybrid import documents_ring_shards, hybrid_attention
+    from parallelisms.cp.exchange_alltoall import concatenated_order_plan
+    from parallelisms.cp.plan_pieces import DocumentShards
     from tests.gpu.cp_cases import hybrid_2x2_groups
 
     layout = DocumentLayout.plan(ids, group.size)
@@ -209,7 +211,7 @@ def test_hybrid_2x2_runs_the_documents_layout(monkeypatch):
 
 def _zigzag_ring(group, q, k, v, grad_out, ids):
     from parallelisms.context_parallel import ring_attention
-    from parallelisms.cp_toolkit import CommStats
+    from parallelisms.cp.counters import CommStats
 
     def shard(x, dim=2):
         return shard_sequence(x, dim, group.rank, group.size, "zigzag")
@@ -244,12 +246,12 @@ def test_recipes_with_document_masking_default_to_the_documents_layout_which_nee
     recipe = tmp_path / "r.toml"
     recipe.write_text('[data]\ncorpus = ["pydoc"]\n')
     assert load_config(str(recipe)).parallelism.cp_load_balancer == "zigzag"
-    assert load_config(str(recipe), ["--data.document_masking", "true"]).parallelism.cp_load_balancer == "documents"
+    assert load_config(str(recipe), ["--data.document_masking", "true"]).parallelism.cp_load_balancer == DOCUMENTS
     named = ["--data.document_masking", "true", "--parallelism.cp_load_balancer", "zigzag"]
     assert load_config(str(recipe), named).parallelism.cp_load_balancer == "zigzag"
     ulysses = ["--data.document_masking", "true", "--parallelism.cp_impl", "ulysses"]
-    assert load_config(str(recipe), ulysses).parallelism.cp_load_balancer == "documents"
+    assert load_config(str(recipe), ulysses).parallelism.cp_load_balancer == DOCUMENTS
     hybrid = ["--data.document_masking", "true", "--parallelism.cp_impl", "hybrid"]
-    assert load_config(str(recipe), hybrid).parallelism.cp_load_balancer == "documents"
+    assert load_config(str(recipe), hybrid).parallelism.cp_load_balancer == DOCUMENTS
     with pytest.raises(RecipeError, match="cp_load_balancer = \"documents\".*needs data.document_masking = true"):
         load_config(str(recipe), ["--parallelism.cp_load_balancer", "documents"])

@@ -1,4 +1,4 @@
-"""Document masking by pieces (ring_plan.py): every CP variant against each document run alone through plain SDPA,
+"""Document masking by pieces (cp/plan_pieces.py): every CP variant against each document run alone through plain SDPA,
 and no S x S tensor anywhere in a masked forward + backward."""
 import itertools
 
@@ -21,10 +21,10 @@ def _documents() -> torch.Tensor:
 
 
 def _attention(variant: str, size: int):
-    from parallelisms.cp_allgather import allgather_attention
-    from parallelisms.cp_hybrid import hybrid_attention
-    from parallelisms.cp_ulysses import ulysses_attention
-    from parallelisms.ring_attention import ring_attention
+    from parallelisms.cp.attention import allgather_attention
+    from parallelisms.cp.exchange_hybrid import hybrid_attention
+    from parallelisms.cp.exchange_ulysses import ulysses_attention
+    from parallelisms.cp.attention import ring_attention
     if variant == "hybrid":
         return lambda *a, **kw: hybrid_attention(*a, ulysses_degree=min(size, 2), **kw)
     return {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}[variant]
@@ -138,7 +138,7 @@ def test_masked_attention_never_allocates_an_s_by_s_tensor():
 def _output_layouts(rank, size):
     """(output, dQ, dK) memory layouts of plain SDPA and of the document-masked ring at cp = 1 for the model's q/k/v:
     transposed views of (B, L, H, D) projections. True: (B, L, H, D) in memory."""
-    from parallelisms.ring_attention import ring_attention
+    from parallelisms.cp.attention import ring_attention
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, SEQ, h, 16, generator=gen).transpose(1, 2).requires_grad_() for h in (4, 2, 2))
     docs = _documents()[:1]

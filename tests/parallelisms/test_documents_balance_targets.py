@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench.cp_balance_counts import MIXES, packed_row
-from parallelisms.document_layout import DocumentLayout
+from parallelisms.cp.plan_layout import DocumentLayout
 
 BUSIEST_OVER_MEAN, STEP_EFFICIENCY, WEB_BYTES_VS_ZIGZAG = 1.02, 0.95, 0.3
 KV_BYTES, GRAD_BYTES = 2, 4

@@ -12,7 +12,7 @@ first by a count from a dense document mask (not the plan's own `visible_rows`).
 import pytest
 import torch
 
-from parallelisms.document_layout import DocumentLayout
+from parallelisms.cp.plan_layout import DocumentLayout
 from tests.distributed import run_ranks
 from tests.nccl_rules import run_ring_ranks
 from tests.parallelisms.attention_reference import per_document_attention, relative_error
@@ -103,9 +103,9 @@ def _wire_body(rank, size, cases, impls):
     import torch.distributed as dist
 
     from parallelisms.context_parallel import ring_attention
-    from parallelisms.cp_allgather import allgather_attention
-    from parallelisms.cp_toolkit import CommStats
-    from parallelisms.ring_plan import DocumentShards
+    from parallelisms.cp.attention import allgather_attention
+    from parallelisms.cp.counters import CommStats
+    from parallelisms.cp.plan_pieces import DocumentShards
     from tests.distributed import WireBytes
 
     out = {}

@@ -1,5 +1,5 @@
-"""The documents layout planned before the step (parallelisms/host_plan.py, issue 27): its whole-array pieces and
-exchange rows are exactly what the per-call planner (ring_plan.segment_pieces, DocumentShards.visible_rows) finds,
+"""The documents layout planned before the step (parallelisms/cp/plan_host.py, issue 27): its whole-array pieces and
+exchange rows are exactly what the per-call planner (plan_pieces.segment_pieces, DocumentShards.visible_rows) finds,
 and context_parallel handed the plan gives bit-identical outputs and gradients without planning anything itself."""
 import numpy as np
 import pytest
@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from bench.cp_balance_counts import MIXES, packed_row
 from parallelisms import context_parallel as cp_module
-from parallelisms import ring_plan
-from parallelisms.document_layout import DocumentLayout
-from parallelisms.host_plan import BatchPlan, RankPlan, Segments, pieces_between
-from parallelisms.ring_plan import DocumentShards
+from parallelisms.cp import plan_pieces as ring_plan
+from parallelisms.cp.plan_layout import DocumentLayout
+from parallelisms.cp.plan_host import BatchPlan, RankPlan, Segments, pieces_between
+from parallelisms.cp.plan_pieces import DocumentShards
 from tests.nccl_rules import run_ring_ranks
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from bench.cp_balance_counts import MIXES, packed_row
-from parallelisms import document_layout
-from parallelisms.document_layout import plan_row
+from parallelisms.cp import plan_layout as document_layout
+from parallelisms.cp.plan_layout import plan_row
 
 pytestmark = pytest.mark.timeout(120)
 

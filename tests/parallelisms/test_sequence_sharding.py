@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from parallelisms.context_parallel import check_sequence_length, local_positions, shard_sequence
-from parallelisms.ring_plan import FULL, BlockTask, DocumentShards, block_tasks, document_runs, task_pieces
+from parallelisms.cp.plan_piece import BlockTask, FULL
+from parallelisms.cp.plan_pieces import DocumentShards, block_tasks, document_runs, task_pieces
 from config import RecipeError
 
 

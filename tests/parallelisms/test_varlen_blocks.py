@@ -1,4 +1,4 @@
-"""The CUDA varlen path of document blocks (parallelisms/varlen_blocks.py), checked without a GPU:
+"""The CUDA varlen path of document blocks (parallelisms/cp/kernel_varlen.py), checked without a GPU:
 - exactness of its orchestration (packed gathers, fused rectangles, log-sum-exp merges of the causal and the
   rectangle call, gradient scatters with repeated key rows) on CPU, the two varlen ops answered by a float64
   stand-in, against a float64 per-document reference with explicit masks;
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-import parallelisms.cp_toolkit as cp_toolkit
-import parallelisms.ring_attention as ring_attention
-from parallelisms.cp_ulysses import concatenated_documents
-from parallelisms.document_layout import DocumentLayout
-from parallelisms.ring_attention import local_segment_attention
-from parallelisms.ring_plan import DocumentShards
-from parallelisms.varlen_blocks import plan_calls
+import parallelisms.cp.kernel_calls as cp_toolkit
+import parallelisms.cp.exchange_ring as ring_attention
+from parallelisms.cp.exchange_alltoall import concatenated_documents
+from parallelisms.cp.plan_layout import DocumentLayout
+from parallelisms.cp.attention import local_segment_attention
+from parallelisms.cp.plan_pieces import DocumentShards
+from parallelisms.cp.kernel_varlen import plan_calls
 from tests.parallelisms.attention_reference import relative_error
 from tests.parallelisms.varlen_reference import ReferenceVarlen
 from training import cuda_path_probe as probe

@@ -8,7 +8,7 @@ import torch
 
 from data.loader import build_dataloader
 from data.placement import StepPlacement, StepSlots
-from parallelisms.document_layout import DocumentLayout
+from parallelisms.cp.plan_layout import DocumentLayout
 from tests.data.test_loader import DOCUMENTS, NumberedTokenizer
 from training.batch_plans import CpPlanning, step_loader
 

@@ -7,7 +7,7 @@ one batch ahead and with whole-array numpy operations, the step only moves finis
 (non_blocking) and nothing inside the attention reads a device tensor back. Everything is integer arithmetic on the
 ids, so every rank makes the same plan by construction.
 
-The arrays describe what `ring_plan.segment_pieces` and `DocumentShards.visible_rows` describe (tests compare them):
+The arrays describe what `plan_pieces.segment_pieces` and `DocumentShards.visible_rows` describe (tests compare them):
 - a segment is a run of one document at consecutive global positions inside one rank's shard of one row;
 - query segment (doc, a..b, position qpos) of rank r sees key segment (doc, c..d, kpos) of source s whole when the
   keys end before the queries start (kpos + d - c <= qpos), as a causal square when it is the same segment (s == r,
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from parallelisms.document_layout import plan_row
+from parallelisms.cp.plan_layout import plan_row
 
 PIECE_COLUMNS = ("batch", "q_start", "q_end", "kv_start", "kv_end", "causal")
-"""The columns of a piece array, one row per mask-free kernel call (as ring_plan.Piece)."""
+"""The columns of a piece array, one row per mask-free kernel call (as plan_piece.Piece)."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ class BatchPlan:
 
     @classmethod
     def build(cls, document_ids: np.ndarray, cp_size: int, cp_rank: int, cp_impl: str = "ring") -> "BatchPlan":
-        """From (B, S) numpy ids: the layout (document_layout.plan_row per row) and the variant's rank plan."""
+        """From (B, S) numpy ids: the layout (plan_layout.plan_row per row) and the variant's rank plan."""
         positions = np.stack([plan_row(row, cp_size) for row in document_ids], axis=1)
         ids = np.take_along_axis(document_ids[None], positions, axis=2)
         plan = cls(torch.from_numpy(positions), torch.from_numpy(ids), cp_rank)

@@ -1,6 +1,6 @@
 """All pieces of one (rank, source) block in at most two CUDA flash varlen calls, forward and backward.
 
-A block cut by documents is a list of mask-free pieces (ring_plan.py): causal squares (a segment against itself) and
+A block cut by documents is a list of mask-free pieces (plan_pieces.py): causal squares (a segment against itself) and
 full rectangles. Calling a kernel per piece costs a launch plus ~7 merge kernels each, and most pieces are far
 smaller than one 128 x 128 flash tile. Here every piece becomes one sequence of a varlen call
 (`aten._flash_attention_forward` with `cum_seq_q` / `cum_seq_k`, backward `aten._flash_attention_backward`):
@@ -19,7 +19,8 @@ and the backward wants that same (Hq, total_q) log-sum-exp and returns dK/dV in 
 Rows are addressed by (batch row, sequence row) index pairs on the device: one gather (`x.transpose(1, 2)[b, l]`) and
 one scatter (`index_put_`) per tensor, whatever the memory layout of the (B, H, L, D) tensor. The plan of a block
 (indices, offsets, longest sequences) is built once per batch on the host and cached with the document shards.
-CPU has no varlen kernel: it keeps the per-piece calls (cp_toolkit.block_forward / block_backward).
+CPU has no varlen kernel: it keeps the per-piece calls (kernel_calls.block_forward / block_backward); kernel_calls.uses_varlen
+chooses.
 """
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from parallelisms.attention_blocks import CudaFlashBlock, choose_block_kernel
-from parallelisms.ring_plan import Piece
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the kernels stay a leaf of the package
+    from parallelisms.cp.plan_piece import Piece
 
 aten = torch.ops.aten
 
@@ -98,15 +101,6 @@ def plan_calls(pieces: list[Piece], device) -> list[VarlenCall]:
         if seqs:
             calls.append(_call(seqs, causal, device))
     return calls
-
-
-def uses_varlen(q: torch.Tensor, pieces: list[Piece]) -> bool:
-    """CUDA flash (fp16/bf16, head dim it serves) and a block cut into single-row pieces (documents)."""
-    if not pieces or q.device.type != "cuda":
-        return False
-    if not isinstance(choose_block_kernel(q, needs_mask=False), CudaFlashBlock):
-        return False
-    return all(p.batch.stop is not None and p.batch.stop - p.batch.start == 1 for p in pieces)
 
 
 def gather_tokens(x: torch.Tensor, batch: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

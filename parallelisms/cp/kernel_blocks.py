@@ -12,9 +12,9 @@ routed back into the ring by the context-parallel mode):
   a GPU by `./run_tests.sh --gpu`.
 Blocks with `is_causal=True` always have Lq == Lk, so top-left (CPU) and bottom-right (CUDA flash) alignment agree.
 Every kernel returns lse as float32 (B, H, Lq). The CP variants never pass a mask: document masking is computed as
-mask-free pieces (ring_plan.py), so half-precision runs with documents get CUDA flash too. The mask path stays for
+mask-free pieces (plan_pieces.py), so half-precision runs with documents get CUDA flash too. The mask path stays for
 callers with a genuinely dense mask. On CUDA flash the CP variants put all pieces of one block into at most two
-varlen calls (varlen_blocks.py); these per-piece kernels serve CPU, the efficient kernel and undivided blocks.
+varlen calls (kernel_varlen.py); these per-piece kernels serve CPU, the efficient kernel and undivided blocks.
 """
 from __future__ import annotations
 

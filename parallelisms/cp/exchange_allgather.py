@@ -1,26 +1,30 @@
 """All-gather context parallelism (Llama 3's CP): one all-gather of K/V, then local queries against the whole sequence.
 
-Same layouts, block plan and document pieces as the ring (ring_plan.py), but the K/V of every rank arrive in one
+Same layouts, block plan and document pieces as the ring (plan_pieces.py), but the K/V of every rank arrive in one
 collective instead of P-1 hops. The local (diagonal) block is computed while the gather is in flight. Pieces that
 share their batch and query rows and are full rectangles are concatenated along the keys and computed in ONE kernel
 call (zigzag without documents: at most three calls per rank whatever P is), so the kernels see long blocks.
 Backward gathers K/V again (nothing P-sized is kept between forward and backward) and returns each block's dK/dV to
-its owner with a reduce-scatter in float32. The "documents" layout runs cp_allgather_sparse.py instead (only the
+its owner with a reduce-scatter in float32. The DOCUMENTS layout runs exchange_allgather_sparse.py instead (only the
 visible rows move, by an all-to-all with variable splits).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from parallelisms.comm import all_gather_single, reduce_scatter_single
-from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAttentionFunction, RowBuffer,
-                                     block_backward, block_forward, count_sent, lse_for_backward, nbytes, pack_kv,
-                                     prepare_call, unpack_kv)
-from parallelisms.cp_allgather_sparse import sparse_allgather_backward, sparse_allgather_forward
-from parallelisms.ring_plan import FULL, DocumentShards, Piece
+from parallelisms.cp.accumulators import LseAccumulator, RowBuffer, lse_for_backward
+from parallelisms.cp.counters import count_sent, nbytes
+from parallelisms.cp.kernel_calls import block_backward, block_forward
+from parallelisms.cp.plan_piece import FULL, Piece
+from parallelisms.cp.rows import pack_kv, unpack_kv
+
+if TYPE_CHECKING:
+    from parallelisms.cp.block_spec import BlockSpec
 
 
 def _length(rows: slice, local_len: int) -> int:
@@ -141,15 +145,3 @@ def allgather_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
         mine = dkv[0]
     dk, dv = unpack_kv(mine, k, v)
     return dq.finish().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,
-                        scale: float | None = None, load_balancer: str = "zigzag",
-                        document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
-                        _documents: DocumentShards | None = None) -> torch.Tensor:
-    """Exact attention of this rank's queries; same arguments, layouts and results as `ring_attention`."""
-    pg, docs = prepare_call(q, k, v, group, load_balancer, document_ids, _documents)
-    spec = BlockSpec(pg, is_causal, scale, load_balancer, docs, stats)
-    if load_balancer == "documents":  # only the rows each rank can see move (cp_allgather_sparse.py)
-        return LseAttentionFunction.apply(q, k, v, spec, sparse_allgather_forward, sparse_allgather_backward)
-    return LseAttentionFunction.apply(q, k, v, spec, allgather_forward, allgather_backward)

@@ -7,7 +7,7 @@ head chunks form its head, their tail chunks its tail); the same holds for conti
 for every other variant, the all-to-all places the group's tokens in ring rank rho's local order, and the ring runs
 unchanged over R ranks with U-times fewer heads. Striped does not decompose this way and is refused. The
 "documents" layout needs no decomposition: the all-to-all keeps the group's tokens in member order and the sparse
-ring (ring_sparse.py) runs over the R ring ranks on their ids and positions (`documents_ring_shards`).
+ring (exchange_ring_sparse.py) runs over the R ring ranks on their ids and positions (`documents_ring_shards`).
 
 The sub-groups are made at setup, by every world rank, with the run's mesh (parallelisms/stage_meshes.py) and passed
 in (`_groups`): on NCCL with a bound device, creating a group splits the world communicator, which every world rank
@@ -22,12 +22,13 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from parallelisms.cp_ulysses import ExchangePlan, exchange_heads_to_seq, exchange_seq_to_heads, replicate_kv
-from parallelisms.cp_toolkit import CommStats, UnsupportedAttentionError
-from parallelisms.ring_attention import ring_attention
-from parallelisms.ring_plan import DocumentShards
-from parallelisms.sequence_sharding import (check_load_balancer, check_sequence_length, local_positions,
-                                            resolve_group, unshard_sequence)
+from parallelisms.cp.attention import ring_attention
+from parallelisms.cp.counters import CommStats, UnsupportedAttentionError
+from parallelisms.cp.exchange_alltoall import ExchangePlan, exchange_heads_to_seq, exchange_seq_to_heads, replicate_kv
+from parallelisms.cp.groups import resolve_group
+from parallelisms.cp.layouts import DOCUMENTS, STRIPED, ZIGZAG, check_load_balancer, check_sequence_length
+from parallelisms.cp.plan_pieces import DocumentShards
+from parallelisms.cp.plan_sharding import local_positions, unshard_sequence
 
 # Communicators derived from a CP group, per Ulysses degree: created once per process (creation is a rendezvous).
 _SUBGROUP_CACHE: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.WeakKeyDictionary()
@@ -38,7 +39,7 @@ def check_hybrid(cp_size: int, ulysses_degree: int, load_balancer: str) -> None:
         divisors = [d for d in range(1, cp_size + 1) if cp_size % d == 0]
         raise UnsupportedAttentionError(f"hybrid CP: ulysses_degree {ulysses_degree} must divide the CP degree "
                                         f"{cp_size}; use one of {divisors}")
-    if load_balancer == "striped" and 1 < ulysses_degree < cp_size:
+    if load_balancer == STRIPED and 1 < ulysses_degree < cp_size:
         raise UnsupportedAttentionError("hybrid CP with the striped layout does not split into Ulysses x ring "
                                         "groups; use parallelism.cp_load_balancer = \"zigzag\" (or contiguous)")
 
@@ -78,7 +79,8 @@ def ring_documents(full_ids: torch.Tensor, cp_size: int, ulysses_degree: int, lo
 
 def documents_ring_shards(documents: DocumentShards, ulysses_degree: int) -> DocumentShards:
     """On the documents layout, ring rank rho attends over its U members' tokens concatenated in member order
-    (cp_ulysses.concatenated_order_plan): their ids and positions, the sparse ring's plan over the R ring ranks."""
+    (exchange_alltoall.concatenated_order_plan): their ids and positions, the sparse ring's plan over the R ring
+    ranks."""
     size = len(documents.per_rank)
     ids = [torch.cat(documents.per_rank[rho:rho + ulysses_degree], dim=1) for rho in range(0, size, ulysses_degree)]
     positions = torch.stack([torch.cat(list(documents.positions[rho:rho + ulysses_degree]), dim=1)
@@ -87,7 +89,7 @@ def documents_ring_shards(documents: DocumentShards, ulysses_degree: int) -> Doc
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, ulysses_degree: int,
-                     is_causal: bool = True, scale: float | None = None, load_balancer: str = "zigzag",
+                     is_causal: bool = True, scale: float | None = None, load_balancer: str = ZIGZAG,
                      document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
                      _plan: ExchangePlan | None = None, _documents: DocumentShards | None = None,
                      _groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None) -> torch.Tensor:
@@ -100,7 +102,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=No
     seq_len = q.size(2) * size
     check_sequence_length(seq_len, size, load_balancer)
     check_hybrid(size, ulysses_degree, load_balancer)
-    if load_balancer == "documents" and (_plan is None or _documents is None):
+    if load_balancer == DOCUMENTS and (_plan is None or _documents is None):
         raise UnsupportedAttentionError("hybrid_attention on the documents layout needs its plan and documents: call "
                                         "it through context_parallel(..., load_balancer='documents', cp_impl='hybrid')")
     ulysses_pg, ring_pg = _groups or hybrid_groups(pg, ulysses_degree)

@@ -16,40 +16,19 @@ rectangles and top-left causal squares, which every kernel computes without a ma
 (out, lse) merge exactly. A (S x S) mask would cost 32 GiB per block at 128K tokens per rank; pieces cost O(runs) and
 the work is the visible pairs. Rows that see nothing get no piece (out 0, lse -inf in the accumulator).
 
-The "documents" layout (document_layout.py) is planned per row, so no fixed block task describes it. Its pieces come
+The "documents" layout (plan_layout.py) is planned per row, so no fixed block task describes it. Its pieces come
 from position segments instead (runs of one document at consecutive global positions): two segments of one document
 on different ranks hold disjoint position intervals, so a query segment sees a key segment whole (keys earlier),
 not at all (keys later), or as a causal square (the same segment). `visible_rows` lists the K/V rows of a source
-that a rank's pieces read: all the sparse ring (ring_sparse.py) sends.
+that a rank's pieces read: all the sparse ring (exchange_ring_sparse.py) sends.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from parallelisms.sequence_sharding import local_positions
-
-FULL = slice(None)
-
-
-@dataclass(frozen=True)
-class BlockTask:
-    q_rows: slice
-    kv_rows: slice
-    is_causal: bool  # top-left aligned; only ever used with as many Q rows as K/V rows
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One mask-free kernel call: `batch` rows, `q_rows` of the local queries against `kv_rows` of the source's K/V.
-    Causal pieces are squares (Lq == Lk), so top-left (CPU) and bottom-right (CUDA flash) alignment agree."""
-    batch: slice
-    q_rows: slice
-    kv_rows: slice
-    is_causal: bool
-
+from parallelisms.cp.layouts import CONTIGUOUS, STRIPED, ZIGZAG, fixed_positions
+from parallelisms.cp.plan_piece import FULL, BlockTask, Piece
 
 def block_tasks(rank: int, src: int, cp_size: int, local_len: int, load_balancer: str,
                 is_causal: bool) -> list[BlockTask]:
@@ -57,14 +36,14 @@ def block_tasks(rank: int, src: int, cp_size: int, local_len: int, load_balancer
         return [BlockTask(FULL, FULL, False)]
     if src == rank:
         return [BlockTask(FULL, FULL, True)]
-    if load_balancer == "contiguous":
+    if load_balancer == CONTIGUOUS:
         return [BlockTask(FULL, FULL, False)] if src < rank else []
-    if load_balancer == "zigzag":
+    if load_balancer == ZIGZAG:
         half = local_len // 2
         if src < rank:
             return [BlockTask(FULL, slice(0, half), False)]
         return [BlockTask(slice(half, local_len), FULL, False)]
-    if load_balancer == "striped":
+    if load_balancer == STRIPED:
         if src < rank:
             return [BlockTask(FULL, FULL, True)]
         return [BlockTask(slice(1, local_len), slice(0, local_len - 1), True)] if local_len > 1 else []
@@ -172,8 +151,8 @@ class DocumentShards:
     def __init__(self, per_rank: list[torch.Tensor], positions: torch.Tensor | None = None, rank_plan=None):
         self.per_rank = per_rank
         self.positions = positions  # (P, B, L) host positions of the "documents" layout, else None
-        self.rank_plan = rank_plan  # host_plan.RankPlan made before the step (its rank's pieces and rows), or None
-        self.concatenated_plan = None  # the same for Ulysses over the rank-ordered concatenation (cp_ulysses.py)
+        self.rank_plan = rank_plan  # plan_host.RankPlan made before the step (its rank's pieces and rows), or None
+        self.concatenated_plan = None  # the same for Ulysses over the rank-ordered concatenation (exchange_ulysses.py)
         self._runs: list[list[list[Run]]] | None = None
         self._segments: list[list[list[Segment]]] | None = None
         self._pieces: dict = {}
@@ -185,7 +164,7 @@ class DocumentShards:
 
     @classmethod
     def from_plan(cls, plan) -> "DocumentShards":
-        """From a host_plan.BatchPlan made before the step: host ids and positions, and its rank's pieces and rows
+        """From a plan_host.BatchPlan made before the step: host ids and positions, and its rank's pieces and rows
         (nothing is planned or read back from the device here)."""
         shards = cls(list(plan.per_rank_ids), plan.positions, plan.ring)
         shards.concatenated_plan = plan.ulysses
@@ -253,7 +232,7 @@ class DocumentShards:
     @classmethod
     def from_full(cls, full_ids: torch.Tensor, cp_size: int, load_balancer: str) -> "DocumentShards":
         seq_len = full_ids.size(1)
-        return cls([full_ids.index_select(1, local_positions(seq_len, r, cp_size, load_balancer,
+        return cls([full_ids.index_select(1, fixed_positions(seq_len, r, cp_size, load_balancer,
                                                               device=full_ids.device))
                     for r in range(cp_size)])
 

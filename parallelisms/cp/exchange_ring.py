@@ -5,20 +5,23 @@ current block is computed (double buffer). Backward (custom autograd function): 
 ring again together with float32 dK/dV accumulators, and one last hop returns each accumulator to the rank that owns
 the block. Every block backward uses the final output and log-sum-exp; nothing else is recomputed. P = 1 runs the same
 code with no transfers; so does `local_segment_attention` (no group at all: Ulysses after its all-to-all). With
-documents every block is computed as mask-free pieces (ring_plan.py). The shared parts (block spec, accumulator,
-packing, autograd) are in cp_toolkit.py. The "documents" layout runs the sparse shifts of ring_sparse.py instead.
+documents every block is computed as mask-free pieces (plan_pieces.py). The DOCUMENTS layout runs the sparse shifts
+of exchange_ring_sparse.py instead; `attention.ring_attention` picks the pair from the dispatch table.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from parallelisms.comm import RingLinks, wait_all
-from parallelisms.cp_toolkit import (BlockSpec, CommStats, LseAccumulator, LseAttentionFunction, RowBuffer,
-                                     add_kv_grads, backward_pieces, block_backward, count_sent, forward_pieces,
-                                     lse_for_backward, nbytes, pack_kv, prepare_call, unpack_kv)
-from parallelisms.ring_plan import DocumentShards
-from parallelisms.ring_sparse import sparse_backward, sparse_forward
-from parallelisms.varlen_blocks import uses_varlen
+from parallelisms.cp.accumulators import LseAccumulator, RowBuffer, lse_for_backward
+from parallelisms.cp.counters import count_sent, nbytes
+from parallelisms.cp.kernel_calls import add_kv_grads, backward_pieces, block_backward, forward_pieces, uses_varlen
+from parallelisms.cp.rows import pack_kv, unpack_kv
+
+if TYPE_CHECKING:
+    from parallelisms.cp.block_spec import BlockSpec
 
 KV_TAG = 0
 
@@ -118,30 +121,3 @@ def _local_backward(dout, q, k, v, out, lse, aux_iter, spec: BlockSpec):
         dk.add(gk, piece.batch, piece.kv_rows)
         dv.add(gv, piece.batch, piece.kv_rows)
     return tuple(g.finish().to(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
-
-
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,
-                   scale: float | None = None, load_balancer: str = "zigzag", document_ids: torch.Tensor | None = None,
-                   stats: CommStats | None = None, _documents: DocumentShards | None = None) -> torch.Tensor:
-    """Exact attention of this rank's queries against the whole sharded sequence.
-
-    q: (B, Hq, S_local, D); k, v: (B, Hkv, S_local, D) with Hq % Hkv == 0, sharded by `load_balancer`.
-    `group`: a ProcessGroup or 1-D DeviceMesh (size 1 is valid). `document_ids` (B, S_local), sharded like the tokens:
-    queries see only keys of their own document (combined with causality when `is_causal`).
-    """
-    pg, docs = prepare_call(q, k, v, group, load_balancer, document_ids, _documents)
-    spec = BlockSpec(pg, is_causal, scale, load_balancer, docs, stats)
-    if load_balancer == "documents":  # only the rows each rank can see travel (ring_sparse.py)
-        return LseAttentionFunction.apply(q, k, v, spec, sparse_forward, sparse_backward)
-    return LseAttentionFunction.apply(q, k, v, spec, ring_forward, ring_backward)
-
-
-def local_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentShards | None, *,
-                            is_causal: bool = True, scale: float | None = None) -> torch.Tensor:
-    """Exact attention over one whole sequence held by this rank (q (B, Hq, S, D), k/v (B, Hkv, S, D), positions in
-    order), with `documents` of that sequence (one shard): the ring's pieces at P = 1 without a process group. Ulysses
-    runs this after its all-to-all, so documents never need an (S, S) mask there either. `documents` with positions
-(the documents layout, in any order) are cut by position segments instead."""
-    layout = "documents" if documents is not None and documents.positions is not None else "contiguous"
-    spec = BlockSpec(None, is_causal, scale, layout, documents, None)
-    return LseAttentionFunction.apply(q, k, v, spec, ring_forward, ring_backward)

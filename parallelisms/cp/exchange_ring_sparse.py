@@ -8,43 +8,26 @@ with no rows posts nothing, and a step in which no pair has rows is skipped, exc
 batch_isend_irecv group, posted in the same order everywhere (NCCL's rules, comm.py).
 
 Forward: the next active step's group is posted before the current step is computed. Received rows are copied into
-a block at their own rows, so the document pieces (ring_plan.segment_pieces) read them as in the dense ring.
+a block at their own rows, so the document pieces (plan_pieces.segment_pieces) read them as in the dense ring.
 Backward: K/V rows travel again; the float32 dK/dV of the rows received at one step go straight back to their owner
 in the next step's group, and one last group returns the final step's.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from parallelisms.comm import ShiftLinks, wait_all
-from parallelisms.cp_toolkit import (BlockSpec, LseAccumulator, RowBuffer, add_kv_grads, backward_pieces,
-                                     count_sent, forward_pieces, lse_for_backward, nbytes)
+from parallelisms.cp.accumulators import LseAccumulator, RowBuffer, lse_for_backward
+from parallelisms.cp.counters import count_sent, nbytes
+from parallelisms.cp.kernel_calls import DocumentBlockBackward, DocumentBlockForward
+from parallelisms.cp.rows import block_view, flat_rows, grad_rows_buffers, pack_rows, received_block, unpack_rows
+
+if TYPE_CHECKING:
+    from parallelisms.cp.block_spec import BlockSpec
 
 KV_TAG, GRAD_TAG = 0, 1
-
-
-def _flat_rows(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, D) -> (B * L, H * D): one row per token (a view when x is a (B, L, H, D) projection seen as
-    (B, H, L, D))."""
-    b, h, length, d = x.shape
-    return x.transpose(1, 2).reshape(b * length, h * d)
-
-
-def _block_view(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A (B * L, H * D) buffer seen as `like`'s (B, H, L, D)."""
-    b, h, length, d = like.shape
-    return flat.view(b, length, h, d).transpose(1, 2)
-
-
-def _pack_rows(k, v, rows: torch.Tensor, dtype=None) -> torch.Tensor:
-    return torch.cat([_flat_rows(k).index_select(0, rows).reshape(-1),
-                      _flat_rows(v).index_select(0, rows).reshape(-1)]).to(dtype or k.dtype)
-
-
-def _unpack_rows(buf: torch.Tensor, k, v, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, Hkv * D) views of K and V in a `_pack_rows` buffer."""
-    width = k.size(1) * k.size(3)
-    return buf[:n_rows * width].view(n_rows, width), buf[n_rows * width:].view(n_rows, width)
 
 
 class ShiftPlan:
@@ -80,7 +63,7 @@ def _post_kv(links: ShiftLinks, plan: ShiftPlan, shift: int, k, v, spec: BlockSp
     if shift is not None:
         out_rows, in_rows = plan.send_rows[shift], plan.recv_rows[shift]
         if out_rows.numel():
-            sends.append((shift, _pack_rows(k, v, out_rows), KV_TAG))
+            sends.append((shift, pack_rows(k, v, out_rows), KV_TAG))
         if in_rows.numel():
             kv_in = k.new_empty(2 * in_rows.numel() * k.size(1) * k.size(3))
             receives.append((-shift, kv_in, KV_TAG))
@@ -97,22 +80,10 @@ def _post_kv(links: ShiftLinks, plan: ShiftPlan, shift: int, k, v, spec: BlockSp
     return links.exchange(sends, receives), kv_in, grad_in
 
 
-def _received_block(buf: torch.Tensor, rows: torch.Tensor, k, v):
-    """The received rows written at their own rows of (B, Hkv, L, D) blocks (other rows are never read)."""
-    in_k, in_v = _unpack_rows(buf, k, v, rows.numel())
-    k_blk, v_blk = (torch.empty_like(_flat_rows(x)) for x in (k, v))
-    k_blk.index_copy_(0, rows, in_k)
-    v_blk.index_copy_(0, rows, in_v)
-    return _block_view(k_blk, k), _block_view(v_blk, v)
-
-
 def sparse_forward(q, k, v, spec: BlockSpec):
     links = ShiftLinks(spec.group)
     plan = ShiftPlan.of(spec, links, k.device)
-    acc, auxes = LseAccumulator(q, v), []
-
-    def compute(src, k_blk, v_blk):
-        forward_pieces(q, k_blk, v_blk, spec.docs.layout_pieces(plan.rank, src, spec.is_causal), spec, acc, auxes)
+    compute = DocumentBlockForward(spec, plan.rank, q, LseAccumulator(q, v))
 
     shifts = plan.shifts
     pending = _post_kv(links, plan, shifts[0], k, v, spec, False) if shifts else None
@@ -122,43 +93,24 @@ def sparse_forward(q, k, v, spec: BlockSpec):
         wait_all(works)
         pending = _post_kv(links, plan, shifts[j + 1], k, v, spec, False) if j + 1 < len(shifts) else None
         if kv_in is not None:
-            compute(plan.source(shift), *_received_block(kv_in, plan.recv_rows[shift], k, v))
+            compute(plan.source(shift), *received_block(kv_in, plan.recv_rows[shift], k, v))
     if spec.stats is not None:
         spec.stats.calls += 1
-    return (*acc.finish(), auxes)
-
-
-def grad_rows_buffers(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed float32 dK/dV accumulators, one row per token: (B * L, Hkv * D)."""
-    return tuple(torch.zeros(_flat_rows(x).shape, dtype=torch.float32, device=x.device) for x in (k, v))
-
-
-def backward_block(spec: BlockSpec, rank: int, src: int, dout, q, k_blk, v_blk, out, lse, aux_iter, dq: RowBuffer,
-                   dk_flat: torch.Tensor, dv_flat: torch.Tensor) -> None:
-    """This rank's queries against `src`'s K/V block, piece by piece of the plan (or its varlen calls on CUDA): dQ
-    into `dq`, dK/dV added into `src`'s float32 row accumulators (shared by the sparse ring and the sparse
-    all-gather)."""
-    pieces = spec.docs.layout_pieces(rank, src, spec.is_causal)
-    kv_grads = backward_pieces(dout, q, k_blk, v_blk, out, lse, aux_iter, pieces, spec, dq)
-    add_kv_grads(kv_grads, _block_view(dk_flat, k_blk), _block_view(dv_flat, v_blk))
+    return compute.finish()
 
 
 def sparse_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
     links = ShiftLinks(spec.group)
     plan = ShiftPlan.of(spec, links, k.device)
-    lse = lse_for_backward(lse)
-    aux_iter = iter(auxes)
     dq = RowBuffer(q, q.shape, 0.0)  # (B, Hq, L, D) float32
+    compute = DocumentBlockBackward(spec, plan.rank, dout, q, out, lse_for_backward(lse), auxes, dq)
     own_dk, own_dv = grad_rows_buffers(k, v)
-
-    def compute(src, k_blk, v_blk, dk_flat, dv_flat):
-        backward_block(spec, plan.rank, src, dout, q, k_blk, v_blk, out, lse, aux_iter, dq, dk_flat, dv_flat)
 
     def take_grads(shift, grad_in):
         """Adds the dK/dV of this rank's rows that rank + shift computed into its own accumulators."""
         if grad_in is not None:
             rows = plan.send_rows[shift]
-            gk, gv = _unpack_rows(grad_in, k, v, rows.numel())
+            gk, gv = unpack_rows(grad_in, k, v, rows.numel())
             own_dk.index_add_(0, rows, gk)
             own_dv.index_add_(0, rows, gv)
 
@@ -179,8 +131,8 @@ def sparse_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
         finished = (shift, None)
         if kv_in is not None:
             rows = plan.recv_rows[shift]
-            dk_flat, dv_flat = (torch.zeros(_flat_rows(x).shape, dtype=torch.float32, device=x.device) for x in (k, v))
-            compute(plan.source(shift), *_received_block(kv_in, rows, k, v), dk_flat, dv_flat)
+            dk_flat, dv_flat = (torch.zeros(flat_rows(x).shape, dtype=torch.float32, device=x.device) for x in (k, v))
+            compute(plan.source(shift), *received_block(kv_in, rows, k, v), dk_flat, dv_flat)
             finished = (shift, torch.cat([dk_flat.index_select(0, rows).reshape(-1),
                                           dv_flat.index_select(0, rows).reshape(-1)]))
     if finished is not None:
@@ -188,4 +140,4 @@ def sparse_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
                                      grad_rows=plan.send_rows[finished[0]])
         wait_all(works)
         take_grads(finished[0], grad_in)
-    return (dq.finish().to(q.dtype), _block_view(own_dk, k).to(k.dtype), _block_view(own_dv, v).to(v.dtype))
+    return (dq.finish().to(q.dtype), block_view(own_dk, k).to(k.dtype), block_view(own_dv, v).to(v.dtype))

@@ -3,20 +3,26 @@ the K/V rows it can see (DocumentShards.visible_rows, known to every rank from t
 negotiation); a batch in which no rank sees another's rows posts no collective at all.
 
 Forward: the local pieces are computed while the all-to-all is in flight, then each source's pieces against its
-rows, written at their own rows of a block (ring_sparse.py's helpers). Backward: the same all-to-all of K/V rows,
+rows, written at their own rows of a block (rows.py), by the compute step the sparse ring runs too
+(kernel_calls.DocumentBlockForward / DocumentBlockBackward). Backward: the same all-to-all of K/V rows,
 then one all-to-all back (splits swapped) of the float32 dK/dV of exactly the rows received, added into each
 owner's own accumulators.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from parallelisms.comm import all_to_all_rows
-from parallelisms.cp_toolkit import (BlockSpec, LseAccumulator, RowBuffer, count_sent, forward_pieces,
-                                     lse_for_backward, nbytes)
-from parallelisms.ring_sparse import (_block_view, _pack_rows, _received_block, _unpack_rows, backward_block,
-                                      grad_rows_buffers)
+from parallelisms.cp.accumulators import LseAccumulator, RowBuffer, lse_for_backward
+from parallelisms.cp.counters import count_sent, nbytes
+from parallelisms.cp.kernel_calls import DocumentBlockBackward, DocumentBlockForward
+from parallelisms.cp.rows import block_view, grad_rows_buffers, pack_rows, received_block, unpack_rows
+
+if TYPE_CHECKING:
+    from parallelisms.cp.block_spec import BlockSpec
 
 
 class RowsPlan:
@@ -44,7 +50,7 @@ def _exchange_kv(k, v, plan: RowsPlan, spec: BlockSpec, backward: bool):
     """Posts the all-to-all of visible K/V rows: (receive buffer, work) or (None, None) when nobody sends."""
     if not plan.anyone_sends:
         return None, None
-    send = torch.cat([_pack_rows(k, v, rows) for rows in plan.send])
+    send = torch.cat([pack_rows(k, v, rows) for rows in plan.send])
     recv = k.new_empty(sum(plan.recv_splits))
     work = all_to_all_rows(recv, send, plan.recv_splits, plan.send_splits, spec.group, async_op=True)
     count_sent(spec.stats, nbytes(send), backward=backward)
@@ -56,17 +62,14 @@ def _sources(recv: torch.Tensor, plan: RowsPlan, k, v):
     at = 0
     for src, (rows, n) in enumerate(zip(plan.recv, plan.recv_splits)):
         if n:
-            yield src, *_received_block(recv[at:at + n], rows, k, v)
+            yield src, *received_block(recv[at:at + n], rows, k, v)
         at += n
 
 
 def sparse_allgather_forward(q, k, v, spec: BlockSpec):
     plan = RowsPlan.of(spec, k.device, k.size(1) * k.size(3))
     recv, work = _exchange_kv(k, v, plan, spec, backward=False)
-    acc, auxes = LseAccumulator(q, v), []
-
-    def compute(src, k_blk, v_blk):
-        forward_pieces(q, k_blk, v_blk, spec.docs.layout_pieces(plan.rank, src, spec.is_causal), spec, acc, auxes)
+    compute = DocumentBlockForward(spec, plan.rank, q, LseAccumulator(q, v))
 
     compute(plan.rank, k, v)
     if work is not None:
@@ -75,19 +78,15 @@ def sparse_allgather_forward(q, k, v, spec: BlockSpec):
             compute(src, k_blk, v_blk)
     if spec.stats is not None:
         spec.stats.calls += 1
-    return (*acc.finish(), auxes)
+    return compute.finish()
 
 
 def sparse_allgather_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
     plan = RowsPlan.of(spec, k.device, k.size(1) * k.size(3))
     recv, work = _exchange_kv(k, v, plan, spec, backward=True)
-    lse = lse_for_backward(lse)
-    aux_iter = iter(auxes)
     dq = RowBuffer(q, q.shape, 0.0)
+    compute = DocumentBlockBackward(spec, plan.rank, dout, q, out, lse_for_backward(lse), auxes, dq)
     own_dk, own_dv = grad_rows_buffers(k, v)
-
-    def compute(src, k_blk, v_blk, dk_flat, dv_flat):
-        backward_block(spec, plan.rank, src, dout, q, k_blk, v_blk, out, lse, aux_iter, dq, dk_flat, dv_flat)
 
     compute(plan.rank, k, v, own_dk, own_dv)
     if work is not None:
@@ -110,8 +109,8 @@ def sparse_allgather_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
         at = 0
         for rows, n in zip(plan.send, plan.send_splits):
             if n:
-                gk, gv = _unpack_rows(back[at:at + n], k, v, rows.numel())
+                gk, gv = unpack_rows(back[at:at + n], k, v, rows.numel())
                 own_dk.index_add_(0, rows, gk)
                 own_dv.index_add_(0, rows, gv)
             at += n
-    return (dq.finish().to(q.dtype), _block_view(own_dk, k).to(k.dtype), _block_view(own_dv, v).to(v.dtype))
+    return (dq.finish().to(q.dtype), block_view(own_dk, k).to(k.dtype), block_view(own_dv, v).to(v.dtype))

@@ -1,10 +1,11 @@
 """Which context-parallel attention to run (`parallelism.cp_impl`), and the router `context_parallel` sends SDPA to.
 
 Variants (all exact, same layouts and results; see each module):
-- ring       ring_attention.py   K/V hop around the ring, overlapped with compute; P-1 latency-bound steps.
-- allgather  cp_allgather.py     one all-gather of K/V, fused block kernels, dK/dV reduce-scattered (Llama 3).
-- ulysses    cp_ulysses.py       all-to-all sequence <-> heads, one full-length kernel; degree capped by the heads.
-- hybrid     cp_hybrid.py        Ulysses inside a node, ring across nodes (USP).
+- ring       exchange_ring.py       K/V hop around the ring, overlapped with compute; P-1 latency-bound steps.
+- allgather  exchange_allgather.py  one all-gather of K/V, fused block kernels, dK/dV reduce-scattered (Llama 3).
+- ulysses    exchange_ulysses.py    all-to-all sequence <-> heads, one full-length kernel; degree capped by the heads.
+- hybrid     exchange_hybrid.py     Ulysses inside a node, ring across nodes (USP).
+(the DOCUMENTS layout: exchange_ring_sparse.py, exchange_allgather_sparse.py; `ROUTES` below is the one table.)
 - auto       `choose_cp_impl` below, resolved at the first attention call (when the heads are known) and
              printed once by global rank 0.
 """
@@ -18,16 +19,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallelisms.cp_allgather import allgather_attention
-from parallelisms.cp_hybrid import (check_hybrid, documents_ring_shards, hybrid_attention, hybrid_groups, hybrid_plan,
-                                    ring_documents)
-from parallelisms.cp_ulysses import (concatenated_documents, concatenated_order_plan, document_segments,
-                                     global_order_plan, ulysses_attention, ulysses_feasible)
-from parallelisms.cp_toolkit import CommStats
-from parallelisms.ring_attention import ring_attention
-from parallelisms.ring_plan import DocumentShards
 from config import RecipeError, choices
 from config.schema import CpImpl
+from parallelisms.cp.attention import allgather_attention, ring_attention
+from parallelisms.cp.counters import CommStats
+from parallelisms.cp.exchange_alltoall import (concatenated_documents, concatenated_order_plan, document_segments,
+                                               global_order_plan, ulysses_feasible)
+from parallelisms.cp.exchange_hybrid import (check_hybrid, documents_ring_shards, hybrid_attention, hybrid_groups,
+                                             hybrid_plan, ring_documents)
+from parallelisms.cp.exchange_ulysses import ulysses_attention
+from parallelisms.cp.layouts import (ALLGATHER, AUTO, DENSE, DOCUMENTS, HYBRID, RING, STRIPED, ULYSSES,
+                                     layout_kind)
+from parallelisms.cp.plan_pieces import DocumentShards
 
 CP_IMPLS = choices(CpImpl)
 # Ulysses must send less than this fraction of the ring's bytes to win: it also copies Q, K, V, O and their gradients
@@ -78,9 +81,9 @@ def bytes_sent_per_call(impl: str, cp_size: int, q_heads: int, kv_heads: int, el
     """Bytes one rank sends in one attention fwd+bwd, per local token and per head-dim element (CommStats counts
     exactly this; tests check it). ring: P-1 K/V hops forward, P-1 K/V hops and P float32 dK/dV hops backward.
     ulysses: (P-1)/P of Q, K, V (K/V heads replicated to lcm(kv_heads, P)) and of the output, forward and backward."""
-    if impl == "ring":
+    if impl == RING:
         return 2 * (cp_size - 1) * 2 * kv_heads * element_size + cp_size * 2 * kv_heads * 4
-    if impl == "ulysses":
+    if impl == ULYSSES:
         return 2 * (cp_size - 1) / cp_size * (2 * q_heads + 2 * math.lcm(kv_heads, cp_size)) * element_size
     raise ValueError(f"no byte model for {impl!r}")
 
@@ -101,26 +104,26 @@ def choose_cp_impl(topology: Topology, q_heads: int, kv_heads: int, load_balance
     """
     p = topology.cp_size
     if p == 1:
-        choice = CPChoice("ring", None, "cp = 1: no communication, the ring path is plain attention")
-    elif topology.nodes > 1 and topology.ranks_per_node > 1 and load_balancer != "striped" \
+        choice = CPChoice(RING, None, "cp = 1: no communication, the ring path is plain attention")
+    elif topology.nodes > 1 and topology.ranks_per_node > 1 and load_balancer != STRIPED \
             and hybrid_degree(topology, q_heads, kv_heads) > 1:
         u = hybrid_degree(topology, q_heads, kv_heads)
-        choice = CPChoice("hybrid", u, f"CP spans {topology.nodes} nodes: Ulysses over {u} in-node ranks "
+        choice = CPChoice(HYBRID, u, f"CP spans {topology.nodes} nodes: Ulysses over {u} in-node ranks "
                                        f"(heads {q_heads}/{kv_heads} split), ring over {p // u} node groups")
     else:
-        ring = bytes_sent_per_call("ring", p, q_heads, kv_heads, element_size)
-        ulysses = bytes_sent_per_call("ulysses", p, q_heads, kv_heads, element_size)
+        ring = bytes_sent_per_call(RING, p, q_heads, kv_heads, element_size)
+        ulysses = bytes_sent_per_call(ULYSSES, p, q_heads, kv_heads, element_size)
         sizes = f"{q_heads} query / {kv_heads} key-value heads over {p} ranks"
         if not ulysses_feasible(q_heads, kv_heads, p):
-            choice = CPChoice("ring", None, f"{sizes}: the heads do not split for Ulysses")
+            choice = CPChoice(RING, None, f"{sizes}: the heads do not split for Ulysses")
         elif has_documents:
-            choice = CPChoice("ring", None, f"{sizes}, document masking: both compute per-document pieces, "
+            choice = CPChoice(RING, None, f"{sizes}, document masking: both compute per-document pieces, "
                                             "Ulysses would lose its one full-length kernel")
         elif ulysses < ULYSSES_MAX_BYTE_RATIO * ring:
-            choice = CPChoice("ulysses", None, f"{sizes}: Ulysses sends {ulysses / ring:.2f}x the ring's bytes and "
+            choice = CPChoice(ULYSSES, None, f"{sizes}: Ulysses sends {ulysses / ring:.2f}x the ring's bytes and "
                                                "runs one full-length kernel per rank")
         else:
-            choice = CPChoice("ring", None, f"{sizes}: Ulysses would send {ulysses / ring:.2f}x the ring's bytes "
+            choice = CPChoice(RING, None, f"{sizes}: Ulysses would send {ulysses / ring:.2f}x the ring's bytes "
                                             f"(it wins below {ULYSSES_MAX_BYTE_RATIO}); the ring overlaps its K/V "
                                             "transfers with compute")
     return choice
@@ -152,24 +155,24 @@ class CPAttention:
     def _resolve(self, q: torch.Tensor, k: torch.Tensor) -> CPChoice:
         if self.choice is None:
             topology = Topology.of(self.group, q.device.type)
-            if self.cp_impl == "auto":
+            if self.cp_impl == AUTO:
                 self.choice = choose_cp_impl(topology, q.size(1), k.size(1), self.load_balancer,
                                              self.full_document_ids is not None, q.element_size())
                 if dist.get_rank() == 0:
-                    announce(self.choice, "auto")
-            elif self.cp_impl == "hybrid":
+                    announce(self.choice, AUTO)
+            elif self.cp_impl == HYBRID:
                 degree = self.ulysses_degree or hybrid_degree(topology, q.size(1), k.size(1))
                 check_hybrid(topology.cp_size, degree, self.load_balancer)
-                self.choice = CPChoice("hybrid", degree, "the degree " + (
+                self.choice = CPChoice(HYBRID, degree, "the degree " + (
                     "asked for" if self.ulysses_degree else f"is the largest that fits {topology.ranks_per_node} "
                     f"in-node ranks and splits {q.size(1)}/{k.size(1)} heads"))
                 if dist.get_rank() == 0:
-                    announce(self.choice, "hybrid")
+                    announce(self.choice, HYBRID)
             else:
                 self.choice = CPChoice(self.cp_impl, None, "asked for")
         return self.choice
 
-    def _hybrid_groups(self, degree: int):
+    def hybrid_groups(self, degree: int):
         if self.subgroups is None:
             return hybrid_groups(self.group, degree)
         if degree not in self.subgroups:
@@ -178,43 +181,72 @@ class CPAttention:
                                "(parallelisms/stage_meshes.py); the setup's degree must match the attention's")
         return self.subgroups[degree]
 
-    def _cached(self, key, build):
+    def cached(self, key, build):
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
 
     def __call__(self, q, k, v, *, is_causal: bool, scale: float | None) -> torch.Tensor:
         choice = self._resolve(q, k)
-        seq_len = q.size(2) * dist.get_world_size(self.group)
         common = dict(is_causal=is_causal, scale=scale, load_balancer=self.load_balancer, stats=self.stats)
-        if choice.impl == "ring":
-            return ring_attention(q, k, v, self.group, _documents=self.documents, **common)
-        if choice.impl == "allgather":
-            return allgather_attention(q, k, v, self.group, _documents=self.documents, **common)
-        if choice.impl == "ulysses" and self.load_balancer == "documents":
-            plan = self._cached(("plan", seq_len), lambda: concatenated_order_plan(self.group, seq_len))
-            segments = self._cached("segments", lambda: concatenated_documents(self.documents))
-            return ulysses_attention(q, k, v, self.group, _plan=plan, _documents=segments, **common)
-        if choice.impl == "ulysses":
-            plan = self._cached(("plan", seq_len), lambda: global_order_plan(self.group, seq_len, self.load_balancer))
-            segments = None
-            if self.full_document_ids is not None:
-                segments = self._cached("segments", lambda: document_segments(self.full_document_ids))
-            return ulysses_attention(q, k, v, self.group, _plan=plan, _documents=segments, **common)
-        degree = choice.ulysses_degree
-        groups = self._hybrid_groups(degree)
-        ulysses_group = groups[0]
-        common["_groups"] = groups
-        if self.load_balancer == "documents":
-            plan = self._cached(("plan", seq_len), lambda: concatenated_order_plan(ulysses_group,
-                                                                                   q.size(2) * degree))
-            docs = self._cached("docs", lambda: documents_ring_shards(self.documents, degree))
-            return hybrid_attention(q, k, v, self.group, ulysses_degree=degree, _plan=plan, _documents=docs,
-                                    **common)
-        plan = self._cached(("plan", seq_len), lambda: hybrid_plan(ulysses_group, seq_len, dist.get_rank(self.group),
-                                                        dist.get_world_size(self.group), degree, self.load_balancer))
-        docs = None
-        if self.full_document_ids is not None:
-            docs = self._cached("docs", lambda: ring_documents(self.full_document_ids, dist.get_world_size(self.group),
-                                                               degree, self.load_balancer))
-        return hybrid_attention(q, k, v, self.group, ulysses_degree=degree, _plan=plan, _documents=docs, **common)
+        return ROUTES[(choice.impl, layout_kind(self.load_balancer))](self, q, k, v, common)
+
+
+def _ring(attn: CPAttention, q, k, v, common):
+    return ring_attention(q, k, v, attn.group, _documents=attn.documents, **common)
+
+
+def _allgather(attn: CPAttention, q, k, v, common):
+    return allgather_attention(q, k, v, attn.group, _documents=attn.documents, **common)
+
+
+def _seq_len(attn: CPAttention, q) -> int:
+    return q.size(2) * dist.get_world_size(attn.group)
+
+
+def _ulysses_documents(attn: CPAttention, q, k, v, common):
+    seq_len = _seq_len(attn, q)
+    plan = attn.cached(("plan", seq_len), lambda: concatenated_order_plan(attn.group, seq_len))
+    segments = attn.cached("segments", lambda: concatenated_documents(attn.documents))
+    return ulysses_attention(q, k, v, attn.group, _plan=plan, _documents=segments, **common)
+
+
+def _ulysses_dense(attn: CPAttention, q, k, v, common):
+    seq_len = _seq_len(attn, q)
+    plan = attn.cached(("plan", seq_len), lambda: global_order_plan(attn.group, seq_len, attn.load_balancer))
+    segments = None
+    if attn.full_document_ids is not None:
+        segments = attn.cached("segments", lambda: document_segments(attn.full_document_ids))
+    return ulysses_attention(q, k, v, attn.group, _plan=plan, _documents=segments, **common)
+
+
+def _hybrid_documents(attn: CPAttention, q, k, v, common):
+    degree = attn.choice.ulysses_degree
+    groups = attn.hybrid_groups(degree)
+    plan = attn.cached(("plan", _seq_len(attn, q)), lambda: concatenated_order_plan(groups[0], q.size(2) * degree))
+    docs = attn.cached("docs", lambda: documents_ring_shards(attn.documents, degree))
+    return hybrid_attention(q, k, v, attn.group, ulysses_degree=degree, _plan=plan, _documents=docs, _groups=groups,
+                            **common)
+
+
+def _hybrid_dense(attn: CPAttention, q, k, v, common):
+    degree = attn.choice.ulysses_degree
+    groups = attn.hybrid_groups(degree)
+    rank, size = dist.get_rank(attn.group), dist.get_world_size(attn.group)
+    plan = attn.cached(("plan", _seq_len(attn, q)), lambda: hybrid_plan(groups[0], _seq_len(attn, q), rank, size,
+                                                                         degree, attn.load_balancer))
+    docs = None
+    if attn.full_document_ids is not None:
+        docs = attn.cached("docs", lambda: ring_documents(attn.full_document_ids, size, degree, attn.load_balancer))
+    return hybrid_attention(q, k, v, attn.group, ulysses_degree=degree, _plan=plan, _documents=docs, _groups=groups,
+                            **common)
+
+
+# The one dispatch table: (implementation, layout kind) -> the call that plans (once per batch, cached on the
+# CPAttention) and runs it. Ring and all-gather pick their dense or sparse exchange from attention.BLOCK_EXCHANGES.
+ROUTES = {
+    (RING, DENSE): _ring, (RING, DOCUMENTS): _ring,
+    (ALLGATHER, DENSE): _allgather, (ALLGATHER, DOCUMENTS): _allgather,
+    (ULYSSES, DENSE): _ulysses_dense, (ULYSSES, DOCUMENTS): _ulysses_documents,
+    (HYBRID, DENSE): _hybrid_dense, (HYBRID, DOCUMENTS): _hybrid_documents,
+}

@@ -1,0 +1,33 @@
+"""`BlockSpec`: what one CP attention call fixes for every block it computes (group, causality, scale, layout,
+documents, counters); its `pieces` are the mask-free kernel calls a rank makes against one source rank's K/V
+(plan_pieces.py: blocks cut by documents)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from parallelisms.cp.counters import CommStats
+from parallelisms.cp.layouts import DOCUMENTS
+from parallelisms.cp.plan_piece import Piece
+from parallelisms.cp.plan_pieces import DocumentShards, block_tasks, plain_pieces
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """What one CP attention call fixes for every block it computes."""
+    group: dist.ProcessGroup
+    is_causal: bool
+    scale: float | None
+    load_balancer: str
+    docs: DocumentShards | None
+    stats: CommStats | None
+
+    def pieces(self, rank: int, src: int, size: int, local_len: int) -> list[Piece]:
+        """The mask-free kernel calls `rank` makes against the K/V of rank `src` (cached per batch with documents)."""
+        if self.load_balancer == DOCUMENTS:
+            return self.docs.layout_pieces(rank, src, self.is_causal)
+        tasks = block_tasks(rank, src, size, local_len, self.load_balancer, self.is_causal)
+        if self.docs is None:
+            return plain_pieces(tasks)
+        return self.docs.pieces(rank, src, tasks, local_len)
