@@ -4,7 +4,7 @@ with everything the host must decide about it, made in the loader's worker proce
 What a worker does per step (`StepPlanner`, the loader's collate_fn): stacks the step's rows (numpy), places them by
 attention work over the data-parallel ranks and micro-steps when placement is on (data/placement.py, the same
 `place_step` the training thread ran before), keeps this dp rank's micro-batches, and for the documents CP layout
-makes each micro-batch's `BatchPlan` (parallelisms/host_plan.py: positions, this CP rank's pieces and exchange rows,
+makes each micro-batch's `BatchPlan` (parallelisms/cp/plan_host.py: positions, this CP rank's pieces and exchange rows,
 in integer work units, so every rank makes the same plan). The DataLoader pins it (pin_memory on CUDA); the step
 moves it with non_blocking copies (`training/step.move_batch`) and hands it to context_parallel, so nothing in the
 step plans or reads a device tensor back.
