@@ -14,7 +14,7 @@ sys.path.insert(0, ROOT)
 
 from bench import forked_launch  # noqa: E402
 from training import step  # noqa: E402
-from training.host_syncs import HostSyncCounter  # noqa: E402
+from training.planning.host_syncs import HostSyncCounter  # noqa: E402
 
 
 def counted(fn, counts: collections.Counter, calls: collections.Counter, places: collections.Counter):

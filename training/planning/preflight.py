@@ -15,8 +15,8 @@ from parallelisms.pipeline_parallel import plan_pipeline
 from parallelisms.cp_toolkit import UnsupportedAttentionError
 from parallelisms.sequence_sharding import sequence_divisor
 from parallelisms.tensor_parallel import check_tp_degree
-from training.eval_memory import stage_eval_config
-from training.niah_eval import niah_eval_lengths
+from training.planning.eval_memory import stage_eval_config
+from training.evaluation.niah import niah_eval_lengths
 from training.ramp import RampStage, resolve_stages
 
 
