@@ -23,6 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from config.errors import Refusal
+
 aten = torch.ops.aten
 
 
@@ -122,7 +124,7 @@ def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, needs_mask: 
                 and head_dim <= FLASH_MAX_HEAD_DIM):
             return CudaFlashBlock()
         return CudaEfficientBlock()
-    raise NotImplementedError(f"ring attention has no block kernel for device {device_type!r} (CPU and CUDA only)")
+    raise Refusal(f"ring attention has no block kernel for device {device_type!r} (CPU and CUDA only)")
 
 
 def choose_block_kernel(q: torch.Tensor, needs_mask: bool):

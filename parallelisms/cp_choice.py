@@ -26,7 +26,7 @@ from parallelisms.cp_ulysses import (concatenated_documents, concatenated_order_
 from parallelisms.cp_toolkit import CommStats
 from parallelisms.ring_attention import ring_attention
 from parallelisms.ring_plan import DocumentShards
-from config import RecipeError, choices
+from config import RecipeError, Refusal, choices
 from config.schema import CpImpl
 
 CP_IMPLS = choices(CpImpl)
@@ -82,7 +82,7 @@ def bytes_sent_per_call(impl: str, cp_size: int, q_heads: int, kv_heads: int, el
         return 2 * (cp_size - 1) * 2 * kv_heads * element_size + cp_size * 2 * kv_heads * 4
     if impl == "ulysses":
         return 2 * (cp_size - 1) / cp_size * (2 * q_heads + 2 * math.lcm(kv_heads, cp_size)) * element_size
-    raise ValueError(f"no byte model for {impl!r}")
+    raise Refusal(f"no byte model for {impl!r}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,14 +21,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from config.errors import Refusal
 from parallelisms.attention_blocks import choose_block_kernel
 from parallelisms.ring_plan import FULL, DocumentShards, Piece, block_tasks, plain_pieces
 from parallelisms.sequence_sharding import check_load_balancer, check_sequence_length, resolve_group
 from parallelisms.varlen_blocks import add_call_grads, backward_calls, forward_calls, plan_calls, uses_varlen
 
 
-class UnsupportedAttentionError(NotImplementedError):
-    """An attention call the CP variants cannot compute exactly (they refuse instead of computing something else)."""
+UnsupportedAttentionError = Refusal  # the CP variants' name for the one runtime refusal (config/errors.py)
 
 
 @dataclass

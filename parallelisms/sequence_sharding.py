@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from config import RecipeError, choices
+from config import RecipeError, Refusal, choices
 from config.schema import LoadBalancer
 from parallelisms.document_layout import DocumentLayout
 
@@ -53,7 +53,7 @@ def documents_plan(document_ids: torch.Tensor | None, seq_len: int, cp_size: int
     """The documents layout of full (B, S) ids; refuses a missing or mis-sized `document_ids`."""
     if document_ids is None or document_ids.dim() != 2 or document_ids.size(1) != seq_len:
         got = None if document_ids is None else tuple(document_ids.shape)
-        raise ValueError(f"load balancer 'documents' needs the full (batch, {seq_len}) document_ids, got {got}")
+        raise Refusal(f"load balancer 'documents' needs the full (batch, {seq_len}) document_ids, got {got}")
     return DocumentLayout.plan(document_ids, cp_size)
 
 
@@ -82,7 +82,7 @@ def shard_sequence(x: torch.Tensor, seq_dim: int, cp_rank: int, cp_size: int,
     seq_len = x.size(seq_dim)
     check_sequence_length(seq_len, cp_size, load_balancer)
     if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size})")
+        raise Refusal(f"cp_rank {cp_rank} is outside [0, {cp_size})")
     if cp_size == 1:
         return x
     if load_balancer == "documents":
@@ -101,7 +101,7 @@ def resolve_group(group) -> dist.ProcessGroup:
     """A ProcessGroup from a ProcessGroup or a 1-D DeviceMesh (None means the default group)."""
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
-            raise ValueError(f"context parallelism needs a 1-D DeviceMesh, got {group.ndim} dims "
+            raise Refusal(f"context parallelism needs a 1-D DeviceMesh, got {group.ndim} dims "
                              f"{group.mesh_dim_names}; pass mesh['cp']")
         return group.get_group()
     return group if group is not None else dist.group.WORLD

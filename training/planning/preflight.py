@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from config import RecipeError
+from config import RecipeError, Refusal
 from config.recipe import check_offload
 from config.schema import Config
 from data.sources import check_sources
@@ -12,7 +12,6 @@ from models.llama import recipe_model_config
 from parallelisms.cp_ulysses import kv_replication
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline_parallel import plan_pipeline
-from parallelisms.cp_toolkit import UnsupportedAttentionError
 from parallelisms.sequence_sharding import sequence_divisor
 from parallelisms.tensor_parallel import check_tp_degree
 from training.planning.eval_memory import stage_eval_config
@@ -62,7 +61,7 @@ def preflight(cfg: Config, world_size: int):
     if p.cp_impl == "ulysses" and p.cp > 1:  # hybrid and auto fall back to what the heads allow
         try:
             kv_replication(mcfg.n_heads // p.tp, mcfg.num_kv_heads // p.tp, p.cp)
-        except UnsupportedAttentionError as e:
+        except Refusal as e:
             raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_impl = \"ulysses\" with cp {p.cp}: {e}") from None
     if p.pp > 1:
         if mcfg.tie_embeddings:
