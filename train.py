@@ -2,13 +2,13 @@
 
 Launched by run_train.sh under torchrun:  train.py [RECIPE.toml] [--section.key value ...] [--print-config]
 `--dry-run` (one process, no torchrun) measures every stage's memory per rank on a fake process group and prints it
-with a roofline step time (training/dry_run.py).
+with a roofline step time (training/planning/dry_run.py).
 `--check` validates the recipe and the launch (data paths, degrees vs ranks), prepares any missing token store and
 prints the number of ranks it needs, without starting a process group: run_train.sh calls it first so bad input
 fails in one line. `--prepare-data` tokenizes the recipe's sources into their stores and stops. `--show-rows N
 [--json]` prints the first N training rows of the first stage (training/show_rows.py) and stops.
 `--plan-ramp --gpus N --target-seq-len L [--out F] [--offload auto|on|off] [--stages K] [--tokens-per-stage T]`
-writes a recipe whose [[ramp]] stages grow the context to L on N GPUs, each measured to fit (training/ramp_recipe.py).
+writes a recipe whose [[ramp]] stages grow the context to L on N GPUs, each measured to fit (training/planning/ramp_recipe.py).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from config.recipe import default_recipe, load_config, to_toml
 from data.sources import build_run_tokenizer, check_sources, open_stores, prepare_data
 from models.llama import recipe_model_config
 from training.checkpoint import preflight_checkpoint
-from training.device_check import check_gpus
-from training.preflight import preflight_stages, required_ranks
+from training.planning.device_check import check_gpus
+from training.planning.preflight import preflight_stages, required_ranks
 from training.trainer import Trainer
 
 
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         show_count, argv = show_rows_count(argv)
         recipe, overrides, flags = parse_cli(argv)
         if "--plan-ramp" in flags:  # one process: probes on a fake process group, then a recipe is written
-            from training.ramp_lengths import parse_plan_args
-            from training.ramp_recipe import run_plan_ramp
+            from training.planning.ramp_lengths import parse_plan_args
+            from training.planning.ramp_recipe import run_plan_ramp
 
             request, overrides = parse_plan_args(overrides)
             tail = " ".join(a for a in argv if a not in (recipe, "--plan-ramp"))
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         world = int(os.environ.get("WORLD_SIZE") or os.environ.get("NPROC") or 0) or required_ranks(cfg)
         if "--dry-run" in flags:  # one process, fake process group: memory and speed of every stage (no GPU needed)
-            from training.dry_run import run_dry_run  # here: its memory tracker imports half of torch's compiler
+            from training.planning.dry_run import run_dry_run  # here: its memory tracker imports half of torch's compiler
 
             return run_dry_run(cfg, world)
         preflight_stages(cfg, world, check_data=False)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.data.dataset == "text":  # and a missing store prepared here, once
                 open_stores(cfg, tokenizer, log=lambda line: print(line, file=sys.stderr))
             if cfg.eval.niah:
-                from training.niah_eval import check_niah_lengths
+                from training.evaluation.niah import check_niah_lengths
 
                 check_niah_lengths(cfg, tokenizer)
             print(world)

@@ -49,7 +49,7 @@ def run_trainer(masking: bool, overrides: list[str]) -> list[dict]:
 
 def pair_ratio(overrides: list[str], steps: int, warmup: int) -> tuple[float, float]:
     """(visible / causal pairs, mean tokens per document) of the rows of the measured steps, from the loader the
-    trainer's rows are checked against (bench/loss_parity.py's reference: same packing, same order)."""
+    trainer's rows are checked against (tests/loss_reference.py's reference: same packing, same order)."""
     import torch
 
     if ROOT not in sys.path:

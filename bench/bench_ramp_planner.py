@@ -6,7 +6,7 @@ and each stage's predicted step time against a hand-written recipe's stage of th
 
 Half the CP is measured with the dry run's own probe at twice the tokens per step (so the rows split over the
 doubled data-parallel ranks): the memory answer, whatever the batch allows. The hand-written recipe's stages are
-measured the same way (training/dry_run.py's measure_row), so the two step times come from one roofline.
+measured the same way (training/planning/dry_run.py's measure_row), so the two step times come from one roofline.
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config.recipe import load_config  # noqa: E402
-from training.dry_run import PlanRow, measure_row, plan_rows  # noqa: E402
-from training.ramp_lengths import PlanRequest  # noqa: E402
-from training.ramp_planner import plan_ramp, stage_candidate  # noqa: E402
-from training.ramp_recipe import format_plan_table, render_recipe  # noqa: E402
+from training.planning.dry_run import PlanRow, measure_row, plan_rows  # noqa: E402
+from training.planning.ramp_lengths import PlanRequest  # noqa: E402
+from training.planning.ramp_planner import plan_ramp, stage_candidate  # noqa: E402
+from training.planning.ramp_recipe import format_plan_table, render_recipe  # noqa: E402
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ sequence length and the longest sequence that fits, with and without activation 
     .venv/bin/python bench/cp_planning_table.py [RECIPE] [--models llama3_8b,llama3_70b]
 
 Method (measured, then interpolated: a full search would take ~100 dry-run probes of ~15-60 s each): one rank's
-peak is measured by the dry run's own probe (training/memory_probe.py: real model and composer on fake tensors, one
+peak is measured by the dry run's own probe (training/planning/memory_probe.py: real model and composer on fake tensors, one
 optimizer step under FSDPMemTracker, 3 and 4 blocks extrapolated to the full depth) at four points per model, all
 with cp 8: (16K tokens per rank, 8 and 64 GPUs) and (64K tokens per rank, 64 GPUs) without offload, (64K, 64 GPUs)
 with offload. Two facts of the step turn these into every cell:
@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config.recipe import load_config  # noqa: E402
 from models.llama import recipe_model_config  # noqa: E402
-from training.dry_run import RUNTIME_RESERVE_GIB, PlanRow  # noqa: E402
-from training.memory_probe import GIB, measure_rank, with_blocks  # noqa: E402
+from training.planning.dry_run import RUNTIME_RESERVE_GIB, PlanRow  # noqa: E402
+from training.planning.memory_probe import GIB, measure_rank, with_blocks  # noqa: E402
 
 SEQ_LENS = tuple(2**k for k in range(13, 24))  # 8K .. 8M
 GPUS = (8, 16, 32, 64)

@@ -2,7 +2,7 @@
 
 Imports run one way: config <- data, models, parallelisms <- training <- train.py.
 """
-from config.errors import RecipeError
+from config.errors import RecipeError, Refusal
 from config.schema import CHOICES, SECTIONS, Config, RampTable, choices
 
-__all__ = ["CHOICES", "SECTIONS", "Config", "RampTable", "RecipeError", "choices"]
+__all__ = ["CHOICES", "SECTIONS", "Config", "RampTable", "RecipeError", "Refusal", "choices"]

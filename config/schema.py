@@ -385,7 +385,7 @@ class HardwareConfig:
     """GPUs per node: nodes to ask Slurm for, and which collectives the dry run puts on NVLink vs InfiniBand."""
     accelerator: AcceleratorName = "h100-sxm"
     """The GPU the dry run and --plan-ramp predict for: its peak, HBM, NVLink, network, device and host memory
-    (training/accelerators.py). h100-sxm-500w: the H100 96GB capped at 500 W of TorchTitan's published runs."""
+    (training/planning/accelerators.py). h100-sxm-500w: the H100 96GB capped at 500 W of TorchTitan's published runs."""
     device_memory_gib: float = 0.0
     """Memory per GPU the dry run holds every stage's peak against (0 = the accelerator's: H100 80, H200 141)."""
     host_memory_gib: float = 0.0

@@ -26,7 +26,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from config import choices
+from config import Refusal, choices
 from config.schema import ActivationCheckpointMode
 from parallelisms.activation_offload import ActivationOffloader
 
@@ -89,10 +89,10 @@ def _offloaded_checkpoint(offloader: ActivationOffloader, layer: int, fn, hidden
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int = 1, offload: bool = False) -> None:
     """Wraps the blocks of `model` (a full Llama or a pipeline stage) in place."""
     if mode not in MODES:
-        raise ValueError(f"activation checkpoint mode {mode!r} is not one of {MODES}")
+        raise Refusal(f"activation checkpoint mode {mode!r} is not one of {MODES}")
     if mode == "none":
         if offload:
-            raise ValueError("activation offload moves what checkpointing keeps: it needs a checkpoint mode")
+            raise Refusal("activation offload moves what checkpointing keeps: it needs a checkpoint mode")
         return
     offloader = ActivationOffloader() if offload else None
     if offloader is not None:

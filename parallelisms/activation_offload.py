@@ -21,7 +21,7 @@ Under tensor parallelism the plan hands blocks the local (B, S/tp, dim) residual
 lazy AsyncCollectiveTensor of the reduce-scatter, waited for before the copy and returned as a plain tensor); a
 DTensor input is rebuilt with its mesh, placements, shape and stride.
 
-Under fake tensors (the dry run, training/memory_probe.py) nothing is copied: the record keeps shapes and a byte
+Under fake tensors (the dry run, training/planning/memory_probe.py) nothing is copied: the record keeps shapes and a byte
 count, which `host_bytes` / `peak_host_bytes` report, so the memory tracker sees the device tensor freed and a new
 one allocated when backward needs it, and host memory is reported separately.
 """

@@ -16,13 +16,15 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from config.errors import Refusal
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 def check_contiguous(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if not t.is_contiguous():
-            raise ValueError(f"communication buffer of shape {tuple(t.shape)} and strides {t.stride()} is not "
+            raise Refusal(f"communication buffer of shape {tuple(t.shape)} and strides {t.stride()} is not "
                              "contiguous; NCCL reads raw memory, so pass a contiguous buffer")
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from config.errors import Refusal
 from parallelisms.cp.attention import ring_attention
 from parallelisms.cp.choice import CP_IMPLS, CPAttention, check_cp_impl
 from parallelisms.cp.counters import CommStats, UnsupportedAttentionError
@@ -80,18 +81,18 @@ class SdpaToContextParallel(TorchFunctionMode):
 
 def _check_buffers(buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int], document_ids) -> None:
     if len(buffers) != len(buffer_seq_dims):
-        raise ValueError(f"context_parallel: {len(buffers)} buffers but {len(buffer_seq_dims)} buffer_seq_dims")
+        raise Refusal(f"context_parallel: {len(buffers)} buffers but {len(buffer_seq_dims)} buffer_seq_dims")
     if document_ids is not None:
         if not any(b is document_ids for b in buffers):
-            raise ValueError("context_parallel: document_ids must be one of `buffers` (it is sharded with them)")
+            raise Refusal("context_parallel: document_ids must be one of `buffers` (it is sharded with them)")
         if document_ids.dim() != 2:
-            raise ValueError(f"context_parallel: document_ids must be (batch, seq), got {tuple(document_ids.shape)}")
+            raise Refusal(f"context_parallel: document_ids must be (batch, seq), got {tuple(document_ids.shape)}")
 
 
 def _documents_impl(cp_impl: str, document_ids) -> str:
     """The documents layout is planned from the ids; every variant reads it (auto resolves to the sparse ring)."""
     if document_ids is None:
-        raise ValueError("context_parallel: load_balancer='documents' plans the layout from the document ids; "
+        raise Refusal("context_parallel: load_balancer='documents' plans the layout from the document ids; "
                          "pass document_ids=")
     return RING if cp_impl == AUTO else cp_impl
 
@@ -100,7 +101,7 @@ def _check_plan(plan, cp_size: int, cp_rank: int, document_ids: torch.Tensor) ->
     """Shapes only (host metadata): a plan made for another mesh or batch must not shard this one."""
     expected = (cp_size, document_ids.size(0), document_ids.size(1) // cp_size)
     if tuple(plan.positions.shape) != expected or plan.cp_rank != cp_rank or plan.rank_positions is None:
-        raise ValueError(f"context_parallel: the batch plan holds positions {tuple(plan.positions.shape)} for cp rank "
+        raise Refusal(f"context_parallel: the batch plan holds positions {tuple(plan.positions.shape)} for cp rank "
                          f"{plan.cp_rank}, but this call shards {tuple(document_ids.shape)} over {cp_size} ranks as "
                          f"rank {cp_rank} (or the plan was not moved with .to(device)); make it with "
                          "parallelisms.cp.plan_host.BatchPlan.build for this mesh")
@@ -109,7 +110,7 @@ def _check_plan(plan, cp_size: int, cp_rank: int, document_ids: torch.Tensor) ->
 def _shard_by_plan(buf: torch.Tensor, seq_dim: int, plan) -> torch.Tensor:
     """This rank's tokens of a (B, S, ...) buffer at the plan's device positions (a gather, no host copy)."""
     if seq_dim != 1:
-        raise ValueError(f"the documents layout is per row: it needs seq_dim = 1, got {seq_dim}")
+        raise Refusal(f"the documents layout is per row: it needs seq_dim = 1, got {seq_dim}")
     rows = torch.arange(buf.size(0), device=buf.device)[:, None]
     return buf[rows, plan.rank_positions]
 

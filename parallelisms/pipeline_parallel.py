@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from config import RecipeError, choices
+from config import RecipeError, Refusal, choices
 from config.schema import MultiStageSchedule, PipelineSchedule, SingleStageSchedule
 
 SINGLE_STAGE_SCHEDULES = choices(SingleStageSchedule)
@@ -58,7 +58,7 @@ def split_layers(n_layers: int, num_stages: int, layers_per_stage: int = 0) -> l
     shortfall k * num_stages - n_layers taken alternately from the first and the last stage.
     """
     if num_stages > n_layers:
-        raise ValueError(f"{n_layers} layers cannot fill {num_stages} stages")
+        raise Refusal(f"{n_layers} layers cannot fill {num_stages} stages")
     if layers_per_stage:
         sizes = [layers_per_stage] * num_stages
         shortfall = layers_per_stage * num_stages - n_layers
@@ -70,7 +70,7 @@ def split_layers(n_layers: int, num_stages: int, layers_per_stage: int = 0) -> l
         for i in range(n_layers % num_stages):
             sizes[order[i]] += 1
     if min(sizes) < 1 or sum(sizes) != n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {num_stages} stages of {layers_per_stage}")
+        raise Refusal(f"cannot split {n_layers} layers into {num_stages} stages of {layers_per_stage}")
     bounds = [0, *itertools.accumulate(sizes)]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(num_stages)]
 

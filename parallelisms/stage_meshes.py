@@ -22,6 +22,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from config.errors import Refusal
 from parallelisms.cp.choice import Topology, choose_cp_impl, hybrid_degree
 from parallelisms.cp.layouts import AUTO, DOCUMENTS, HYBRID
 from parallelisms.parallel_dims import ParallelDims, TrainingMesh
@@ -46,7 +47,7 @@ def derived_stage_mesh(first: TrainingMesh, dims: ParallelDims) -> TrainingMesh:
     """The mesh of a stage whose dims differ from the first's only in (dp_shard, cp), sharing every other group."""
     changed = {f.name for f in dataclasses.fields(ParallelDims) if getattr(dims, f.name) != getattr(first.dims, f.name)}
     if changed - {"dp_shard", "cp"}:
-        raise ValueError(f"a ramp stage may change only dp_shard and cp, not {sorted(changed)}")
+        raise Refusal(f"a ramp stage may change only dp_shard and cp, not {sorted(changed)}")
     split = first.fsdp_shard._unflatten(0, (dims.dp_shard, dims.cp), ("dp_shard", "cp"))
     world = DeviceMesh._concatenate([first["pp"], first["dp_replicate"], split["dp_shard"], split["cp"],
                                      first["tp"]])

@@ -48,3 +48,22 @@ def test_lower_packages_never_import_training_or_train(package):
 def test_training_never_imports_train():
     for path in package_files("training"):
         assert "train" not in imported_packages(path), path
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """Every dotted module a file imports (`from training import step` counts as training.step)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_evaluation_never_imports_planning():
+    """Planning measures evaluation (the dry run runs each stage's evaluations), so the arrow points one way only."""
+    files = package_files("training/evaluation")
+    assert files
+    for path in files:
+        assert not {name for name in imported_modules(path) if name.startswith("training.planning")}, path

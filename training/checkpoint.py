@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from config import RecipeError
+from config import RecipeError, Refusal
 from config.schema import CheckpointConfig
 from training.hf_export import export_dtype, write_export_extras
 from models.hf import (from_hf_config, load_hf_weights, quiet_single_process_dcp, read_hf_config,
@@ -59,7 +59,7 @@ class ModelParts(nn.Module):
                 elif isinstance(child, nn.ModuleDict) and isinstance(mine, nn.ModuleDict):
                     mine.update(child.items())
                 elif mine is not child and any(True for _ in child.parameters()):
-                    raise ValueError(f"model parts both hold a '{name}' with parameters")
+                    raise Refusal(f"model parts both hold a '{name}' with parameters")
 
 
 def merged_model(model_parts: Sequence[nn.Module]) -> nn.Module:

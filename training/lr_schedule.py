@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from config.errors import Refusal
+
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float) -> float:
     """Multiplier of the peak lr for the optimizer step with index `step` (0-based).
@@ -22,7 +24,7 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, decay_type: st
     elif decay_type == "cosine":
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:
-        raise ValueError(f"unknown decay_type {decay_type!r}")
+        raise Refusal(f"unknown decay_type {decay_type!r}")
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 

@@ -17,7 +17,7 @@ from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import compile_counters
 from training.hardware import Device, peak_memory_gib
 from training.ramp import RampStage
-from training.roofline import Layout, fsdp_bytes_per_step
+from training.planning.roofline import Layout, fsdp_bytes_per_step
 
 
 def format_eta(seconds: float) -> str:

@@ -36,7 +36,7 @@ from parallelisms.parallel_dims import ParallelDims
 class RampStage:
     """One stage of the context-length ramp, resolved: the recipe with the stage's values filled in, its parallel
     degrees on the launched world and its span of optimizer steps. (A pipeline stage and a dry-run row are other
-    things: parallelisms/pipeline_parallel.py, training/dry_run.py.)"""
+    things: parallelisms/pipeline_parallel.py, training/planning/dry_run.py.)"""
     index: int  # -1: the recipe itself (no [[ramp]])
     start_step: int
     end_step: int  # exclusive

@@ -1,7 +1,7 @@
 """One training step, written once: the micro-step (forward under the CP and loss contexts, loss, backward) and
 gradient clipping by the global norm.
 
-`Trainer.train_step` (training/trainer.py), the dry run's memory probe (training/memory_probe.py) and the passkey
+`Trainer.train_step` (training/trainer.py), the dry run's memory probe (training/planning/memory_probe.py) and the passkey
 evaluation (its CP context) call these functions, so a change to the step (a new loss, offloading) reaches the
 planner's measurement too instead of leaving it measuring a copy.
 """

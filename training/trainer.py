@@ -22,12 +22,12 @@ from training.build import (build_model, build_optimizer, build_run_meshes, buil
                             build_stores, init_distributed)
 from training.checkpoint import Checkpointer
 from training.hf_export import export_extras
-from training.evaluation import run_long_doc_eval, run_passkey_eval
+from training.evaluation.passkey import run_long_doc_eval, run_passkey_eval
 from training.hardware import peak_flops
-from training.niah_eval import run_niah_eval
+from training.evaluation.niah import run_niah_eval
 from training.loss import global_label_tokens
 from training.metrics import MetricsLogger, StepMetrics, visible_pairs
-from training.preflight import preflight_stages
+from training.planning.preflight import preflight_stages
 from training.ramp import RampStage, model_build_config, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_
 

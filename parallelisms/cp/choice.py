@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from config import RecipeError, choices
+from config import RecipeError, Refusal, choices
 from config.schema import CpImpl
 from parallelisms.cp.attention import allgather_attention, ring_attention
 from parallelisms.cp.counters import CommStats
@@ -85,7 +85,7 @@ def bytes_sent_per_call(impl: str, cp_size: int, q_heads: int, kv_heads: int, el
         return 2 * (cp_size - 1) * 2 * kv_heads * element_size + cp_size * 2 * kv_heads * 4
     if impl == ULYSSES:
         return 2 * (cp_size - 1) / cp_size * (2 * q_heads + 2 * math.lcm(kv_heads, cp_size)) * element_size
-    raise ValueError(f"no byte model for {impl!r}")
+    raise Refusal(f"no byte model for {impl!r}")
 
 
 @functools.lru_cache(maxsize=None)

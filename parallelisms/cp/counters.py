@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from config.errors import Refusal
 
-class UnsupportedAttentionError(NotImplementedError):
-    """An attention call the CP variants cannot compute exactly (they refuse instead of computing something else)."""
+UnsupportedAttentionError = Refusal
+"""An attention call the CP variants cannot compute exactly (they refuse instead of computing something else)."""
 
 
 @dataclass

@@ -4,12 +4,14 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from config.errors import Refusal
+
 
 def resolve_group(group) -> dist.ProcessGroup:
     """A ProcessGroup from a ProcessGroup or a 1-D DeviceMesh (None means the default group)."""
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
-            raise ValueError(f"context parallelism needs a 1-D DeviceMesh, got {group.ndim} dims "
+            raise Refusal(f"context parallelism needs a 1-D DeviceMesh, got {group.ndim} dims "
                              f"{group.mesh_dim_names}; pass mesh['cp']")
         return group.get_group()
     return group if group is not None else dist.group.WORLD

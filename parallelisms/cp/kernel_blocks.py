@@ -23,6 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from config.errors import Refusal
+
 aten = torch.ops.aten
 
 
@@ -61,7 +63,7 @@ def _fold_heads(grad: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
 class CudaFlashBlock:
     """fp16/bf16, no mask. aux keeps the forward's bookkeeping outputs that the backward schema asks for. K/V go in
     with their own heads: CUDA flash serves GQA natively (query head h reads K/V head h // (Hq / Hkv)) and returns
-    dK/dV with K/V's heads, so there is no expanded K/V transient (training/cuda_path_probe.py measures it)."""
+    dK/dV with K/V's heads, so there is no expanded K/V transient (training/planning/cuda_path_probe.py measures it)."""
     name = "cuda_flash"
 
     def forward(self, q, k, v, *, is_causal, scale, mask):
@@ -122,7 +124,7 @@ def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, needs_mask: 
                 and head_dim <= FLASH_MAX_HEAD_DIM):
             return CudaFlashBlock()
         return CudaEfficientBlock()
-    raise NotImplementedError(f"ring attention has no block kernel for device {device_type!r} (CPU and CUDA only)")
+    raise Refusal(f"ring attention has no block kernel for device {device_type!r} (CPU and CUDA only)")
 
 
 def choose_block_kernel(q: torch.Tensor, needs_mask: bool):

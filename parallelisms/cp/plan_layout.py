@@ -25,6 +25,8 @@ from fractions import Fraction
 import numpy as np
 import torch
 
+from config.errors import Refusal
+
 
 def _runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(starts, lengths) of the runs of equal ids of one row."""
@@ -197,5 +199,5 @@ class DocumentLayout:
 
 def _check_dims(x: torch.Tensor, seq_dim: int) -> None:
     if seq_dim != 1 or x.dim() < 2:
-        raise ValueError(f"the documents layout is per row: it needs (batch, seq, ...) tensors with seq_dim = 1, "
+        raise Refusal(f"the documents layout is per row: it needs (batch, seq, ...) tensors with seq_dim = 1, "
                          f"got shape {tuple(x.shape)} with seq_dim = {seq_dim}")

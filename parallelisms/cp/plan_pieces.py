@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from config.errors import Refusal
 from parallelisms.cp.layouts import CONTIGUOUS, STRIPED, ZIGZAG, fixed_positions
 from parallelisms.cp.plan_piece import FULL, BlockTask, Piece
 
@@ -47,7 +48,7 @@ def block_tasks(rank: int, src: int, cp_size: int, local_len: int, load_balancer
         if src < rank:
             return [BlockTask(FULL, FULL, True)]
         return [BlockTask(slice(1, local_len), slice(0, local_len - 1), True)] if local_len > 1 else []
-    raise ValueError(f"unknown load balancer {load_balancer!r}")
+    raise Refusal(f"unknown load balancer {load_balancer!r}")
 
 
 Run = tuple[int, int, int]  # (document id, first local row, end local row)

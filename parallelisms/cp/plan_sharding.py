@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from config.errors import Refusal
+
 from parallelisms.cp.groups import resolve_group
 from parallelisms.cp.layouts import (CONTIGUOUS, DOCUMENTS, STRIPED, ZIGZAG, check_load_balancer, check_sequence_length,
                                      fixed_positions, missing_document_ids)
@@ -40,7 +42,7 @@ def shard_sequence(x: torch.Tensor, seq_dim: int, cp_rank: int, cp_size: int,
     seq_len = x.size(seq_dim)
     check_sequence_length(seq_len, cp_size, load_balancer)
     if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size})")
+        raise Refusal(f"cp_rank {cp_rank} is outside [0, {cp_size})")
     if cp_size == 1:
         return x
     if load_balancer == DOCUMENTS:

@@ -84,7 +84,7 @@ class _Oracle(torch.nn.Module):
 
 @pytest.mark.parametrize("wrong_digit, expected", [(False, 1.0), (True, 0.5)])
 def test_accuracy_counts_a_row_only_when_every_digit_is_right(tokenizer, wrong_digit, expected):
-    from training.evaluation import EVAL_SEED_OFFSET, evaluate_passkey
+    from training.evaluation.passkey import EVAL_SEED_OFFSET, evaluate_passkey
     rows = PasskeyRows(tokenizer, seq_len=96, seed=EVAL_SEED_OFFSET, depth=0.0)
     known = [rows.sample(i)[0] for i in range(8)]
     model = _Oracle(known, tokenizer.vocab_size, wrong_digit)

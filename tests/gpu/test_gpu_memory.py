@@ -32,7 +32,7 @@ def _predicted_peak_gib(overrides) -> float:
     """In a fresh process: the probe initialises its own fake default process group."""
     sys.path.insert(0, ROOT)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from training.memory_probe import measure_rank
+    from training.planning.memory_probe import measure_rank
     from config.recipe import load_config
 
     return measure_rank(load_config(DEBUG_RECIPE, list(overrides)), 1).peak / GIB

@@ -15,7 +15,7 @@ from parallelisms.cp.attention import local_segment_attention
 from parallelisms.cp.plan_pieces import DocumentShards
 from tests.gpu.devices import CUDA_ONLY, require
 from tests.parallelisms.attention_reference import relative_error
-from training.cuda_path_probe import LaunchCounter
+from training.planning.cuda_path_probe import LaunchCounter
 
 TOLERANCE = 3e-2  # bf16 inputs and outputs
 

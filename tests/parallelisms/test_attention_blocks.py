@@ -3,6 +3,7 @@ wrappers against the ops' own schemas and shape rules on the meta device (this b
 import pytest
 import torch
 
+from config import Refusal
 from parallelisms.cp.kernel_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock, kernel_for
 from parallelisms.cp.accumulators import LseAccumulator
 from parallelisms.cp.kernel_calls import block_forward
@@ -17,7 +18,7 @@ def test_kernel_choice_by_device_dtype_and_mask():
     assert isinstance(kernel_for("cuda", torch.float16, 64, True), CudaEfficientBlock)
     assert isinstance(kernel_for("cuda", torch.float32, 64, False), CudaEfficientBlock)
     assert isinstance(kernel_for("cuda", torch.bfloat16, 60, False), CudaEfficientBlock)
-    with pytest.raises(NotImplementedError, match="mps"):
+    with pytest.raises(Refusal, match="mps"):
         kernel_for("mps", torch.float32, 64, False)
 
 

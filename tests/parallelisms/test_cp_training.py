@@ -2,7 +2,7 @@
 document masking the losses of every document run alone through a plain model."""
 import pytest
 
-from bench.loss_parity import max_relative_error, reference_run, trainer_run
+from tests.loss_reference import max_relative_error, reference_run, trainer_run
 from tests.trainer_runs import max_rel_diff, train_losses
 
 pytestmark = pytest.mark.timeout(720)  # the module's reference run and the test's run are allowed 300 s each

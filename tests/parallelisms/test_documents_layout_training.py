@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from bench.loss_parity import max_relative_error, reference_run, trainer_run
+from tests.loss_reference import max_relative_error, reference_run, trainer_run
 from tests.trainer_runs import read_metrics, run_train, short_documents_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
@@ -18,7 +18,7 @@ DOCUMENTS = ["--data.document_masking", "true", "--parallelism.cp_load_balancer"
 
 def _several_documents_per_row(reference: list[dict], rows: int = 4) -> bool:
     """The guard that makes a documents-layout test mean something: on rows of one document every layout is zigzag's.
-    `documents` counts each step's (row, document) pairs (bench/loss_parity.py): two documents per row on average,
+    `documents` counts each step's (row, document) pairs (tests/loss_reference.py): two documents per row on average,
     and in every step more documents than rows."""
     return sum(r["documents"] for r in reference) >= 2 * rows * len(reference) and \
         all(r["documents"] > rows for r in reference)

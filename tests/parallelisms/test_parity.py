@@ -1,5 +1,5 @@
 """Every mesh trains like one process: per-step loss and grad norm of the real trainer (torchrun, fp32, 5 steps,
-same rows) against a plain single-process Llama (bench/loss_parity.py's reference), token accounting that does not
+same rows) against a plain single-process Llama (tests/loss_reference.py's reference), token accounting that does not
 count CP/TP ranks as data, and impossible meshes refused in one line before any process group starts."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.loss_parity import GLOBAL_BATCH, MESHES, max_relative_error, reference_run, trainer_run, world_size
+from tests.loss_reference import GLOBAL_BATCH, MESHES, max_relative_error, reference_run, trainer_run, world_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, SEQ_LEN, TOLERANCE = 5, 128, 1e-5

@@ -20,7 +20,7 @@ from parallelisms.cp.plan_pieces import DocumentShards
 from parallelisms.cp.kernel_varlen import plan_calls
 from tests.parallelisms.attention_reference import relative_error
 from tests.parallelisms.varlen_reference import ReferenceVarlen
-from training import cuda_path_probe as probe
+from training.planning import cuda_path_probe as probe
 
 aten = torch.ops.aten
 

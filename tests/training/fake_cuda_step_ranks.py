@@ -1,4 +1,4 @@
-"""Counts the host syncs of the trainer's micro-steps on fake CUDA tensors (training/step_sync_probe.py) for every
+"""Counts the host syncs of the trainer's micro-steps on fake CUDA tensors (training/planning/step_sync_probe.py) for every
 rank of a cp 2 x dp 2 debug run with documents and placement by work, one rank after another in this process; prints
 one JSON object {rank: {"micro_steps", "counts", "places"}}. Run with the fake CUDA runtime preloaded
 (step_sync_probe.fake_cuda_env); used by tests/training/test_fake_cuda_step_syncs.py.
@@ -17,7 +17,7 @@ sys.path.insert(0, ROOT)
 
 from config.recipe import load_config  # noqa: E402
 from data.loader import build_dataloader  # noqa: E402
-from training.step_sync_probe import count_micro_step_syncs  # noqa: E402
+from training.planning.step_sync_probe import count_micro_step_syncs  # noqa: E402
 
 WORLD = 4
 RUN = ["--training.seq_len", "128", "--training.local_batch_size", "1", "--training.global_batch_size", "4",

@@ -1,5 +1,5 @@
 """One rank's peak memory for one optimizer step of a recipe, measured on real tensors in a real gloo run: the
-reference the dry run's fake-process-group measurement (training/memory_probe.py) is checked against.
+reference the dry run's fake-process-group measurement (training/planning/memory_probe.py) is checked against.
 
 The model, optimizer and step are the trainer's own (training/build.py, training/step.py), set up the way the dry run
 sets them up (AdamW state created by one warm-up step, then one measured micro-step and one clip + optimizer step).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.loss_parity import max_relative_error, reference_run, trainer_run
+from tests.loss_reference import max_relative_error, reference_run, trainer_run
 from models.llama import MODEL_CONFIGS
 from tests.distributed import run_ranks
 
@@ -69,7 +69,7 @@ MESHES = {"cp2": dict(cp=2, dp_shard=1), "tp2": dict(tp=2, dp_shard=1), "cp2 x t
 
 @pytest.fixture(scope="module")
 def reference():
-    """The plain single-process fp32 run of bench/loss_parity.py (eager, no parallel code), same rows and recipe."""
+    """The plain single-process fp32 run of tests/loss_reference.py (eager, no parallel code), same rows and recipe."""
     return reference_run(STEPS, 128)
 
 

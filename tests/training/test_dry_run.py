@@ -31,7 +31,7 @@ def _debug_cfg(*overrides):
 def _probe(overrides, world, mode):
     sys.path.insert(0, ROOT)
     os.environ["OMP_NUM_THREADS"] = "1"
-    from training.memory_probe import measure_memory, measure_rank
+    from training.planning.memory_probe import measure_memory, measure_rank
 
     cfg = _debug_cfg(*overrides)
     if mode == "full":
@@ -89,7 +89,7 @@ def _fake_peaks(names):
     """The dry run's measurement of every mesh, one after another in this one process (each its own fake group)."""
     sys.path.insert(0, ROOT)
     os.environ["OMP_NUM_THREADS"] = "1"
-    from training.memory_probe import measure_rank
+    from training.planning.memory_probe import measure_rank
 
     out = {}
     for name in names:
@@ -146,7 +146,7 @@ def test_dry_run_peak_matches_a_real_run(mesh, predicted_and_real):
 
 def test_roofline_counts_match_closed_forms():
     from models.llama import flops_per_token, model_config
-    from training.roofline import Layout, step_cost
+    from training.planning.roofline import Layout, step_cost
 
     m = model_config("llama3_8b")
     n = _meta_parameter_count("llama3_8b", 32)

@@ -1,4 +1,4 @@
-"""The dry run's CUDA-path numbers (training/cuda_path_probe.py) on the debug model: the fields dry_run.json gets,
+"""The dry run's CUDA-path numbers (training/planning/cuda_path_probe.py) on the debug model: the fields dry_run.json gets,
 kernel calls within 4 x P on a documents row, no host sync in the attention path, and the GQA comparison's order
 (the earlier path, K/V expanded before every flash call, never holds less)."""
 import concurrent.futures
@@ -13,7 +13,7 @@ def _stage_numbers(overrides):
     sys.path.insert(0, ROOT)
     os.environ["OMP_NUM_THREADS"] = "1"
     from config.recipe import load_config
-    from training.cuda_path_table import cuda_json, stage_cuda_path
+    from training.planning.cuda_path_table import cuda_json, stage_cuda_path
 
     cfg = load_config(os.path.join(ROOT, "recipes", "debug.toml"), overrides)
     numbers = stage_cuda_path(cfg, cfg.parallelism.cp, cfg.parallelism.tp, None)

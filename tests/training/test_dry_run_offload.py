@@ -18,7 +18,7 @@ def _probe(offload: str) -> dict:
     sys.path.insert(0, ROOT)
     os.environ["OMP_NUM_THREADS"] = "1"
     from config.recipe import load_config
-    from training.memory_probe import measure_rank
+    from training.planning.memory_probe import measure_rank
 
     cfg = load_config(os.path.join(ROOT, "recipes", "debug.toml"),
                       [*SHAPE, "--activation_checkpoint.offload", offload])

@@ -10,7 +10,7 @@ import torch
 
 from tests.distributed import run_ranks
 from tests.trainer_runs import read_metrics, run_train
-from training.eval_rows import rank_batches, rank_rows
+from training.evaluation.rows import rank_batches, rank_rows
 
 
 @pytest.mark.parametrize("rows, dp", [(8, 3), (8, 5), (4, 5), (8, 8), (1, 3)])
@@ -46,7 +46,7 @@ def _oracle_hits(rank, world_size):
     from data.tokenizer import build_tokenizer
     from models.llama import model_config
     from parallelisms.comm import Collectives
-    from training.evaluation import EVAL_SEED_OFFSET, answer_hits
+    from training.evaluation.passkey import EVAL_SEED_OFFSET, answer_hits
     import tempfile
 
     with tempfile.TemporaryDirectory() as cache:

@@ -27,10 +27,10 @@ def _cfg(*overrides):
 
 def _train_and_eval_peaks(rank, world_size):
     """Real bytes (live tensor storages, tests/training/real_step_memory.py) of one training step and of one
-    long-document evaluation forward of the same row length on the trained model (training/eval_rows.py)."""
+    long-document evaluation forward of the same row length on the trained model (training/evaluation/rows.py)."""
     from parallelisms.context_parallel import CommStats
     from training.build import build_model
-    from training.eval_rows import eval_chunk_tokens, score_tokens
+    from training.evaluation.rows import eval_chunk_tokens, score_tokens
     from training.step import StepSetup
     from models.llama import recipe_model_config
 
@@ -95,7 +95,7 @@ def test_dry_run_refuses_an_evaluation_that_does_not_fit_naming_its_key(tmp_path
 
 
 def test_launch_check_refuses_an_eval_length_the_stage_cp_cannot_split():
-    from training.preflight import preflight_stages
+    from training.planning.preflight import preflight_stages
 
     ramp = os.path.join(ROOT, "recipes", "debug_ramp.toml")
     from config.recipe import load_config

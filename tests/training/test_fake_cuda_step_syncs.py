@@ -2,7 +2,7 @@
 makes 0 host syncs. Every rank's micro-batches and plans come from the trainer's loader path (placement and the
 documents plan made by the step loader's collate function); each micro-step (`step.move_batch` to "cuda",
 `step.micro_step`, the per-micro-step metric) runs the CUDA path (bf16: varlen flash calls) on fake CUDA tensors with
-a real autograd backward, under a fake process group of 4 ranks (training/step_sync_probe.py). A device-to-host copy
+a real autograd backward, under a fake process group of 4 ranks (training/planning/step_sync_probe.py). A device-to-host copy
 or a `_local_scalar_dense` there would be the host waiting for the GPU.
 
 Outside the micro-step and not counted here: `Trainer.train_step` reads the loss and the grad norm back once per
@@ -25,7 +25,7 @@ def test_counter_on_a_device_run_ignores_scalar_reads_of_host_tensors():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-    from training.host_syncs import HostSyncCounter
+    from training.planning.host_syncs import HostSyncCounter
 
     with FakeTensorMode():
         device = torch.empty(3, device="cuda")
@@ -40,7 +40,7 @@ def test_counter_on_a_device_run_ignores_scalar_reads_of_host_tensors():
 
 
 def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement_makes_no_host_sync():
-    from training.step_sync_probe import fake_cuda_env
+    from training.planning.step_sync_probe import fake_cuda_env
 
     try:
         env = fake_cuda_env(dict(os.environ, PYTHONPATH=ROOT))

@@ -1,5 +1,5 @@
 """Bring your own checkpoint, end to end: `[model] name = "hf"` runs of tiny tied Qwen3 / Llama 3.2 folders made with
-transformers, against a single-process run of the same folder (bench/loss_parity.py's reference, loaded by
+transformers, against a single-process run of the same folder (tests/loss_reference.py's reference, loaded by
 models.hf.load_hf); the export read by transformers' Auto classes and pipeline; unsupported folders refused in one
 line before torchrun."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from bench.loss_parity import max_relative_error, reference_run, trainer_run
+from tests.loss_reference import max_relative_error, reference_run, trainer_run
 from tests.hf_folders import random_hf_model, write_bpe_tokenizer
 from tests.trainer_runs import ROOT, read_metrics, run_train
 

@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tests.trainer_runs import ROOT, short_documents_recipe
-from training.host_syncs import HostSyncCounter
+from training.planning.host_syncs import HostSyncCounter
 
 pytestmark = pytest.mark.timeout(300)
 

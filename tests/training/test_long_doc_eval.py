@@ -12,7 +12,7 @@ from data.store_rows import StoreRows, heldout_documents
 from data.tokenizer import build_tokenizer
 from models.llama import Llama, model_config
 from tests.trainer_runs import read_metrics, run_train
-from training.evaluation import bucket_name, long_document_loss, position_buckets, positions_in_document
+from training.evaluation.passkey import bucket_name, long_document_loss, position_buckets, positions_in_document
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def test_needles_at_their_depths_and_the_answer_is_the_only_label(tokenizer, key
 def test_heatmap_png_and_tensorboard_image(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from training.heatmap import log_heatmap_image, write_heatmap
+    from training.evaluation.heatmap import log_heatmap_image, write_heatmap
 
     results = {(n, d): (i * 7 % 11) / 10 for i, (n, d) in enumerate((n, d) for n in (128, 256, 512)
                                                                       for d in (0, 0.25, 0.5, 0.75, 1.0))}

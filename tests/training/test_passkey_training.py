@@ -19,7 +19,7 @@ def _key_and_question_ranks(depth: float, seq_len: int = 256) -> tuple[set[int],
     from data.tokenizer import build_tokenizer
     from models.llama import model_config
     from parallelisms.cp.plan_sharding import local_positions
-    from training.evaluation import EVAL_SEED_OFFSET
+    from training.evaluation.passkey import EVAL_SEED_OFFSET
     tokenizer = build_tokenizer(None, load_documents(["pydoc"]), model_config("debug").vocab_size,
                                 os.path.join(ROOT, ".cache"))
     row, _, _ = PasskeyRows(tokenizer, seq_len=seq_len, seed=EVAL_SEED_OFFSET, depth=depth).sample(0)

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from data.placement import segment_work, segments
-from bench.loss_parity import reference_run
+from tests.loss_reference import reference_run
 from tests.trainer_runs import ROOT, read_metrics, run_train, short_documents_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -38,7 +38,7 @@ def train(recipe: str, folder: str, dp: int, placement: str, *extra: str) -> lis
 
 
 def loader_document_ids(recipe: str):
-    """Each step's (rows, seq) document ids, read by a loader of its own as bench/loss_parity.py's reference does."""
+    """Each step's (rows, seq) document ids, read by a loader of its own as tests/loss_reference.py's reference does."""
     from config.recipe import load_config
     from data.corpus import load_documents
     from data.loader import build_dataloader

@@ -11,8 +11,8 @@ from tests.training.test_ramp_planner import ROOT, _in_fresh_process, _memory_gi
 def _plan_at_tp2(usable_mib: float):
     sys.path.insert(0, ROOT)
     os.environ["OMP_NUM_THREADS"] = "1"
-    from training.ramp_lengths import PlanRequest
-    from training.ramp_planner import plan_ramp
+    from training.planning.ramp_lengths import PlanRequest
+    from training.planning.ramp_planner import plan_ramp
 
     base = _tiny("--parallelism.tp", "2", "--parallelism.dp_shard", "4", "--hardware.device_memory_gib",
                  _memory_gib(usable_mib), "--training.tokens_per_step", "8192")
@@ -35,7 +35,7 @@ PROBES_THEN_RAISE = """
 import sys
 sys.path.insert(0, {root!r})
 from config.recipe import load_config
-from training.memory_probe import measure_rank
+from training.planning.memory_probe import measure_rank
 tiny = {tiny!r}
 for cp in (1, 2, 1):
     cfg = load_config({recipe!r}, tiny + ["--parallelism.tp", "2", "--parallelism.cp", str(cp),

@@ -32,7 +32,7 @@ def _tiny(*overrides):
 
 
 def _memory_gib(usable_mib: float) -> str:
-    from training.dry_run import RUNTIME_RESERVE_GIB
+    from training.planning.dry_run import RUNTIME_RESERVE_GIB
 
     return repr(RUNTIME_RESERVE_GIB + usable_mib / 1024)
 
@@ -40,7 +40,7 @@ def _memory_gib(usable_mib: float) -> str:
 # ---- no measurement -------------------------------------------------------------------------------------------------
 
 def test_rope_rule_is_never_below_the_men_bound_and_never_decreases():
-    from training.rope_rule import round_up_125, stage_rope_theta
+    from training.planning.rope_rule import round_up_125, stage_rope_theta
 
     theta = 500000.0
     for seq_len in (8192, 65536, 262144, 524288, 1048576):
@@ -56,7 +56,7 @@ def test_rope_rule_is_never_below_the_men_bound_and_never_decreases():
 
 
 def test_stage_lengths_grow_geometrically_by_powers_of_two_to_the_target():
-    from training.ramp_lengths import stage_lengths
+    from training.planning.ramp_lengths import stage_lengths
 
     assert stage_lengths(8192, 1048576, 4) == [8192, 32768, 262144, 1048576]
     default = stage_lengths(8192, 1048576)
@@ -69,7 +69,7 @@ def test_stage_lengths_grow_geometrically_by_powers_of_two_to_the_target():
 
 
 def test_plan_flags_are_taken_out_and_overrides_kept():
-    from training.ramp_lengths import PlanRequest, default_out, parse_plan_args
+    from training.planning.ramp_lengths import PlanRequest, default_out, parse_plan_args
 
     request, rest = parse_plan_args(["--gpus", "8", "--target-seq-len=1048576", "--model.name", "llama3_70b",
                                      "--offload", "on", "--stages", "4", "--tokens-per-stage", "1000"])
@@ -84,7 +84,7 @@ def test_plan_flags_are_taken_out_and_overrides_kept():
 
 
 def test_tokens_per_step_and_steps_per_stage():
-    from training.ramp_lengths import PlanRequest, stage_steps, tokens_per_step_for
+    from training.planning.ramp_lengths import PlanRequest, stage_steps, tokens_per_step_for
 
     base = _tiny()  # local_batch_size 1 x dp_shard 2 rows of 256 = 512 tokens per step
     assert tokens_per_step_for(base, 4, [256, 512]) == 512
@@ -105,10 +105,10 @@ def _plan_and_check(usable_mib: float):
     os.environ["OMP_NUM_THREADS"] = "1"
     import dataclasses
 
-    from training.dry_run import PlanRow, measure_row
-    from training.ramp_lengths import PlanRequest
-    from training.ramp_planner import plan_ramp, stage_candidate
-    from training.ramp_recipe import render_recipe
+    from training.planning.dry_run import PlanRow, measure_row
+    from training.planning.ramp_lengths import PlanRequest
+    from training.planning.ramp_planner import plan_ramp, stage_candidate
+    from training.planning.ramp_recipe import render_recipe
 
     base = _tiny("--hardware.device_memory_gib", _memory_gib(usable_mib), "--training.tokens_per_step", "32768")
     request = PlanRequest(gpus=4, target_seq_len=8192, stages=3, offload="off")
@@ -157,9 +157,9 @@ def test_written_recipe_names_why_and_the_rope_source(tight_plan):
 def _impossible(usable_mib: float):
     sys.path.insert(0, ROOT)
     os.environ["OMP_NUM_THREADS"] = "1"
-    from training.dry_run import PlanRow, measure_row
-    from training.ramp_lengths import PlanRequest
-    from training.ramp_planner import plan_ramp, stage_candidate
+    from training.planning.dry_run import PlanRow, measure_row
+    from training.planning.ramp_lengths import PlanRequest
+    from training.planning.ramp_planner import plan_ramp, stage_candidate
 
     base = _tiny("--hardware.device_memory_gib", _memory_gib(usable_mib), "--training.tokens_per_step", "8192")
     try:
@@ -192,11 +192,11 @@ def _auto_plan(usable_mib: float, mode: str):
     import tempfile
 
     from config.recipe import load_config
-    from training.dry_run import measure_row, plan_rows
-    from training.preflight import preflight_stages
-    from training.ramp_lengths import PlanRequest
-    from training.ramp_planner import plan_ramp
-    from training.ramp_recipe import render_recipe
+    from training.planning.dry_run import measure_row, plan_rows
+    from training.planning.preflight import preflight_stages
+    from training.planning.ramp_lengths import PlanRequest
+    from training.planning.ramp_planner import plan_ramp
+    from training.planning.ramp_recipe import render_recipe
 
     base = _tiny("--model.n_layers", "4", "--activation_checkpoint.mode", mode, "--hardware.device_memory_gib",
                  _memory_gib(usable_mib), "--training.tokens_per_step", "4096")

@@ -1,5 +1,5 @@
 """One RoPE rule in one place: every shipped recipe's ramp (hand-written or planned) gives each stage at least the
-base training/rope_rule.py gives it, and never lowers a pretrained base or the base along the ramp (recipes may only be stricter)."""
+base training/planning/rope_rule.py gives it, and never lowers a pretrained base or the base along the ramp (recipes may only be stricter)."""
 import glob
 import os
 
@@ -7,7 +7,7 @@ import pytest
 
 from config.recipe import load_config
 from models.model_config import model_config
-from training.rope_rule import stage_rope_theta
+from training.planning.rope_rule import stage_rope_theta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RAMPED = sorted(p for p in glob.glob(os.path.join(ROOT, "recipes", "**", "*.toml"), recursive=True)
@@ -30,4 +30,4 @@ def test_recipe_bases_follow_the_rule(path):
         wanted = stage_rope_theta(stage.seq_len, theta)
         theta = stage.rope_theta or theta
         assert theta >= wanted, (f"{os.path.relpath(path, ROOT)} stage {i} ({stage.seq_len} tokens): rope_theta "
-                                 f"{theta:g} < {wanted:g}, the base training/rope_rule.py gives")
+                                 f"{theta:g} < {wanted:g}, the base training/planning/rope_rule.py gives")

@@ -38,7 +38,7 @@ def _probe_calls(overrides):
     sys.path.insert(0, ROOT)
     os.environ["OMP_NUM_THREADS"] = "1"
     from config.recipe import load_config
-    from training.memory_probe import measure_rank
+    from training.planning.memory_probe import measure_rank
 
     calls = _count_micro_steps()
     measure_rank(load_config(os.path.join(ROOT, "recipes", "debug.toml"), overrides), 2)

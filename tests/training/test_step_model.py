@@ -1,7 +1,7 @@
 """The calibrated step-time model against TorchTitan's published end-to-end rows (docs/performance.md of
 TorchTitan: 8 x H100 96GB at 500 W, Llama 3.1 8B), through the dry run's own prediction function on recipes set to
 each row's model, layout, batch, activation checkpointing and length (no fake model is built: memory is not what
-these rows check). The model's efficiencies come from kernel benchmarks (training/accelerators.py); these rows are
+these rows check). The model's efficiencies come from kernel benchmarks (training/planning/accelerators.py); these rows are
 the check, never an input. Three rows the model does not meet (it is optimistic there: kernel benchmarks leave out
 SM sharing with NCCL, launch gaps and the ring's per-hop overheads) are held to a looser, stated bound instead: the
 prediction is optimistic by at most 1.5x, so a regression past the documented gap fails; docs/predictions.md shows
@@ -29,8 +29,8 @@ OUTSIDE = {"table1_fsdp_bf16_eager": (1.0, 1.5), "table2_fsdp2_cp4_128k": (1.0, 
 def predicted_tokens_per_gpu(seq_len: int, dp_shard: int, cp: int, batch: int, ac: str, compile_: bool) -> dict:
     """The dry run's prediction (training/dry_run.roofline_times) for the TorchTitan recipe set to one row."""
     from config.recipe import load_config
-    from training.dry_run import roofline_times
-    from training.preflight import preflight
+    from training.planning.dry_run import roofline_times
+    from training.planning.preflight import preflight
 
     cfg = load_config(RECIPE, ["--hardware.accelerator", "h100-sxm-500w", "--training.seq_len", str(seq_len),
                                "--parallelism.dp_shard", str(dp_shard), "--parallelism.cp", str(cp),
@@ -69,9 +69,9 @@ def test_causal_attention_flops_match_the_closed_form():
     """The model's attention work at one CP layout: 4 x visible pairs x heads x head dim per layer, forward; the
     closed form for a causal row is S (S + 1) / 2 pairs."""
     from models.llama import model_config
-    from training.accelerators import ACCELERATORS
-    from training.roofline import Layout
-    from training.step_model import Workload, predict_step
+    from training.planning.accelerators import ACCELERATORS
+    from training.planning.roofline import Layout
+    from training.planning.step_model import Workload, predict_step
 
     m = model_config("llama3_8b")
     acc = ACCELERATORS["h100-sxm"]
@@ -81,7 +81,7 @@ def test_causal_attention_flops_match_the_closed_form():
                                  visible_pair_fraction=(seq + 1) / (4 * seq)), acc)
     assert half.parts["attention"] == pytest.approx(one.parts["attention"] / 2, rel=1e-12)
     flops = 4 * seq * (seq + 1) / 2 * m.n_heads * m.head_dim * m.n_layers * (1 + 2.5)
-    from training.accelerators import flash_rate
+    from training.planning.accelerators import flash_rate
 
     middle = sum(acc.flash_fraction) / 2  # the prediction takes the middle of the spread
     fwd_rate, bwd_rate = (flash_rate(acc, phase, 128, True, seq) * middle for phase in ("fwd", "bwd"))
@@ -90,7 +90,7 @@ def test_causal_attention_flops_match_the_closed_form():
 
 
 def test_document_mix_pairs_are_the_closed_form():
-    from training.step_model import document_pair_fraction
+    from training.planning.step_model import document_pair_fraction
 
     seq = 65536
     fraction, length = document_pair_fraction(seq, ((0.5, None), (0.5, 4096)))
@@ -141,7 +141,7 @@ def test_visible_pairs_from_prepared_stores(tmp_path):
     import numpy as np
 
     from config.recipe import load_config
-    from training.step_model import pairs_from_stores
+    from training.planning.step_model import pairs_from_stores
 
     seq = 4096
     for name, lengths in (("books", [2 * seq]), ("web", [100] * 50)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from config import RecipeError
+from config import RecipeError, Refusal
 from config.recipe import check_offload
 from config.schema import Config
 from data.sources import check_sources
@@ -12,11 +12,10 @@ from models.llama import recipe_model_config
 from parallelisms.cp.exchange_alltoall import kv_replication
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline_parallel import plan_pipeline
-from parallelisms.cp.counters import UnsupportedAttentionError
 from parallelisms.cp.layouts import sequence_divisor
 from parallelisms.tensor_parallel import check_tp_degree
-from training.eval_memory import stage_eval_config
-from training.niah_eval import niah_eval_lengths
+from training.planning.eval_memory import stage_eval_config
+from training.evaluation.niah import niah_eval_lengths
 from training.ramp import RampStage, resolve_stages
 
 
@@ -62,7 +61,7 @@ def preflight(cfg: Config, world_size: int):
     if p.cp_impl == "ulysses" and p.cp > 1:  # hybrid and auto fall back to what the heads allow
         try:
             kv_replication(mcfg.n_heads // p.tp, mcfg.num_kv_heads // p.tp, p.cp)
-        except UnsupportedAttentionError as e:
+        except Refusal as e:
             raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_impl = \"ulysses\" with cp {p.cp}: {e}") from None
     if p.pp > 1:
         if mcfg.tie_embeddings:

@@ -2,7 +2,7 @@
 
 One rank of a fake process group of the run's world size (collectives return at once, in this process) builds the
 recipe's model with the real composer on a `cuda` mesh and materialises it as fake CUDA tensors (FakeTensorMode; the
-no-op CUDA device guard of training/cuda_path_probe.py lets them be sliced). Its micro-batches come from the trainer's
+no-op CUDA device guard of training/planning/cuda_path_probe.py lets them be sliced). Its micro-batches come from the trainer's
 own loader path (training/batch_plans.step_loader: placement by work and the documents plan made by the loader's
 collate function, on real host ids); each one then goes through the trainer's loop body, `step.move_batch` to
 "cuda" (host-to-device copies, which make the fake device tensors), `step.micro_step`, and the per-micro-step
@@ -40,9 +40,9 @@ from parallelisms.stage_meshes import add_hybrid_subgroups
 from training import step
 from training.batch_plans import CpPlanning, step_loader
 from training.build import stage_ulysses_degree
-from training.cuda_path_probe import LaunchCounter
-from training.host_syncs import HostSyncCounter
-from training.memory_probe import _forget_dtensor_caches, _sharding_propagation_in_its_own_fake_mode
+from training.planning.cuda_path_probe import LaunchCounter
+from training.planning.host_syncs import HostSyncCounter
+from training.planning.memory_probe import _forget_dtensor_caches, _sharding_propagation_in_its_own_fake_mode
 from training.metrics import visible_pairs
 from training.step import StepSetup, clip_grad_norm_
 

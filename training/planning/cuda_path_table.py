@@ -1,5 +1,5 @@
 """The dry run's CUDA-path numbers, one row per stage: kernel calls, aten ops and host syncs of one layer's attention
-on fake CUDA tensors (training/cuda_path_probe.py), and the step's peak with the CUDA attention's transients, GQA
+on fake CUDA tensors (training/planning/cuda_path_probe.py), and the step's peak with the CUDA attention's transients, GQA
 unexpanded vs the earlier expanded path. Document lengths: the recipe's prepared stores when present here, else the
 stated web-like mix."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from parallelisms.cp.block_spec import BlockSpec
 from parallelisms.cp.exchange_ring import ring_backward, ring_forward
-from training.cuda_path_probe import (ExpandGqa, FlashWorkspace, LaunchCounter, LayerCounts, fake_group,
+from training.planning.cuda_path_probe import (ExpandGqa, FlashWorkspace, LaunchCounter, LayerCounts, fake_group,
                                       load_fake_cuda_guard, ring_counts, run_layer, total_bytes, ulysses_counts,
                                       web_like_row)
 
@@ -139,7 +139,7 @@ def cuda_table(rows: list[tuple[str, float, dict]], usable_gib: float) -> str:
 
 
 CUDA_PATH_STATEMENT = (
-    "  CUDA path, on fake CUDA tensors (training/cuda_path_table.py): attn calls / aten ops = one layer's attention "
+    "  CUDA path, on fake CUDA tensors (training/planning/cuda_path_table.py): attn calls / aten ops = one layer's attention "
     "forward + backward on the busiest CP rank; host syncs = device-to-host reads in the attention path per "
     "micro-step; the peak is the step's measured peak plus what one layer's CUDA attention (varlen gathers, flash "
     "backward scratch, GQA dK/dV expanded inside the kernel) holds beyond the CPU kernels' (an upper bound); "

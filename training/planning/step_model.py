@@ -1,7 +1,7 @@
 """A calibrated step time: what one optimizer step should take on real GPUs, as a band (low..high) and a prediction.
 
-The roofline (training/roofline.py) is a bound: every FLOP at the data-sheet peak. This model prices each class of
-work at the rate published kernel benchmarks reach (training/accelerators.py states each figure and its source):
+The roofline (training/planning/roofline.py) is a bound: every FLOP at the data-sheet peak. This model prices each class of
+work at the rate published kernel benchmarks reach (training/planning/accelerators.py states each figure and its source):
 - large GEMMs (every linear layer, forward, backward = 2x forward, recomputation) at the cuBLAS rate;
 - attention at FlashAttention-2's measured rate for its head dim, causal or not, and the length of one call (a CP
   ring's block: S / cp), on the visible query-key pairs (document masking: from a stated document mix);
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.llama import LlamaConfig
-from training.accelerators import EFFICIENT_VS_FLASH, AcceleratorSpec, flash_rate
-from training.roofline import Layout, fsdp_bytes_per_step, parameter_count, recomputed_block_fraction
+from training.planning.accelerators import EFFICIENT_VS_FLASH, AcceleratorSpec, flash_rate
+from training.planning.roofline import Layout, fsdp_bytes_per_step, parameter_count, recomputed_block_fraction
 
 DOCUMENT_MIX = ((0.5, None), (0.5, 4096))
 """Without the recipe's prepared stores: half the tokens in documents at least a row long (plain causal over the
@@ -205,7 +205,7 @@ def document_pair_fraction(seq_len: int, mix=DOCUMENT_MIX) -> tuple[float, float
     return fraction, length_weighted / fraction
 
 
-PREDICTION_STATEMENT = ("predicted: calibrated step time (training/step_model.py): GEMMs at cuBLAS's measured rate, "
+PREDICTION_STATEMENT = ("predicted: calibrated step time (training/planning/step_model.py): GEMMs at cuBLAS's measured rate, "
                         "attention at FlashAttention-2's, elementwise work at achieved HBM bandwidth, collectives at "
                         "NCCL's bus bandwidth with FSDP prefetch and the ring under attention; band = the sources' "
                         "spread (docs/predictions.md)")
@@ -215,7 +215,7 @@ def accelerator_for(hw) -> AcceleratorSpec:
     """The recipe's accelerator with its link overrides (hardware.nvlink_gb_per_s, network_gb_per_s)."""
     import dataclasses
 
-    from training.accelerators import accelerator
+    from training.planning.accelerators import accelerator
 
     spec = accelerator(hw.accelerator)
     links = {"nvlink_bytes_per_s": hw.nvlink_gb_per_s * 1e9, "ib_bytes_per_s": hw.network_gb_per_s * 1e9}

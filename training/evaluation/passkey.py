@@ -15,7 +15,7 @@ import torch
 from config.schema import Config
 from data.passkey import IGNORE_INDEX, PasskeyRows
 from data.sources import heldout_rows
-from training.eval_rows import (DEFAULT_EVAL_CHUNK_TOKENS, eval_chunk_tokens, eval_spread, padded_batch,
+from training.evaluation.rows import (DEFAULT_EVAL_CHUNK_TOKENS, eval_chunk_tokens, eval_spread, padded_batch,
                                  rank_batches, score_tokens)
 from training.step import StepSetup, cp_context
 
@@ -37,7 +37,7 @@ def answer_hits(model, rows, indices: list[int], device: torch.device, cp_contex
                 dp_rank: int = 0, dp_size: int = 1, reduce_sums=None) -> tuple[float, float]:
     """(fraction of rows whose every answer token is the argmax, fraction of answer tokens that are).
 
-    The rows are split over the `dp_size` data-parallel ranks and padded (training/eval_rows.py), so every rank runs
+    The rows are split over the `dp_size` data-parallel ranks and padded (training/evaluation/rows.py), so every rank runs
     the same forwards; `reduce_sums(list)` sums the counts over those ranks. The argmax comes from the hidden states,
     `chunk_tokens` answer tokens at a time (never the whole logits)."""
     was_training = model.training

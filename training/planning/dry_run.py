@@ -1,8 +1,8 @@
 """`./run_train.sh RECIPE --dry-run`: does the plan fit, and how fast would it go, before anyone spends a GPU-day.
 
 One process, no GPU. For every training stage: memory of the rank(s) that matter, measured on a fake process group
-of the recipe's world size (training/memory_probe.py), held against the device memory, and a step time and MFU from
-a stated roofline (training/roofline.py). Names the first stage that does not fit and what to change, after
+of the recipe's world size (training/planning/memory_probe.py), held against the device memory, and a step time and MFU from
+a stated roofline (training/planning/roofline.py). Names the first stage that does not fit and what to change, after
 checking the change with one more measurement. Exit code 0 when every stage fits, 1 otherwise.
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ from config.schema import Config
 from models.llama import recipe_model_config
 from parallelisms.host_arena import stage_pinned_bytes
 from parallelisms.cp.layouts import sequence_divisor
-from training.eval_memory import eval_refusal, stage_eval_config
-from training.cuda_path_table import cuda_json, print_cuda_path
-from training.memory_probe import GIB, RankMemory, measure_memory
-from training.preflight import preflight
+from training.planning.eval_memory import eval_refusal, stage_eval_config
+from training.planning.cuda_path_table import cuda_json, print_cuda_path
+from training.planning.memory_probe import GIB, RankMemory, measure_memory
+from training.planning.preflight import preflight
 from training.ramp import resolve_stages
-from training.roofline import ROOFLINE_STATEMENT, Accelerator, Layout, parameter_count, step_cost
-from training.step_model import PREDICTION_STATEMENT, accelerator_for, predict_step, workload_for
+from training.planning.roofline import ROOFLINE_STATEMENT, Accelerator, Layout, parameter_count, step_cost
+from training.planning.step_model import PREDICTION_STATEMENT, accelerator_for, predict_step, workload_for
 
 RUNTIME_RESERVE_GIB = 2.0
 """Device memory that tensors cannot use: the CUDA context (~0.5 GiB) and NCCL communicator buffers (~1 GiB)."""
@@ -55,7 +55,7 @@ class RowResult:
     ranks: list[int]
     """The ranks measured (the table shows the one with the highest peak)."""
     cuda: dict = dataclasses.field(default_factory=dict)
-    """The CUDA path on fake CUDA tensors (training/cuda_path_probe.py): launches, syncs, attention transients."""
+    """The CUDA path on fake CUDA tensors (training/planning/cuda_path_probe.py): launches, syncs, attention transients."""
 
     @property
     def peak_gib(self) -> float:
@@ -90,8 +90,8 @@ def measure_row(row: PlanRow, world: int, gpus_per_node: int) -> RowResult:
 
 def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float | None,
                    offload_bytes: float = 0.0) -> dict:
-    """The stated roofline's step times of one config (training/roofline.py) and the calibrated prediction
-    (training/step_model.py: `predicted_s`, `predicted_band`, `predicted_tokens_per_gpu_s`); `cp_ring_bytes` None =
+    """The stated roofline's step times of one config (training/planning/roofline.py) and the calibrated prediction
+    (training/planning/step_model.py: `predicted_s`, `predicted_band`, `predicted_tokens_per_gpu_s`); `cp_ring_bytes` None =
     estimated. The ramp planner ranks candidate layouts with the prediction before measuring the best."""
     t, p = cfg.training, cfg.parallelism
     grad_accum = t.grad_accum_steps(dims.dp)
@@ -175,7 +175,7 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
     if cfg.data.document_masking:
         lines.append("  document masking: memory measured as plain causal attention (an upper bound: masked blocks "
                      "skip); the prediction counts the visible pairs of the prepared stores' documents, else of a "
-                     "stated mix (training/step_model.py DOCUMENT_MIX)")
+                     "stated mix (training/planning/step_model.py DOCUMENT_MIX)")
     return lines
 
 

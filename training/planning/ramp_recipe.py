@@ -1,4 +1,4 @@
-"""`./run_train.sh BASE.toml --plan-ramp --gpus N --target-seq-len L`: plan (training/ramp_planner.py), print the
+"""`./run_train.sh BASE.toml --plan-ramp --gpus N --target-seq-len L`: plan (training/planning/ramp_planner.py), print the
 table, write the recipe. The written TOML holds the base's values that differ from the defaults (overrides given
 on the command line included), the planned [[ramp]] stages and comments that say why each stage is what it is."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ import time
 
 from config.schema import Config, SECTIONS, SourceConfig
 from models.llama import recipe_model_config
-from training.ramp_lengths import PlanRequest, default_out, length_name
-from training.ramp_planner import RampPlan, plan_ramp
-from training.roofline import parameter_count
-from training.step_model import PREDICTION_STATEMENT
-from training.rope_rule import ROPE_RULE_SOURCE, men_lower_bound
+from training.planning.ramp_lengths import PlanRequest, default_out, length_name
+from training.planning.ramp_planner import RampPlan, plan_ramp
+from training.planning.roofline import parameter_count
+from training.planning.step_model import PREDICTION_STATEMENT
+from training.planning.rope_rule import ROPE_RULE_SOURCE, men_lower_bound
 
 COLUMNS = ("stage", "seq_len", "cp", "dp_shard", "tp", "offload", "peak GiB", "host GiB", "step s", "tok/s/GPU",
            "steps", "GPU-h")

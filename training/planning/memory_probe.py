@@ -33,7 +33,7 @@ from parallelisms.parallelize import parallelize, uses_loss_parallel
 from parallelisms.stage_meshes import add_hybrid_subgroups
 from training import step
 from training.build import build_optimizer, stage_ulysses_degree
-from training.eval_memory import measure_eval_peak
+from training.planning.eval_memory import measure_eval_peak
 from training.step import StepSetup, clip_grad_norm_
 
 GIB = 2**30
@@ -57,7 +57,7 @@ class RankMemory:
     host: float = 0.0
     """Peak bytes of offloaded block inputs in host memory (activation_checkpoint.offload); not part of `peak`."""
     peak_eval: float = 0.0
-    """The most the stage's evaluations hold at once (training/eval_memory.py); 0 when the stage runs none."""
+    """The most the stage's evaluations hold at once (training/planning/eval_memory.py); 0 when the stage runs none."""
 
     @property
     def train_peak(self) -> float:

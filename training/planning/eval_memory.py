@@ -1,5 +1,5 @@
 """The dry run's measurement of evaluation: each ramp stage's evaluations run on the probe's fake tensors, after its
-training step, through the same code the trainer runs (training/eval_rows.py `score_tokens`: the model's forward
+training step, through the same code the trainer runs (training/evaluation/rows.py `score_tokens`: the model's forward
 under the step's CP context, scores from the hidden states in chunks, CP unsharding).
 
 A stage's evaluations are those the trainer runs while the stage is current: long-document loss and NIAH at every
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from config.schema import Config
-from training.eval_rows import eval_chunk_tokens, score_tokens
-from training.niah_eval import niah_eval_lengths
+from training.evaluation.rows import eval_chunk_tokens, score_tokens
+from training.evaluation.niah import niah_eval_lengths
 from training.step import cp_context
 
 

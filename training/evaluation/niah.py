@@ -12,9 +12,9 @@ import torch
 from config.schema import Config
 from data.niah import NiahRows
 from data.sources import heldout_haystack
-from training.evaluation import EVAL_SEED_OFFSET, answer_hits, format_passkey_table
-from training.eval_rows import eval_spread
-from training.heatmap import log_heatmap_image, write_heatmap
+from training.evaluation.passkey import EVAL_SEED_OFFSET, answer_hits, format_passkey_table
+from training.evaluation.rows import eval_spread
+from training.evaluation.heatmap import log_heatmap_image, write_heatmap
 from training.step import StepSetup, cp_context
 
 
@@ -40,7 +40,7 @@ def evaluate_niah(model, tokenizer, haystack, *, lengths: list[int], depths: lis
                   load_balancer: str = "zigzag", batch_size: int = 8,
                   **spread) -> dict[tuple[int, float], tuple[float, float]]:
     """{(context length, depth): (exact-answer accuracy, answer-token accuracy)} over `samples` rows each (the same
-    rows on every mesh); `spread` splits them over the data-parallel ranks (training.evaluation.answer_hits)."""
+    rows on every mesh); `spread` splits them over the data-parallel ranks (training.evaluation.passkey.answer_hits)."""
     results = {}
     for length in lengths:
         for depth in depths:

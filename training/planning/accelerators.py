@@ -1,5 +1,5 @@
 """The accelerators a recipe can name (`[hardware] accelerator`), with the data-sheet figures the roofline uses and
-the kernel-level figures the calibrated step-time model (training/step_model.py) uses, each with its source.
+the kernel-level figures the calibrated step-time model (training/planning/step_model.py) uses, each with its source.
 
 Data-sheet figures are the vendors' (NVIDIA H100 / H200 / A100 data sheets). Kernel-level figures are published
 benchmarks of the kernels one training step runs, never end-to-end training throughputs: those (TorchTitan's

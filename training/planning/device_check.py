@@ -10,7 +10,7 @@ import torch
 from config import RecipeError
 from config.schema import Config
 from models.llama import recipe_model_config
-from training.roofline import parameter_count
+from training.planning.roofline import parameter_count
 
 GPU_SIZED_PARAMETERS = 1e9
 """With hardware.device = "auto", a model this large counts as GPU-sized (the 8B on CPU would not finish a step)."""
