@@ -243,7 +243,8 @@ def validate(cfg: Config) -> None:
         raise RecipeError(f"{where}: optimizer.lr must be > 0, got {cfg.optimizer.lr}.")
     if cfg.lr_scheduler.warmup_steps < 0:
         raise RecipeError(f"{where}: lr_scheduler.warmup_steps must be >= 0.")
-    for section, key in (("training", "loss_chunk_tokens"), ("model", "mlp_chunk_tokens")):
+    for section, key in (("training", "loss_chunk_tokens"), ("model", "mlp_chunk_tokens"),
+                         ("model", "norm_chunk_tokens")):
         if getattr(getattr(cfg, section), key) < 0:
             raise RecipeError(f"{where}: {section}.{key} must be >= 0 (0 = off), got "
                               f"{getattr(getattr(cfg, section), key)}.")

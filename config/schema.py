@@ -112,11 +112,14 @@ class ModelConfig:
     mlp_chunk_tokens: int = 0
     """The SwiGLU feed-forward computed over tiles of this many tokens, each recomputed in backward
     (models/tiled_mlp.py): its (tokens x ffn_dim) intermediates exist one tile at a time. 0 = untiled."""
+    norm_chunk_tokens: int = 0
+    """The blocks' RMSNorms computed over tiles of this many tokens (models/tiled_norm.py), keeping only their input
+    and a float32 scale per token for the backward (their float32 temporaries: one tile at a time). 0 = untiled."""
 
     def overrides(self) -> dict:
         """The fields set in the recipe, as keyword overrides of the named Llama config (models/llama.py)."""
         names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta", "mlp_chunk_tokens",
-                 "intermediate_size", "attention_head_dim", "rope_original_max_position")
+                 "norm_chunk_tokens", "intermediate_size", "attention_head_dim", "rope_original_max_position")
         out = {k: getattr(self, k) for k in names if getattr(self, k)}
         if self.rope_type != "auto":
             out["rope_type"] = self.rope_type

@@ -35,6 +35,7 @@ from models.chunked_loss import chunked_linear_cross_entropy
 from models.chunked_scores import chunked_token_scores
 from models.rope import RotaryEmbedding, apply_rotary
 from models.tiled_mlp import tiled_swiglu
+from models.tiled_norm import tiled_rms_norm
 from models.model_config import HF_NAME, MODEL_CONFIGS, LlamaConfig, model_config  # noqa: F401 (re-exported)
 from models.hf_config import recipe_model_config  # noqa: F401 (re-exported)
 
@@ -42,12 +43,15 @@ from models.hf_config import recipe_model_config  # noqa: F401 (re-exported)
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32 and cast back before the weight, as Meta's and HF's code do."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, tile_tokens: int = 0):
         super().__init__()
         self.eps = eps
+        self.tile_tokens = tile_tokens
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_tokens:  # same numbers, float32 temporaries one tile at a time (models/tiled_norm.py)
+            return tiled_rms_norm(x, self.weight, self.eps, self.tile_tokens)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
@@ -104,9 +108,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps, config.norm_chunk_tokens)
         self.attention = Attention(config)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, config.norm_chunk_tokens)
         self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim, config.mlp_chunk_tokens)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -157,7 +161,7 @@ class Llama(nn.Module):
         kw = config.rope_kwargs
         self.rope = RotaryEmbedding(config.head_dim, kw.pop("theta"), kw.pop("scaling_factor"), **kw)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_chunk_tokens)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
 

@@ -73,10 +73,14 @@ class LlamaConfig:
     mlp_chunk_tokens: int = 0
     """SwiGLU computed over tiles of this many tokens, each recomputed in backward (models/tiled_mlp.py), so the
     (tokens x ffn_hidden_dim) intermediates exist for one tile at a time; 0 = the whole sequence at once."""
+    norm_chunk_tokens: int = 0
+    """The blocks' RMSNorms computed over tiles of this many tokens (models/tiled_norm.py), saving only their input
+    and one float32 scale per token: their float32 temporaries exist for one tile at a time; 0 = untiled."""
 
     def __post_init__(self):
-        if self.mlp_chunk_tokens < 0:
-            raise RecipeError(f"[model] mlp_chunk_tokens = {self.mlp_chunk_tokens} must be >= 0 (0 = untiled)")
+        for name in ("mlp_chunk_tokens", "norm_chunk_tokens"):
+            if getattr(self, name) < 0:
+                raise RecipeError(f"[model] {name} = {getattr(self, name)} must be >= 0 (0 = untiled)")
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "rope_original_max_position",
                      "max_seq_len"):
             if getattr(self, name) < 1:

@@ -1,0 +1,59 @@
+"""RMSNorm over tiles of tokens, saving only its input and one float32 scale per token for the backward.
+
+The plain RMSNorm (models/llama.py) computes in float32 and autograd keeps what its ops need: the float32 copy of
+the input, its square, the normalised float32 rows and the bf16 cast, then the backward makes as many float32
+temporaries again. In a recomputed bf16 block at 512K tokens per rank that is ~136 KiB per token at the backward's
+peak (bench/bench_layer_memory.py), the largest transient of the step. `tiled_rms_norm` keeps the input (which the
+block holds anyway for its residual) and rsqrt(mean(x^2) + eps) per token (4 bytes), and does the float32 work
+`tile_tokens` rows at a time in both directions. Exact: every row computes what the plain norm computes, in the same
+dtypes; only the weight gradient's sum over tokens is accumulated per tile (in float32).
+
+Under tensor parallelism's SequenceParallel plan the input is a DTensor sharded on the sequence and the weight is
+replicated: the norm runs on the local rows and the weight's local gradient is a partial sum over this rank's rows.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Partial
+
+
+class _TiledRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, tile_tokens: int):
+        out = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+        rstd = torch.empty(x.size(0), 1, dtype=torch.float32, device=x.device)
+        for start in range(0, x.size(0), tile_tokens):
+            rows = slice(start, start + tile_tokens)
+            x32 = x[rows].float()
+            torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps, out=rstd[rows])
+            torch.mul((x32 * rstd[rows]).type_as(x), weight, out=out[rows])
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.tile_tokens = tile_tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, x.size(0), ctx.tile_tokens):
+            rows = slice(start, start + ctx.tile_tokens)
+            normed = x[rows].float() * rstd[rows]
+            g = grad_out[rows]
+            grad_w += (g * normed.type_as(x)).float().sum(0)
+            grad_normed = (g * weight).type_as(x).float()  # the plain norm's cast back to x's dtype
+            dot = (grad_normed * normed).mean(-1, keepdim=True)
+            grad_x[rows] = (rstd[rows] * (grad_normed - normed * dot)).type_as(x)
+        return grad_x, grad_w.to(weight.dtype), None, None
+
+
+def tiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tile_tokens: int) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, `tile_tokens` rows of x at a time."""
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be positive, got {tile_tokens}")
+    if isinstance(x, DTensor):
+        local = tiled_rms_norm(x.to_local(), weight.to_local(grad_placements=[Partial()])
+                               if isinstance(weight, DTensor) else weight, eps, tile_tokens)
+        return DTensor.from_local(local, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
+    shape = x.shape
+    return _TiledRMSNorm.apply(x.reshape(-1, shape[-1]), weight, eps, tile_tokens).view(shape)
