@@ -4,7 +4,7 @@
         [--seq-len 4194304 --cp 8] [--set model.mlp_chunk_tokens=0 ...]
 
 One rank of a fake process group builds the stage's model with `--layers` blocks through the real composer (FSDP2,
-activation checkpointing and offload, context parallelism) and runs one micro-step under training/memory_breakdown.py's
+activation checkpointing and offload, context parallelism) and runs one micro-step under training/planning/memory_breakdown.py's
 dispatch mode: the printed peak is the transient part of the step (parameters, gradients and optimizer state excluded)
 and each category is what the code of that part held at that moment. Document masking is measured as its one-document
 row (causal), as the dry run does.
@@ -31,8 +31,8 @@ from parallelisms.parallelize import parallelize, uses_loss_parallel  # noqa: E4
 from parallelisms.stage_meshes import add_hybrid_subgroups  # noqa: E402
 from training import step  # noqa: E402
 from training.build import stage_ulysses_degree  # noqa: E402
-from training.memory_breakdown import BreakdownMode, format_breakdown  # noqa: E402
-from training.memory_probe import _fake_batch, _forget_dtensor_caches, _sharding_propagation_in_its_own_fake_mode  # noqa: E402,E501
+from training.planning.memory_breakdown import BreakdownMode, format_breakdown  # noqa: E402
+from training.planning.memory_probe import _fake_batch, _forget_dtensor_caches, _sharding_propagation_in_its_own_fake_mode  # noqa: E402,E501
 from training.ramp import resolve_stages  # noqa: E402
 
 

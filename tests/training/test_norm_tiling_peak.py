@@ -26,7 +26,7 @@ def _cfg(overrides):
 def _fake_peaks():
     sys.path.insert(0, ROOT)
     os.environ["OMP_NUM_THREADS"] = "1"
-    from training.memory_probe import measure_rank
+    from training.planning.memory_probe import measure_rank
 
     return {name: measure_rank(_cfg(o), 1).peak for name, o in VARIANTS.items()}
 

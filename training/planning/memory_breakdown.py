@@ -1,6 +1,6 @@
 """Where a step's transient memory goes: every tensor the step creates, labelled by the code that made it.
 
-The dry run (training/memory_probe.py) says how much a step peaks at; this says what is live at that peak. A dispatch
+The dry run (training/planning/memory_probe.py) says how much a step peaks at; this says what is live at that peak. A dispatch
 mode sees every op of the step (forward, checkpoint recomputation, backward, FSDP and ring-attention buffers) on fake
 tensors; each new storage is labelled by the innermost frame of this repository's code on the stack (e.g.
 `models/rope.py:apply_rotary`) or, for autograd's own backward kernels, by the module whose backward runs. At the
@@ -21,13 +21,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # Frames that only drive the step: ops under them (autograd's own backward kernels) are labelled by module instead.
-_SKIP_FILES = (os.path.join("training", "memory_breakdown.py"), os.path.join("training", "step.py"))
+_SKIP_FILES = (os.path.join("training", "planning", "memory_breakdown.py"), os.path.join("training", "step.py"))
 
 # (substring of a label, category), first match wins; labels are "file:qualname" or "backward <module>: <op>".
 CATEGORY_RULES: tuple[tuple[str, str], ...] = (
     ("activation_offload", "offload staging (block input brought back)"),
+    ("parallelisms/cp/", "ring attention (K/V in flight, accumulators)"),
     ("ring_", "ring attention (K/V in flight, accumulators)"),
-    ("attention_blocks", "ring attention (K/V in flight, accumulators)"),
     ("context_parallel", "ring attention (K/V in flight, accumulators)"),
     ("cp_", "ring attention (K/V in flight, accumulators)"),
     ("rope", "rope (q/k rotation)"),
