@@ -26,6 +26,7 @@ from torch.distributed._tools.mod_tracker import ModTracker  # noqa: E402
 from config.recipe import load_config  # noqa: E402
 from models.llama import Llama, recipe_model_config  # noqa: E402
 from parallelisms.context_parallel import CommStats  # noqa: E402
+from parallelisms.cp.layouts import DOCUMENTS, ZIGZAG  # noqa: E402
 from parallelisms.parallel_dims import ParallelDims  # noqa: E402
 from parallelisms.parallelize import parallelize, uses_loss_parallel  # noqa: E402
 from parallelisms.stage_meshes import add_hybrid_subgroups  # noqa: E402
@@ -54,8 +55,8 @@ def breakdown(cfg, world: int) -> BreakdownMode:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         p, t = cfg.parallelism, cfg.training
-        if p.cp_load_balancer == "documents":
-            p = dataclasses.replace(p, cp_load_balancer="zigzag")
+        if p.cp_load_balancer == DOCUMENTS:
+            p = dataclasses.replace(p, cp_load_balancer=ZIGZAG)
         dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world, where=cfg.recipe_path)
         mcfg = recipe_model_config(cfg)
         mesh = dims.build_mesh("cpu")
