@@ -16,6 +16,7 @@ from data.sources import describe_chat_rows, labels_every_token, packing_efficie
 from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import uses_loss_parallel
 from parallelisms.stage_meshes import release_stage
+from parallelisms.cp.layouts import DOCUMENTS
 from training import step
 from training.batch_plans import CpPlanning, step_loader
 from training.build import (build_model, build_optimizer, build_run_meshes, build_shared_tokenizer, build_stage_data,
@@ -109,7 +110,7 @@ class Trainer:
             slots = StepSlots(stage.grad_accum_steps, self.mesh.dims.dp, cfg.training.local_batch_size,
                               cfg.training.seq_len)
         cp = None
-        if self.setup.shards_sequence and self.setup.document_masking and p.cp_load_balancer == "documents":
+        if self.setup.shards_sequence and self.setup.document_masking and p.cp_load_balancer == DOCUMENTS:
             cp = CpPlanning(p.cp, self.mesh.cp_mesh.get_local_rank(), p.cp_impl)
         return step_loader(micro_loader, stage.grad_accum_steps, slots, self.mesh.dp_rank, cp,
                            num_workers=max(1, cfg.data.num_workers), pin_memory=self.device.type == "cuda")

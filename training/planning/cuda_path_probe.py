@@ -34,6 +34,7 @@ from parallelisms.cp.plan_layout import DocumentLayout
 from parallelisms.cp.exchange_ring import ring_backward, ring_forward
 from parallelisms.cp.plan_pieces import DocumentShards
 from parallelisms.cp.exchange_ring_sparse import sparse_backward, sparse_forward
+from parallelisms.cp.layouts import DOCUMENTS
 
 aten = torch.ops.aten
 WEB_LIKE = "web-like: document lengths lognormal(6.5, 1.0) tokens (median ~665), packed into one row"
@@ -239,9 +240,9 @@ def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtyp
             FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = _qkv(batch, length, heads, kv_heads, head_dim, dtype)
         if impl == "ring":
-            spec, fwd, bwd = BlockSpec(group, True, None, "documents", docs, None), sparse_forward, sparse_backward
+            spec, fwd, bwd = BlockSpec(group, True, None, DOCUMENTS, docs, None), sparse_forward, sparse_backward
         else:  # Ulysses / hybrid on documents: the ring's code at P = 1 over the gathered sequence
-            spec, fwd, bwd = BlockSpec(None, True, None, "documents", docs, None), ring_forward, ring_backward
+            spec, fwd, bwd = BlockSpec(None, True, None, DOCUMENTS, docs, None), ring_forward, ring_backward
         tracker = MemTracker() if memory else contextlib.nullcontext()
         counter = counter or LaunchCounter()
         # the modelled scratch sits below the counter: allocated and tracked, not counted as ops

@@ -13,6 +13,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from parallelisms.cp.block_spec import BlockSpec
 from parallelisms.cp.exchange_ring import ring_backward, ring_forward
+from parallelisms.cp.layouts import DOCUMENTS
 from training.planning.cuda_path_probe import (ExpandGqa, FlashWorkspace, LaunchCounter, LayerCounts, fake_group,
                                       load_fake_cuda_guard, ring_counts, run_layer, total_bytes, ulysses_counts,
                                       web_like_row)
@@ -88,7 +89,7 @@ def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
         cfg.training.seq_len)
     dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
     gathered = p.cp_impl in ("ulysses", "hybrid") and cp > 1
-    documents = cfg.data.document_masking and p.cp_load_balancer == "documents"
+    documents = cfg.data.document_masking and p.cp_load_balancer == DOCUMENTS
     counts = expanded_docs = None
     if documents and cp > 1:  # the documents row: counted, and its varlen transients measured both ways
         run = ulysses_counts if gathered else ring_counts

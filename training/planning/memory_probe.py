@@ -31,6 +31,7 @@ from parallelisms.context_parallel import CommStats
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize, uses_loss_parallel
 from parallelisms.stage_meshes import add_hybrid_subgroups
+from parallelisms.cp.layouts import DOCUMENTS
 from training import step
 from training.build import build_optimizer, stage_ulysses_degree
 from training.planning.eval_memory import measure_eval_peak
@@ -169,7 +170,7 @@ def _measure_step(cfg: Config, world_size: int) -> RankMemory:
         model = Llama(mcfg)
     model = parallelize(model, mesh, cfg)
     global_tokens = t.global_batch_rows(dims.dp) * t.seq_len
-    if p.cp_load_balancer == "documents":  # no ids to plan from: its one-document row, which is zigzag's layout
+    if p.cp_load_balancer == DOCUMENTS:  # no ids to plan from: its one-document row, which is zigzag's layout
         p = dataclasses.replace(p, cp_load_balancer="zigzag")
     setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
                       stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)

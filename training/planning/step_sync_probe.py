@@ -37,6 +37,7 @@ from parallelisms.context_parallel import CommStats
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize, uses_loss_parallel
 from parallelisms.stage_meshes import add_hybrid_subgroups
+from parallelisms.cp.layouts import DOCUMENTS
 from training import step
 from training.batch_plans import CpPlanning, step_loader
 from training.build import stage_ulysses_degree
@@ -153,7 +154,7 @@ def host_steps(cfg: Config, mesh, micro_loader, steps: int) -> list[dict]:
     slots = StepSlots(micro_steps, mesh.dims.dp, t.local_batch_size, t.seq_len) if cfg.data.places_by_work() else None
     shards = p.cp > 1 or cfg.data.document_masking
     cp = None
-    if shards and cfg.data.document_masking and p.cp_load_balancer == "documents":
+    if shards and cfg.data.document_masking and p.cp_load_balancer == DOCUMENTS:
         cp = CpPlanning(p.cp, mesh.cp_mesh.get_local_rank(), p.cp_impl)
     loader = step_loader(micro_loader, micro_steps, slots, mesh.dp_rank, cp, num_workers=max(1, cfg.data.num_workers),
                          pin_memory=False)
