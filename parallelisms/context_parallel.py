@@ -115,6 +115,35 @@ def _shard_by_plan(buf: torch.Tensor, seq_dim: int, plan) -> torch.Tensor:
     return buf[rows, plan.rank_positions]
 
 
+def _document_shards(document_ids, cp_size: int, cp_rank: int, load_balancer: str, plan):
+    """(DocumentShards or None, DocumentLayout or None): every rank's ids and positions. The documents layout is
+    planned per row from the full ids (identical on every rank), or taken from the batch's plan; the fixed layouts
+    shard every rank's ids, taken before sharding (no collective needed)."""
+    if load_balancer == DOCUMENTS:
+        if plan is not None:
+            _check_plan(plan, cp_size, cp_rank, document_ids)
+            return DocumentShards.from_plan(plan), None
+        layout = DocumentLayout.plan(document_ids, cp_size)
+        return DocumentShards.from_layout(document_ids.detach(), layout), layout
+    if document_ids is not None:
+        return DocumentShards.from_full(document_ids.detach(), cp_size, load_balancer), None
+    return None, None
+
+
+def _shard_in_place(buffers, buffer_seq_dims, no_restore_buffers, shard) -> list:
+    """Replaces each buffer's storage with its contiguous local shard; returns (buffer, alias of the original) for
+    the buffers to restore on exit."""
+    keep = {id(b) for b in (no_restore_buffers or [])}
+    originals = []
+    with torch.no_grad():
+        for buf, dim in zip(buffers, buffer_seq_dims):
+            local = shard(buf, dim).clone(memory_format=torch.contiguous_format)
+            if id(buf) not in keep:
+                originals.append((buf, torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf)))
+            buf.set_(local)
+    return originals
+
+
 @contextlib.contextmanager
 def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
                      no_restore_buffers: Sequence[torch.Tensor] | None = None, load_balancer: str = ZIGZAG,
@@ -142,35 +171,21 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     for buf, dim in zip(buffers, buffer_seq_dims):
         check_sequence_length(buf.size(dim), cp_size, load_balancer)
-    documents, layout = None, None
-    if load_balancer == DOCUMENTS:  # per row, planned from the full ids (identical on every rank)
+    if load_balancer == DOCUMENTS:
         cp_impl = _documents_impl(cp_impl, document_ids)
-        if plan is not None:
-            _check_plan(plan, cp_size, cp_rank, document_ids)
-            documents = DocumentShards.from_plan(plan)
-        else:
-            layout = DocumentLayout.plan(document_ids, cp_size)
-            documents = DocumentShards.from_layout(document_ids.detach(), layout)
-    elif document_ids is not None:  # every rank's ids, taken before sharding (no collective needed)
-        documents = DocumentShards.from_full(document_ids.detach(), cp_size, load_balancer)
+    documents, layout = _document_shards(document_ids, cp_size, cp_rank, load_balancer, plan)
     variant = None
     if cp_impl != RING:
         full_ids = None if document_ids is None else document_ids.detach().clone()
         variant = CPAttention(cp_impl, group, load_balancer, full_ids, documents, stats, ulysses_degree, cp_subgroups)
-    keep = {id(b) for b in (no_restore_buffers or [])}
-    originals = []
-    with torch.no_grad():
-        for buf, dim in zip(buffers, buffer_seq_dims):
-            if plan is not None and load_balancer == DOCUMENTS:
-                local = _shard_by_plan(buf, dim, plan)
-            elif layout is not None:
-                local = layout.shard(buf, dim, cp_rank)
-            else:
-                local = shard_sequence(buf, dim, cp_rank, cp_size, load_balancer)
-            local = local.clone(memory_format=torch.contiguous_format)
-            if id(buf) not in keep:
-                originals.append((buf, torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf)))
-            buf.set_(local)
+    def shard(buf: torch.Tensor, dim: int) -> torch.Tensor:
+        if plan is not None and load_balancer == DOCUMENTS:
+            return _shard_by_plan(buf, dim, plan)
+        if layout is not None:
+            return layout.shard(buf, dim, cp_rank)
+        return shard_sequence(buf, dim, cp_rank, cp_size, load_balancer)
+
+    originals = _shard_in_place(buffers, buffer_seq_dims, no_restore_buffers, shard)
     local_lengths = {buf.size(dim) for buf, dim in zip(buffers, buffer_seq_dims)}
     try:
         with SdpaToContextParallel(group, load_balancer, local_lengths, documents, stats, variant):
