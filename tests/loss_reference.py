@@ -61,20 +61,12 @@ def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, re
     from data.corpus import load_documents
     from data.loader import build_dataloader
     from data.tokenizer import build_tokenizer
-    from models.llama import Llama, model_config
     from config.recipe import load_config
     from training.lr_schedule import build_lr_scheduler
 
     cfg = load_config(recipe, ["--training.seq_len", str(seq_len), "--training.steps", str(steps)])
-    if hf_load_path:
-        from models.hf import load_hf
-
-        model = load_hf(hf_load_path)
-        model_cfg = model.config
-    else:
-        model_cfg = model_config(cfg.model.name)
-        model = Llama(model_cfg)
-        model.init_weights(cfg.job.seed)
+    model = _reference_model(cfg, hf_load_path)
+    model_cfg = model.config
     documents = load_documents(cfg.data.corpus)
     cache_dir = os.path.join(ROOT, cfg.data.cache_dir) if not os.path.isabs(cfg.data.cache_dir) else cfg.data.cache_dir
     tokenizer = build_tokenizer(None, documents, model_cfg.vocab_size, cache_dir)
@@ -104,6 +96,19 @@ def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, re
         if document_masking:
             records[-1]["documents"] = int(sum(row.unique().numel() for row in batch["document_ids"]))
     return records
+
+
+def _reference_model(cfg, hf_load_path: str):
+    """The recipe's model from its seed, or the Hugging Face folder loaded whole (models.hf.load_hf)."""
+    from models.llama import Llama, model_config
+
+    if hf_load_path:
+        from models.hf import load_hf
+
+        return load_hf(hf_load_path)
+    model = Llama(model_config(cfg.model.name))
+    model.init_weights(cfg.job.seed)
+    return model
 
 
 def _documents_one_by_one(model, batch: dict):

@@ -209,22 +209,26 @@ def _logged_steps(folder: str) -> list[int]:
         return [json.loads(line)["step"] for line in f if line.strip()]
 
 
+def _uninterrupted_losses(args: list[str], folder: str) -> dict[int, float]:
+    """{step: loss} of the same run on 2 ranks without Slurm or a signal (the reference)."""
+    from tests.trainer_runs import run_train
+
+    result = run_train(*args, "--job.dump_folder", folder, nproc=2, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1680)  # installing Slurm if this test runs first (600 s) + the runs and waits below (1020 s)
 def test_usr1_requeues_the_job_and_it_resumes_with_identical_losses(slurm, tmp_path):
     """The time-limit path of slurm/train.sbatch for real: USR1 to the batch shell (what --signal=B:USR1 sends) ->
     its trap runs `scontrol requeue` -> Slurm starts the job again (restart count 1), which resumes from its newest
     complete checkpoint. Every loss either run logged equals an uninterrupted run's, bit for bit."""
-    from tests.trainer_runs import run_train
-
     args = ["--parallelism.dp_shard", "-1", "--training.steps", "14", "--training.seq_len", "128",
             "--training.local_batch_size", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "3",
             "--metrics.enable_tensorboard", "false"]
-    reference_dir = str(tmp_path / "reference")
-    result = run_train(*args, "--job.dump_folder", reference_dir, nproc=2, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    with open(os.path.join(reference_dir, "metrics.jsonl")) as f:
-        reference = {r["step"]: r["loss"] for r in map(json.loads, f)}
+    reference = _uninterrupted_losses(args, str(tmp_path / "reference"))
 
     out, log = str(tmp_path / "run"), str(tmp_path / "job.out")
     env = dict(slurm.env, PYTHON=sys.executable, GPUS_PER_NODE="2", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
