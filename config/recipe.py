@@ -13,6 +13,7 @@ import sys
 import typing
 
 from config.errors import RecipeError
+from config.rope import RAMP_KEEP_TYPE, ROPE_SCALING_TYPES, is_scaling_type
 from config.schema import ACCELERATOR_MEMORY_GIB, CHOICES, MIN_SEQ_LEN, SECTIONS, Config, RampTable
 
 if sys.version_info >= (3, 11):
@@ -137,9 +138,9 @@ def parse_ramp(tables, recipe_path: str) -> list[RampTable]:
                 stage.offload = value
                 continue
             if key == "rope_type":
-                if value not in ("", "llama3", "yarn"):
-                    raise RecipeError(f"{recipe_path}: ramp[{i}].rope_type = {value!r}: use \"llama3\" or \"yarn\" "
-                                      f"(\"\" = keep).")
+                if value != RAMP_KEEP_TYPE and not is_scaling_type(value):
+                    types = " or ".join(f'"{t}"' for t in ROPE_SCALING_TYPES)
+                    raise RecipeError(f"{recipe_path}: ramp[{i}].rope_type = {value!r}: use {types} (\"\" = keep).")
                 stage.rope_type = value
                 continue
             want = int if fields[key] in ("int", int) else float

@@ -117,16 +117,13 @@ class ModelConfig:
 
     def overrides(self) -> dict:
         """The fields set in the recipe, as keyword overrides of the named Llama config (models/llama.py)."""
-        names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "rope_theta", "mlp_chunk_tokens",
-                 "norm_chunk_tokens", "intermediate_size", "attention_head_dim", "rope_original_max_position")
+        from config.rope import RopeSettings  # config/rope.py reads this module's RopeScaling alias
+        names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "mlp_chunk_tokens",
+                 "norm_chunk_tokens", "intermediate_size", "attention_head_dim")
         out = {k: getattr(self, k) for k in names if getattr(self, k)}
-        if self.rope_type != "auto":
-            out["rope_type"] = self.rope_type
         if self.tie_embeddings != "auto":
             out["tie_embeddings"] = self.tie_embeddings == "tied"
-        if self.rope_scaling_factor:
-            out["rope_scaling_factor"] = None if self.rope_scaling_factor < 0 else self.rope_scaling_factor
-        return out
+        return {**out, **RopeSettings.from_recipe(self).model_overrides()}
 
 
 @dataclass

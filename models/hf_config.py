@@ -12,6 +12,7 @@ import math
 import os
 
 from config import Config, RecipeError
+from config.rope import DEFAULT_ROPE_TYPE, ROPE_TYPES, is_scaling_type
 from models.model_config import HF_NAME, LlamaConfig, model_config, with_overrides
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -56,17 +57,18 @@ def _rope_fields(hf: dict, where: str) -> dict:
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     if not params.get("rope_type") and scaling:
         params = {**scaling, **params}
-    kind = params.get("rope_type", params.get("type", "default"))
+    kind = params.get("rope_type", params.get("type", DEFAULT_ROPE_TYPE))
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise RecipeError(f"{where}: partial_rotary_factor != 1 is not supported (RoPE covers the whole head here).")
     # transformers' own fallbacks, in its order: a top-level original_max_position_embeddings, then the model's
     # (for a default-RoPE model: the context a ramp stage that switches scaling on extends)
     original = (params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
                 or hf.get("max_position_embeddings") or 8192)
-    if kind == "default":
+    if kind == DEFAULT_ROPE_TYPE:
         return dict(rope_theta=float(theta), rope_scaling_factor=None, rope_original_max_position=int(original))
-    if kind not in ("llama3", "yarn"):
-        raise RecipeError(f"{where}: rope_type '{kind}' is not supported; use default, llama3 or yarn.")
+    if not is_scaling_type(kind):
+        raise RecipeError(f"{where}: rope_type '{kind}' is not supported; use {', '.join(ROPE_TYPES[:-1])} or "
+                          f"{ROPE_TYPES[-1]}.")
     out = dict(rope_theta=float(theta), rope_scaling_factor=float(params["factor"]), rope_type=kind,
                rope_original_max_position=int(original))
     if kind == "llama3":
@@ -157,7 +159,7 @@ def recipe_model_config(cfg: Config) -> LlamaConfig:
 def _rope_json(cfg: LlamaConfig) -> tuple[dict, dict | None]:
     """(transformers 5 `rope_parameters`, transformers 4 `rope_scaling`) of the config's RoPE."""
     if cfg.rope_scaling_factor is None:
-        return {"rope_type": "default", "rope_theta": cfg.rope_theta}, None
+        return {"rope_type": DEFAULT_ROPE_TYPE, "rope_theta": cfg.rope_theta}, None
     scaling = {"rope_type": cfg.rope_type, "factor": cfg.rope_scaling_factor,
                "original_max_position_embeddings": cfg.rope_original_max_position}
     if cfg.rope_type == "llama3":

@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass
 
 from config import RecipeError
+from config.rope import ROPE_SCALING_TYPES, is_scaling_type
 
 
 @dataclass
@@ -85,9 +86,9 @@ class LlamaConfig:
                      "max_seq_len"):
             if getattr(self, name) < 1:
                 raise RecipeError(f"[model] {name} = {getattr(self, name)} must be a positive integer")
-        if self.rope_type not in ("llama3", "yarn"):
-            raise RecipeError(f"[model] rope_type = {self.rope_type!r} is not supported; use llama3 or yarn "
-                              f"(with rope_scaling_factor; unset it for plain RoPE)")
+        if not is_scaling_type(self.rope_type):
+            raise RecipeError(f"[model] rope_type = {self.rope_type!r} is not supported; use "
+                              f"{' or '.join(ROPE_SCALING_TYPES)} (with rope_scaling_factor; unset it for plain RoPE)")
         if self.family not in FAMILIES:
             raise RecipeError(f"[model] family = {self.family!r} is not supported; use one of {', '.join(FAMILIES)}")
         if self.intermediate_size < 0 or self.attention_head_dim < 0:

@@ -16,8 +16,7 @@ import math
 import torch
 from torch import nn
 
-
-ROPE_TYPES = ("default", "llama3", "yarn")
+from config.rope import DEFAULT_ROPE_TYPE, ROPE_TYPES
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling_factor: float | None = None,
@@ -36,12 +35,12 @@ def rope_frequencies(head_dim: int, theta: float, scaling_factor: float | None =
     """
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    rope_type = rope_type or ("default" if scaling_factor is None else "llama3")
+    rope_type = rope_type or (DEFAULT_ROPE_TYPE if scaling_factor is None else "llama3")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not one of {ROPE_TYPES}")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     freqs = 1.0 / (theta ** exponents)
-    if rope_type == "default":
+    if rope_type == DEFAULT_ROPE_TYPE:
         return freqs
     if scaling_factor is None:
         raise ValueError(f"rope_type {rope_type!r} needs a scaling factor")

@@ -26,6 +26,7 @@ import functools
 from dataclasses import dataclass
 
 from config import Config, RampTable, RecipeError
+from config.rope import RopeSettings
 from config.schema import MIN_SEQ_LEN
 from models.llama import LlamaConfig, recipe_model_config
 from data.sources import rows_per_source
@@ -138,12 +139,8 @@ def _stage_config(cfg: Config, previous: Config, i: int, table: RampTable, base:
     s.ramp = []
     s.training.seq_len = table.seq_len
     s.parallelism.cp, s.parallelism.dp_shard = cp, tradeable // cp
-    if table.rope_theta:
-        s.model.rope_theta = table.rope_theta
-    if table.rope_scaling_factor:
-        s.model.rope_scaling_factor = table.rope_scaling_factor
-    if table.rope_type:
-        s.model.rope_type = table.rope_type
+    for key, value in RopeSettings.from_recipe(table).recipe_fields().items():
+        setattr(s.model, key, value)
     if table.local_batch_size:
         s.training.local_batch_size = table.local_batch_size
     if table.source_weights:
