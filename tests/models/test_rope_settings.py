@@ -48,7 +48,8 @@ def test_scaling_types_are_the_schema_alias():
 
 
 def test_every_type_check_accepts_exactly_the_schema_types():
-    assert _accepts(lambda t: parse_ramp([{"start_step": 0, "seq_len": 64, "rope_type": t}], "r.toml")) == SCALING | {""}
+    stage = {"start_step": 0, "seq_len": 64}
+    assert _accepts(lambda t: parse_ramp([{**stage, "rope_type": t}], "r.toml")) == SCALING | {""}
     assert _accepts(lambda t: model_config("debug", rope_type=t)) == SCALING
     assert _accepts(lambda t: from_hf_config(_hf_config(t))) == SCALING | {"default"}
     assert _accepts(lambda t: rope_frequencies(8, 10000.0, 4.0, original_max_position=64, rope_type=t)) \
@@ -60,7 +61,8 @@ def test_recipe_defaults_are_the_one_unset():
     assert RopeSettings.from_recipe(ModelConfig()) == RopeSettings() == RopeSettings(UNSET, UNSET, UNSET, UNSET)
     assert RopeSettings.from_recipe(RampTable()) == RopeSettings()
     assert RopeSettings.from_recipe(ModelConfig()).model_overrides() == {}
-    assert RopeSettings.from_recipe(RampTable(rope_scaling_factor=-1)).model_overrides() == {"rope_scaling_factor": None}
+    switched_off = RopeSettings.from_recipe(RampTable(rope_scaling_factor=-1))
+    assert switched_off.model_overrides() == {"rope_scaling_factor": None}
     section = ModelConfig(rope_theta=5e5, rope_scaling_factor=4.0, rope_type="yarn", rope_original_max_position=64)
     assert section.overrides() == {"rope_theta": 5e5, "rope_scaling_factor": 4.0, "rope_type": "yarn",
                                    "rope_original_max_position": 64}
