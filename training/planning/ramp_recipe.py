@@ -8,6 +8,7 @@ import os
 import textwrap
 import time
 
+from config.rope import RopeSettings
 from config.schema import Config, SECTIONS, SourceConfig
 from models.llama import recipe_model_config
 from training.planning.ramp_lengths import PlanRequest, default_out, length_name
@@ -114,9 +115,10 @@ def render_recipe(plan: RampPlan, out: str, base_path: str, argv_tail: str = "")
         for source in sources:
             lines += ["", "[[data.sources]]"] + [f"{k} = {_fmt(v)}" for k, v in _changed(source, SourceConfig())]
     for i, stage in enumerate(plan.stages):
+        rope = RopeSettings(theta=stage.rope_theta).recipe_fields()  # the [[ramp]] keys of the planned RoPE
         lines += [""] + _stage_comment(plan, i) + ["[[ramp]]", f"start_step = {stage.start_step}",
                                                     f"seq_len = {stage.seq_len}", f"cp = {stage.chosen.cp}",
-                                                    f"rope_theta = {stage.rope_theta!r}"]
+                                                    *(f"{k} = {v!r}" for k, v in rope.items())]
         if i and stage.chosen.offload != plan.stages[i - 1].chosen.offload:  # absent = the previous stage's
             lines.append(f"offload = {_fmt(stage.chosen.offload)}")
     return "\n".join(lines) + "\n"
