@@ -14,7 +14,7 @@ import typing
 
 from config.errors import RecipeError
 from config.rope import RAMP_KEEP_TYPE, ROPE_SCALING_TYPES, is_scaling_type
-from config.schema import ACCELERATOR_MEMORY_GIB, CHOICES, MIN_SEQ_LEN, SECTIONS, Config, RampTable
+from config.schema import ACCELERATOR_MEMORY_GIB, CHOICES, DOCUMENTS, MIN_SEQ_LEN, SECTIONS, Config, RampTable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -217,7 +217,7 @@ def default_load_balancer(cfg: Config) -> None:
     """A recipe that names no CP load balancer gets "documents" with document masking (it balances the visible
     pairs and sends only what other ranks see: bench/bench_cp_balance.py), else the schema's zigzag."""
     if cfg.data.document_masking:
-        cfg.parallelism.cp_load_balancer = "documents"
+        cfg.parallelism.cp_load_balancer = DOCUMENTS
 
 
 def validate(cfg: Config) -> None:
@@ -271,7 +271,7 @@ def validate(cfg: Config) -> None:
 def check_documents_layout(cfg: Config) -> None:
     """The documents layout is planned from the document ids."""
     p = cfg.parallelism
-    if p.cp_load_balancer != "documents":
+    if p.cp_load_balancer != DOCUMENTS:
         return
     if not cfg.data.document_masking:
         raise RecipeError(f"{cfg.recipe_path}: parallelism.cp_load_balancer = \"documents\" places documents, so it "

@@ -42,6 +42,12 @@ def choices(alias) -> tuple[str, ...]:
     return typing.get_args(alias)
 
 
+ZIGZAG, STRIPED, CONTIGUOUS, DOCUMENTS = choices(LoadBalancer)
+RING, ALLGATHER, ULYSSES, HYBRID, AUTO = choices(CpImpl)
+"""The CP layout and implementation names as constants, unpacked from the aliases above (their one spelling);
+parallelisms/cp/layouts.py re-exports them for the CP package."""
+
+
 @dataclass
 class RampTable:
     """One `[[ramp]]` table (training/ramp.py resolves it into a full Config for its span of steps)."""

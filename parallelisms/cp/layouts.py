@@ -1,4 +1,4 @@
-"""The layout and implementation names, as constants (the only place they are spelled), and the fixed layouts'
+"""The layout and implementation names, as constants (unpacked from the schema's aliases, their one spelling), and the fixed layouts'
 positions.
 
 - ZIGZAG:     2P chunks; rank r holds chunks r and 2P-1-r (head and tail), so causal work is equal on every rank.
@@ -13,11 +13,10 @@ from __future__ import annotations
 import torch
 
 from config import RecipeError, choices
-from config.schema import LoadBalancer
+from config.schema import (ALLGATHER, AUTO, CONTIGUOUS, DOCUMENTS, HYBRID, RING, STRIPED, ULYSSES,  # noqa: F401
+                           ZIGZAG, LoadBalancer)
 
-ZIGZAG, STRIPED, CONTIGUOUS, DOCUMENTS = "zigzag", "striped", "contiguous", "documents"
 LOAD_BALANCERS = choices(LoadBalancer)
-RING, ALLGATHER, ULYSSES, HYBRID, AUTO = "ring", "allgather", "ulysses", "hybrid", "auto"  # parallelism.cp_impl
 DENSE = "dense"  # the layout kind of every fixed layout: blocks of whole ranks (the dispatch key's other value)
 
 

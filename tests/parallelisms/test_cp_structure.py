@@ -75,7 +75,7 @@ def test_no_private_name_is_imported_across_files():
 
 
 def test_documents_is_compared_only_through_its_constant():
-    places = [ROOT / "parallelisms", ROOT / "bench"]
+    places = [ROOT / "parallelisms", ROOT / "bench", ROOT / "training", ROOT / "config", ROOT / "data", ROOT / "models"]
     found = {str(p.relative_to(ROOT)): lines for place in places for p in sorted(place.rglob("*.py"))
              if p != CONSTANTS and (lines := documents_comparisons(p))}
     assert not found, found
