@@ -94,6 +94,27 @@ def _vocab_shard(weight: DTensor) -> tuple[torch.Tensor, int, object]:
     return weight.to_local(), start, mesh.get_group()
 
 
+def flat_operands(hidden, weight, labels: torch.Tensor, chunk_tokens: int):
+    """(flat hidden (N, D), local weight rows, flat labels (N,), first vocabulary id of those rows, TP group or None):
+    the plain tensors a chunked projection works on, from plain or TP (DTensor) inputs. Every TP rank gets all tokens
+    (its gradient is partial per rank) and its own vocabulary shard; shared by the loss and the eval scores."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    group, vocab_start = None, 0
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        weight, vocab_start, group = _vocab_shard(weight)
+        if isinstance(hidden, DTensor):
+            hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    elif isinstance(hidden, DTensor):
+        hidden = hidden.full_tensor()
+    flat_hidden = hidden.reshape(-1, hidden.size(-1))
+    flat_labels = labels.reshape(-1)
+    if flat_labels.numel() != flat_hidden.size(0):
+        raise ValueError(f"labels {tuple(labels.shape)} do not match the hidden states {tuple(hidden.shape)}")
+    return flat_hidden, weight, flat_labels, vocab_start, group
+
+
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                  chunk_tokens: int, sparse_labels: bool = False) -> torch.Tensor:
     """Summed cross entropy of `hidden @ weight.T` against `labels` (float32 scalar), `chunk_tokens` at a time.
@@ -104,20 +125,7 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
 
     sparse_labels: project and score only the tokens whose label is not `ignore_index` (a passkey row labels 5 of
     its tokens), for the same result; selecting them costs one host sync, so it is for data known to be sparse."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    group, vocab_start = None, 0
-    if isinstance(weight, DTensor):
-        mesh = weight.device_mesh
-        weight, vocab_start, group = _vocab_shard(weight)
-        if isinstance(hidden, DTensor):  # every TP rank needs all tokens; its gradient is partial per rank
-            hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-    elif isinstance(hidden, DTensor):
-        hidden = hidden.full_tensor()
-    flat_hidden = hidden.reshape(-1, hidden.size(-1))
-    flat_labels = labels.reshape(-1)
-    if flat_labels.numel() != flat_hidden.size(0):
-        raise ValueError(f"labels {tuple(labels.shape)} do not match the hidden states {tuple(hidden.shape)}")
+    flat_hidden, weight, flat_labels, vocab_start, group = flat_operands(hidden, weight, labels, chunk_tokens)
     if sparse_labels:  # TP ranks hold the same labels, so they select the same rows and their collectives match
         labelled = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
         flat_hidden, flat_labels = flat_hidden.index_select(0, labelled), flat_labels.index_select(0, labelled)

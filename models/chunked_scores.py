@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
 
-from models.chunked_loss import IGNORE_INDEX, _vocab_shard
+from models.chunked_loss import IGNORE_INDEX, flat_operands
 
 
 def _chunk_scores(h, weight, labels, vocab_start: int, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,20 +54,7 @@ def chunked_token_scores(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     labels (...) plain, matching hidden's (full) leading shape. Equal on every TP rank.
     sparse_labels: score only the labelled tokens (a passkey row labels a handful); the others get loss 0 and
     prediction -1."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    group, vocab_start = None, 0
-    if isinstance(weight, DTensor):
-        mesh = weight.device_mesh
-        weight, vocab_start, group = _vocab_shard(weight)
-        if isinstance(hidden, DTensor):
-            hidden = hidden.redistribute(mesh, [Replicate()]).to_local()
-    elif isinstance(hidden, DTensor):
-        hidden = hidden.full_tensor()
-    flat_hidden = hidden.reshape(-1, hidden.size(-1))
-    flat_labels = labels.reshape(-1)
-    if flat_labels.numel() != flat_hidden.size(0):
-        raise ValueError(f"labels {tuple(labels.shape)} do not match the hidden states {tuple(hidden.shape)}")
+    flat_hidden, weight, flat_labels, vocab_start, group = flat_operands(hidden, weight, labels, chunk_tokens)
     loss = torch.zeros(flat_labels.shape, dtype=torch.float32, device=flat_hidden.device)
     prediction = torch.full(flat_labels.shape, -1, dtype=torch.long, device=flat_hidden.device)
     scored = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1) if sparse_labels else None
