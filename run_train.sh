@@ -26,6 +26,9 @@ fi
 world=""
 if [ -n "${NPROC:-}" ]; then world=$((nodes * NPROC)); fi
 ranks="$(WORLD_SIZE="$world" "$PY" "$HERE/train.py" --check "$@")" || exit $?
+for arg in "$@"; do  # --check alone: the ranks it would launch, printed once, and no torchrun
+  if [ "$arg" = "--check" ]; then echo "$ranks"; exit 0; fi
+done
 NPROC="${NPROC:-$ranks}"
 # The cores split between the local ranks, as train.py would split them itself; set here so that torchrun does not
 # print its OMP_NUM_THREADS banner on every run (an OMP_NUM_THREADS already set is kept).

@@ -252,7 +252,8 @@ def test_planned_recipe_passes_check_and_dry_run_unchanged(tmp_path):
     assert "total:" in planned.stdout and "GPU-hours" in planned.stdout
     written = out.read_text()
     checked = launch(out, "--check")
-    assert checked.returncode == 0 and checked.stdout.strip().splitlines()[-1] == "4", checked.stderr[-2000:]
+    lines = checked.stdout.strip().splitlines()  # the launch check prints the ranks once and starts no torchrun
+    assert checked.returncode == 0 and lines[-1] == "4" and lines.count("4") == 1, checked.stdout + checked.stderr[-2000:]
     dry = launch(out, "--dry-run", "--job.dump_folder", tmp_path / "dry")
     assert dry.returncode == 0, dry.stdout + dry.stderr[-2000:]
     assert out.read_text() == written
