@@ -249,6 +249,9 @@ def validate(cfg: Config) -> None:
         if getattr(getattr(cfg, section), key) < 0:
             raise RecipeError(f"{where}: {section}.{key} must be >= 0 (0 = off), got "
                               f"{getattr(getattr(cfg, section), key)}.")
+    if cfg.parallelism.attention_head_groups < 0:
+        raise RecipeError(f"{where}: parallelism.attention_head_groups must be >= 0 (0 = by size, 1 = one group), "
+                          f"got {cfg.parallelism.attention_head_groups}.")
     ck = cfg.checkpoint
     for key in ("keep_latest_k", "hf_export_interval"):
         if getattr(ck, key) < 0:

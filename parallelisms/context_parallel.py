@@ -39,8 +39,10 @@ class SdpaToContextParallel(TorchFunctionMode):
     hybrid, auto) after checking the call is one it computes exactly; every other torch call passes through."""
 
     def __init__(self, group: dist.ProcessGroup, load_balancer: str, local_lengths: set[int],
-                 documents: DocumentShards | None, stats: CommStats | None, variant: CPAttention | None = None):
+                 documents: DocumentShards | None, stats: CommStats | None, variant: CPAttention | None = None,
+                 head_groups: int = 0):
         super().__init__()
+        self.head_groups = head_groups
         self.group, self.load_balancer = group, load_balancer
         self.local_lengths, self.documents, self.stats = local_lengths, documents, stats
         self.variant = variant  # None: the ring
@@ -76,7 +78,8 @@ class SdpaToContextParallel(TorchFunctionMode):
         if self.variant is not None:
             return self.variant(query, key, value, is_causal=is_causal, scale=scale)
         return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale,
-                              load_balancer=self.load_balancer, stats=self.stats, _documents=self.documents)
+                              load_balancer=self.load_balancer, stats=self.stats, head_groups=self.head_groups,
+                              _documents=self.documents)
 
 
 def _check_buffers(buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int], document_ids) -> None:
@@ -149,7 +152,7 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
                      no_restore_buffers: Sequence[torch.Tensor] | None = None, load_balancer: str = ZIGZAG,
                      document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
                      cp_impl: str = RING, ulysses_degree: int | None = None,
-                     cp_subgroups: dict | None = None, plan=None) -> Iterator[None]:
+                     cp_subgroups: dict | None = None, plan=None, head_groups: int = 0) -> Iterator[None]:
     """Shards `buffers` in place along `buffer_seq_dims` and routes SDPA to the ring until exit.
 
     cp_mesh: a 1-D DeviceMesh or ProcessGroup (size 1 is valid and runs the same path). Buffers are restored on exit
@@ -163,6 +166,8 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     ring (cp/exchange_ring_sparse.py; auto resolves to it), the sparse all-gather, Ulysses or hybrid. `plan`: that
     layout made before the step (parallelisms/cp/plan_host.BatchPlan, moved with `.to(device)`), as the trainer's data workers make
     it; then nothing here plans or reads a device tensor back. Without it the layout is planned here, on the host.
+    `head_groups`: each attention call runs its K/V heads in at most this many groups, one after another, so its
+    float32 accumulators and K/V in flight span one group (0 = by size: cp/autograd.py; the result is the same).
     """
     group = resolve_group(cp_mesh)
     check_load_balancer(load_balancer)
@@ -177,7 +182,8 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     variant = None
     if cp_impl != RING:
         full_ids = None if document_ids is None else document_ids.detach().clone()
-        variant = CPAttention(cp_impl, group, load_balancer, full_ids, documents, stats, ulysses_degree, cp_subgroups)
+        variant = CPAttention(cp_impl, group, load_balancer, full_ids, documents, stats, ulysses_degree, cp_subgroups,
+                              head_groups)
     def shard(buf: torch.Tensor, dim: int) -> torch.Tensor:
         if plan is not None and load_balancer == DOCUMENTS:
             return _shard_by_plan(buf, dim, plan)
@@ -188,7 +194,7 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     originals = _shard_in_place(buffers, buffer_seq_dims, no_restore_buffers, shard)
     local_lengths = {buf.size(dim) for buf, dim in zip(buffers, buffer_seq_dims)}
     try:
-        with SdpaToContextParallel(group, load_balancer, local_lengths, documents, stats, variant):
+        with SdpaToContextParallel(group, load_balancer, local_lengths, documents, stats, variant, head_groups):
             yield
     finally:
         with torch.no_grad():

@@ -61,7 +61,7 @@ def cp_context(setup: StepSetup, batch: dict):
         setup.mesh.cp_mesh, buffers=[batch[n] for n in names], buffer_seq_dims=[1] * len(names),
         no_restore_buffers={batch[n] for n in names}, load_balancer=p.cp_load_balancer, cp_impl=p.cp_impl,
         document_ids=batch["document_ids"] if setup.document_masking else None, stats=setup.stats,
-        cp_subgroups=setup.mesh.cp_subgroups, plan=batch.get("plan"))
+        cp_subgroups=setup.mesh.cp_subgroups, plan=batch.get("plan"), head_groups=p.attention_head_groups)
 
 
 def move_batch(batch: dict, device: torch.device) -> dict:

@@ -35,7 +35,8 @@ from parallelisms.cp.plan_sharding import unshard_sequence
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,
                       scale: float | None = None, load_balancer: str = ZIGZAG,
                       document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
-                      _plan: ExchangePlan | None = None, _documents: DocumentShards | None = None) -> torch.Tensor:
+                      head_groups: int = 0, _plan: ExchangePlan | None = None,
+                      _documents: DocumentShards | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries (same inputs and layouts as `ring_attention`).
 
     q: (B, Hq, S_local, D); k, v: (B, Hkv, S_local, D), sharded by `load_balancer`. Hq must split over the group
@@ -59,7 +60,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     k, v = replicate_kv(k, v, q.size(1), size)
     qh, kh, vh = exchange_seq_to_heads(plan, q, k, v, stats=stats)
     if docs is not None:
-        out = local_segment_attention(qh, kh, vh, docs, is_causal=is_causal, scale=scale)
+        out = local_segment_attention(qh, kh, vh, docs, is_causal=is_causal, scale=scale, head_groups=head_groups)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, scale=scale,
                                              enable_gqa=kh.size(1) != qh.size(1))

@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parallelisms.cp.autograd import grouped_backward, grouped_forward
 from parallelisms.cp.block_spec import BlockSpec
 from parallelisms.cp.exchange_alltoall import concatenated_documents
 from parallelisms.cp.plan_layout import DocumentLayout
@@ -223,14 +224,16 @@ class FlashWorkspace(TorchDispatchMode):
 
 
 def run_layer(fwd, bwd, q, k, v, spec):
-    out, lse, auxes = fwd(q, k, v, spec)
-    grads = bwd(torch.empty_like(out), q, k, v, out, lse, auxes, spec)
+    """One layer's attention forward and backward, in the head groups the training step runs (cp/autograd.py)."""
+    out, lse, auxes = grouped_forward(fwd, q, k, v, spec)
+    grads = grouped_backward(bwd, torch.empty_like(out), q, k, v, out, lse, auxes, spec)
     del out, lse, auxes
     return grads
 
 
 def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtype=torch.bfloat16,
-                  expand_gqa: bool = False, memory: bool = False, counter: LaunchCounter | None = None) -> LayerCounts:
+                  expand_gqa: bool = False, memory: bool = False, counter: LaunchCounter | None = None,
+                  head_groups: int = 0) -> LayerCounts:
     """One layer's attention (forward + backward) of `rank` on fake CUDA tensors. `shape` = (batch, local length,
     query heads, K/V heads, head dim) as this rank's attention sees them (Ulysses: the whole sequence, heads / P)."""
     batch, length, heads, kv_heads, head_dim = shape
@@ -240,9 +243,11 @@ def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtyp
             FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = _qkv(batch, length, heads, kv_heads, head_dim, dtype)
         if impl == "ring":
-            spec, fwd, bwd = BlockSpec(group, True, None, DOCUMENTS, docs, None), sparse_forward, sparse_backward
+            spec, fwd, bwd = BlockSpec(group, True, None, DOCUMENTS, docs, None, head_groups), sparse_forward, \
+                sparse_backward
         else:  # Ulysses / hybrid on documents: the ring's code at P = 1 over the gathered sequence
-            spec, fwd, bwd = BlockSpec(None, True, None, DOCUMENTS, docs, None), ring_forward, ring_backward
+            spec, fwd, bwd = BlockSpec(None, True, None, DOCUMENTS, docs, None, head_groups), ring_forward, \
+                ring_backward
         tracker = MemTracker() if memory else contextlib.nullcontext()
         counter = counter or LaunchCounter()
         # the modelled scratch sits below the counter: allocated and tracked, not counted as ops

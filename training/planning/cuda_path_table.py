@@ -70,7 +70,8 @@ def _one_document_layer(cfg, cp: int, tp: int, device: str, expand_gqa: bool = F
     with fake_group(cp, 0) as group, FakeTensorMode(allow_non_fake_inputs=True):
         make = lambda h: torch.empty(batch, length, h, head_dim, dtype=dtype, device=device).transpose(1, 2)  # noqa
         q, k, v = make(heads), make(kv), make(kv)
-        spec = BlockSpec(group if cp > 1 else None, True, None, "zigzag", None, None)
+        spec = BlockSpec(group if cp > 1 else None, True, None, "zigzag", None, None,
+                         cfg.parallelism.attention_head_groups)
         with MemTracker() as tracker, FlashWorkspace(), LaunchCounter() as counter, \
                 (ExpandGqa() if expand_gqa else contextlib.nullcontext()):
             run_layer(ring_forward, ring_backward, q, k, v, spec)
@@ -94,8 +95,10 @@ def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
     if documents and cp > 1:  # the documents row: counted, and its varlen transients measured both ways
         run = ulysses_counts if gathered else ring_counts
         shape = _stage_shape(cfg, cp, tp, gathered)
-        counts = run(ids, cp, shape, dtype=dtype, memory=True)
-        expanded_docs = run(ids, cp, shape, dtype=dtype, memory=True, expand_gqa=True).transient_peak_bytes
+        groups = p.attention_head_groups
+        counts = run(ids, cp, shape, dtype=dtype, memory=True, head_groups=groups)
+        expanded_docs = run(ids, cp, shape, dtype=dtype, memory=True, expand_gqa=True,
+                            head_groups=groups).transient_peak_bytes
     cpu = _one_document_layer(cfg, cp, tp, "cpu").transient_peak_bytes
     one_doc = _one_document_layer(cfg, cp, tp, "cuda")
     expanded = _one_document_layer(cfg, cp, tp, "cuda", expand_gqa=True).transient_peak_bytes
