@@ -87,8 +87,10 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float) -> dict:
     tokens = w.local_batch_size * w.seq_len / lay.cp  # per micro-batch, before TP splits the work
     layers = m.n_layers / lay.pp
     block_recompute = recomputed_block_fraction(w.ac_mode, w.ac_every)
-    gemm_recompute = 0.5 if w.ac_mode == "op" else block_recompute  # op-level AC recomputes every other matmul
-    attn_recompute = 0.0 if w.ac_mode == "op" else block_recompute  # op-level AC saves the attention outputs
+    op_ac = w.ac_mode == "op"
+    gemm_recompute = op_recomputed_matmul_share(m) if op_ac else block_recompute
+    attn_recompute = 0.0 if op_ac else block_recompute  # op-level AC saves the attention outputs
+    elementwise_recompute = 1.0 if op_ac else block_recompute  # op-level AC re-runs every op it does not save
 
     block_gemm = 2.0 * m.dim * m.head_dim * (2 * m.n_heads + 2 * m.num_kv_heads) + 6.0 * m.dim * m.ffn_hidden_dim
     output_gemm = 2.0 * m.dim * m.vocab_size
@@ -98,15 +100,42 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float) -> dict:
     flash = clock * _pick(acc.flash_fraction, where)
     parts["attention"] = _attention_s(w, acc, flash, dtype_factor, attn_recompute) * w.grad_accum
     eager = not w.compile
-    per_token = elementwise_bytes_per_token(m, eager, w.dtype) * layers * (3 + block_recompute)
+    per_token = elementwise_bytes_per_token(m, eager, w.dtype) * layers * (3 + elementwise_recompute)
     loss_bytes = m.vocab_size * (28 if eager else 12)
     parts["elementwise"] = tokens / lay.tp * (per_token + loss_bytes) / hbm * w.grad_accum
     parts["elementwise"] += _ring_merge_bytes(w, tokens) / hbm * w.grad_accum
+    parts["fsdp_copies"] = fsdp_copy_bytes(w) / hbm * w.grad_accum
     local_params = parameter_count(m) / (lay.pp * lay.tp * lay.dp_shard * lay.cp)
     parts["optimizer"] = local_params * 32 / hbm  # AdamW + clipping: read p, g, m, v (fp32), write p, m, v
     compute = sum(parts.values())
     parts.update(_exposed_comm(w, acc, where, compute, parts["attention"]))
     return parts
+
+
+def op_recomputed_matmul_share(m: LlamaConfig) -> float:
+    """Share of one block's matmul FLOPs that op-level AC runs again. Its policy
+    (parallelisms/activation_checkpoint._op_policy, as TorchTitan's selective op AC) numbers a block's matmuls in
+    call order and saves the odd-numbered ones: of wq, wk, wv, wo, w1, w3, w2 it recomputes wk, wo and w3 (about
+    0.37 of the block's matmul FLOPs for Llama 3 8B, not half). Everything else it does not save (norms, RoPE, the
+    SwiGLU gate, residual adds, casts) runs again too: the caller counts one more forward of the elementwise work."""
+    q, kv, d, f = m.n_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.dim, m.ffn_hidden_dim
+    in_call_order = (d * q, d * kv, d * kv, q * d, d * f, d * f, f * d)  # wq, wk, wv, wo, w1, w3, w2
+    return sum(in_call_order[1::2]) / sum(in_call_order)
+
+
+def fsdp_copy_bytes(w: Workload) -> float:
+    """HBM bytes of FSDP2's own copies per micro-step, outside the collectives: each all-gather's output is copied
+    out into the unsharded parameters (torch.distributed.fsdp _fsdp_collectives.foreach_all_gather_copy_out,
+    split_with_sizes_copy: read and write every unsharded parameter), once for forward and again for backward when
+    resharded after forward; each reduce-scatter's input is packed from the unsharded gradients in the float32
+    reduce dtype (foreach_reduce, torch._chunk_cat: read the gradient, write float32)."""
+    lay = w.layout
+    if lay.dp_shard * lay.cp == 1:
+        return 0.0
+    params = parameter_count(w.model) / (lay.pp * lay.tp)
+    e = 4 if w.dtype == "float32" else 2
+    gathers = 2 if w.reshard_after_forward else 1
+    return params * (gathers * 2 * e + e + 4)
 
 
 def elementwise_bytes_per_token(m: LlamaConfig, eager: bool, dtype: str) -> float:
