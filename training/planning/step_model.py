@@ -2,11 +2,14 @@
 
 The roofline (training/planning/roofline.py) is a bound: every FLOP at the data-sheet peak. This model prices each class of
 work at the rate published kernel benchmarks reach (training/planning/accelerators.py states each figure and its source):
-- large GEMMs (every linear layer, forward, backward = 2x forward, recomputation) at the cuBLAS rate;
-- attention at FlashAttention-2's measured rate for its head dim, causal or not, and the length of one call (a CP
-  ring's block: S / cp), on the visible query-key pairs (document masking: from a stated document mix);
-- memory-bound elementwise work (norms, RoPE, SwiGLU's gate, residual adds, casts, the loss's softmax, AdamW) as
-  bytes moved at the achieved HBM bandwidth, eager (one kernel per op) or fused under torch.compile;
+- large GEMMs (every linear layer, forward, backward = 2x forward, recomputation: op-level AC re-runs the
+  even-numbered matmuls of a block) at the cuBLAS rate;
+- attention at FlashAttention-2's measured rate for its head dim and the length of one call, on the visible
+  query-key pairs (document masking: from a stated document mix); a CP ring at one causal call's rate over the
+  rank's block (S / cp) times the zigzag ring's measured efficiency against that call;
+- memory-bound elementwise work (norms, RoPE, SwiGLU's gate, residual adds, casts, the loss's softmax, AdamW,
+  FSDP2's copy-out of gathered parameters and copy-in of gradients) as bytes moved at the achieved HBM bandwidth,
+  eager (one kernel per op) or fused under torch.compile; op-level AC re-runs all of a block's elementwise work;
 - collectives at NCCL's achieved bus bandwidth: FSDP's all-gathers and reduce-scatters prefetched under compute
   (exposed: the first gather and the last reduce-scatter of each micro-step, plus whatever does not fit under the
   compute), the CP ring's P2P under that layer's attention, TP's collectives exposed, activation offload's PCIe
@@ -19,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.llama import LlamaConfig
-from training.planning.accelerators import EFFICIENT_VS_FLASH, AcceleratorSpec, flash_rate
+from training.planning.accelerators import EFFICIENT_VS_FLASH, AcceleratorSpec, flash_rate, ring_efficiency
 from training.planning.roofline import Layout, fsdp_bytes_per_step, parameter_count, recomputed_block_fraction
 
 DOCUMENT_MIX = ((0.5, None), (0.5, 4096))
@@ -98,12 +101,11 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float) -> dict:
                                     + output_gemm * (3 + (1 if w.loss_chunk_tokens else 0)))
     parts = {"gemm": gemm_flops / gemm_rate * w.grad_accum}
     flash = clock * _pick(acc.flash_fraction, where)
-    parts["attention"] = _attention_s(w, acc, flash, dtype_factor, attn_recompute) * w.grad_accum
+    parts["attention"] = _attention_s(w, acc, flash, dtype_factor, attn_recompute, where) * w.grad_accum
     eager = not w.compile
     per_token = elementwise_bytes_per_token(m, eager, w.dtype) * layers * (3 + elementwise_recompute)
     loss_bytes = m.vocab_size * (28 if eager else 12)
     parts["elementwise"] = tokens / lay.tp * (per_token + loss_bytes) / hbm * w.grad_accum
-    parts["elementwise"] += _ring_merge_bytes(w, tokens) / hbm * w.grad_accum
     parts["fsdp_copies"] = fsdp_copy_bytes(w) / hbm * w.grad_accum
     local_params = parameter_count(m) / (lay.pp * lay.tp * lay.dp_shard * lay.cp)
     parts["optimizer"] = local_params * 32 / hbm  # AdamW + clipping: read p, g, m, v (fp32), write p, m, v
@@ -155,37 +157,26 @@ def elementwise_bytes_per_token(m: LlamaConfig, eager: bool, dtype: str) -> floa
     return 2 * d * 3 * e + (q + kv) * 2 * e + f * 3 * e + 2 * 3 * d * e
 
 
-def _attention_s(w: Workload, acc: AcceleratorSpec, clock: float, dtype_factor: float, recompute: float) -> float:
+def _attention_s(w: Workload, acc: AcceleratorSpec, clock: float, dtype_factor: float, recompute: float,
+                 where: float) -> float:
     """One micro-batch's attention: forward (+ recomputed forward) and backward (2.5x: five GEMMs to two) FLOPs on
-    the visible pairs, at FlashAttention-2's rate for one call's block length; a CP ring's diagonal blocks (1 / cp of
-    the work) run causal, the rest without a mask."""
+    the visible pairs, at FlashAttention-2's rate for one call's block length. Without CP one causal call; a CP ring
+    at the rate of one causal call over the rank's block times the zigzag ring's measured efficiency
+    (accelerators.ring_efficiency), which carries the ring's per-hop launches, float32 merges and half-blocks."""
     m, lay = w.model, w.layout
     fraction = w.visible_pair_fraction if w.visible_pair_fraction is not None else (w.seq_len + 1) / (2 * w.seq_len)
     pairs = w.local_batch_size * fraction * w.seq_len ** 2 / lay.cp
     fwd = 4.0 * pairs * m.n_heads / lay.tp * m.head_dim * m.n_layers / lay.pp
     length = w.attention_length or w.seq_len / lay.cp
-    causal_share = 1.0 / lay.cp
     seconds = 0.0
     for phase, flops in (("fwd", fwd * (1 + recompute)), ("bwd", 2.5 * fwd)):
-        for causal, share in ((True, causal_share), (False, 1 - causal_share)):
-            if share:
-                rate = flash_rate(acc, phase, m.head_dim, causal, length) * clock
-                if dtype_factor > 1:
-                    rate *= EFFICIENT_VS_FLASH
-                seconds += flops * share / rate
+        rate = flash_rate(acc, phase, m.head_dim, True, length) * clock
+        if lay.cp > 1:
+            rate *= _pick(ring_efficiency(phase, m.head_dim), where)
+        if dtype_factor > 1:
+            rate *= EFFICIENT_VS_FLASH
+        seconds += flops / rate
     return seconds
-
-
-def _ring_merge_bytes(w: Workload, tokens: float) -> float:
-    """The ring's float32 merges: per hop the partial output and log-sum-exp (forward, recompute) and the dK/dV
-    accumulators (backward)."""
-    m, lay = w.model, w.layout
-    if lay.cp == 1:
-        return 0.0
-    q = tokens * m.n_heads * m.head_dim / lay.tp
-    kv = tokens * 2 * m.num_kv_heads * m.head_dim / lay.tp
-    per_layer = (lay.cp - 1) * (12 * q * (1 + recomputed_block_fraction(w.ac_mode, w.ac_every)) + 12 * (q + kv))
-    return per_layer * m.n_layers / lay.pp
 
 
 def _exposed_comm(w: Workload, acc: AcceleratorSpec, where: float, compute_s: float, attention_s: float) -> dict:
@@ -234,10 +225,10 @@ def document_pair_fraction(seq_len: int, mix=DOCUMENT_MIX) -> tuple[float, float
     return fraction, length_weighted / fraction
 
 
-PREDICTION_STATEMENT = ("predicted: calibrated step time (training/planning/step_model.py): GEMMs at cuBLAS's measured rate, "
-                        "attention at FlashAttention-2's, elementwise work at achieved HBM bandwidth, collectives at "
-                        "NCCL's bus bandwidth with FSDP prefetch and the ring under attention; band = the sources' "
-                        "spread (docs/predictions.md)")
+PREDICTION_STATEMENT = ("predicted: calibrated step time (training/planning/step_model.py): GEMMs at cuBLAS's measured "
+                        "rate, attention at FlashAttention-2's (a CP ring at the zigzag ring's measured share of it), "
+                        "elementwise work at achieved HBM bandwidth, collectives at NCCL's bus bandwidth with FSDP "
+                        "prefetch and the ring under attention; band = the sources' spread (docs/predictions.md)")
 
 
 def accelerator_for(hw) -> AcceleratorSpec:
