@@ -1,11 +1,11 @@
 """The calibrated step-time model against TorchTitan's published end-to-end rows (docs/performance.md of
 TorchTitan: 8 x H100 96GB at 500 W, Llama 3.1 8B), through the dry run's own prediction function on recipes set to
 each row's model, layout, batch, activation checkpointing and length (no fake model is built: memory is not what
-these rows check). The model's efficiencies come from kernel benchmarks (training/planning/accelerators.py); these rows are
-the check, never an input. Three rows the model does not meet (it is optimistic there: kernel benchmarks leave out
-SM sharing with NCCL, launch gaps and the ring's per-hop overheads) are held to a looser, stated bound instead: the
-prediction is optimistic by at most 1.5x, so a regression past the documented gap fails; docs/predictions.md shows
-the same table."""
+these rows check). The model's efficiencies come from kernel and component benchmarks (training/planning/accelerators.py,
+e.g. the zigzag CP ring's measured share of one FlashAttention call); these rows are the check, never an input. The
+two long-context CP rows the model does not meet (still optimistic with the ring's measured efficiency counted) are
+held to a looser, stated bound instead: their measured ratio + 0.1, so a regression past the documented gap fails;
+docs/predictions.md shows the same table."""
 import os
 
 import pytest
@@ -20,10 +20,10 @@ TABLE2 = [("table2_fsdp8_cp1_32k", 32768, 8, 1, 1, "full", True, 3890, 0.6, 1.0)
           ("table2_fsdp4_cp2_64k", 65536, 4, 2, 1, "full", True, 2540, 0.6, 1.0),
           ("table2_fsdp2_cp4_128k", 131072, 2, 4, 1, "full", True, 1071, 0.6, 1.0),
           ("table2_fsdp1_cp8_256k", 262144, 1, 8, 1, "full", True, 548, 0.6, 1.0)]
-# The known gaps (measured: eager 7,471 = 1.30x of 5,762; 128K 1,459 = 1.36x of 1,071; 256K 796 = 1.45x of 548):
-# the issue's bound is not met there; the test holds each to "optimistic by at most 1.5x" (lower, upper).
-OUTSIDE = {"table1_fsdp_bf16_eager": (1.0, 1.5), "table2_fsdp2_cp4_128k": (1.0, 1.5),
-           "table2_fsdp1_cp8_256k": (1.0, 1.5)}
+# The known gaps (measured: 128K 1,242 = 1.16x of 1,071; 256K 664 = 1.21x of 548): the issue's bound is not met
+# there; the test holds each to its measured ratio + 0.1 (lower, upper). Never widen these: tighten them when the
+# model improves.
+OUTSIDE = {"table2_fsdp2_cp4_128k": (1.0, 1.26), "table2_fsdp1_cp8_256k": (1.0, 1.31)}
 
 
 def predicted_tokens_per_gpu(seq_len: int, dp_shard: int, cp: int, batch: int, ac: str, compile_: bool) -> dict:
