@@ -160,3 +160,40 @@ def test_visible_pairs_from_prepared_stores(tmp_path):
     assert length == pytest.approx((books * seq + web * 100) / expected, rel=1e-12)
     cfg.data.sources[1].name = "unprepared"
     assert pairs_from_stores(cfg, seq) is None
+
+
+def test_ring_attention_is_one_causal_call_at_the_rings_measured_share():
+    """A CP ring's attention: the causal FlashAttention-2 rate over the rank's block times the zigzag ring's measured
+    share of it (forward and backward); the backward's share reproduces the published forward + backward figure."""
+    from models.llama import model_config
+    from training.planning.accelerators import (ACCELERATORS, RING_MEASURED_LENGTH, RING_ZIGZAG_FWD,
+                                                RING_ZIGZAG_FWD_BWD, flash_rate, ring_efficiency)
+    from training.planning.roofline import Layout
+    from training.planning.step_model import Workload, predict_step
+
+    acc = ACCELERATORS["h100-sxm"]
+    t_f = 1 / flash_rate(acc, "fwd", 128, True, RING_MEASURED_LENGTH)
+    t_b = 2.5 / flash_rate(acc, "bwd", 128, True, RING_MEASURED_LENGTH)
+    (b_low, b_high) = ring_efficiency("bwd", 128)
+    for e_f, e_fb in zip(RING_ZIGZAG_FWD, RING_ZIGZAG_FWD_BWD):
+        assert any(t_f / e_f + t_b / e_b == pytest.approx((t_f + t_b) / e_fb, rel=1e-12) for e_b in (b_low, b_high))
+    m = model_config("llama3_8b")
+    seq, cp = 65536, 4
+    ring = predict_step(Workload(m, Layout(1, 1, 1, cp, 1, 8), seq, 1, 1, ac_mode="none"), acc)
+    fwd_flops = 4 * seq * (seq + 1) / 2 / cp * m.n_heads * m.head_dim * m.n_layers
+    middle = sum(acc.flash_fraction) / 2
+    expected = sum(flops / (flash_rate(acc, phase, 128, True, seq / cp) * middle * sum(ring_efficiency(phase, 128)) / 2)
+                   for phase, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)))
+    assert ring.parts["attention"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_op_ac_recomputes_the_even_numbered_matmuls():
+    """Of wq, wk, wv, wo, w1, w3, w2 the op policy saves the odd-numbered outputs: wk, wo and w3 run again."""
+    from models.llama import model_config
+    from training.planning.step_model import op_recomputed_matmul_share
+
+    m = model_config("llama3_8b")
+    d, q, kv, f = m.dim, m.n_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.ffn_hidden_dim
+    share = (d * kv + q * d + d * f) / (2 * d * q + 2 * d * kv + 3 * d * f)
+    assert op_recomputed_matmul_share(m) == pytest.approx(share, rel=1e-12)
+    assert 0.36 < share < 0.37
