@@ -2,8 +2,9 @@
 the kernel-level figures the calibrated step-time model (training/planning/step_model.py) uses, each with its source.
 
 Data-sheet figures are the vendors' (NVIDIA H100 / H200 / A100 data sheets). Kernel-level figures are published
-benchmarks of the kernels one training step runs, never end-to-end training throughputs: those (TorchTitan's
-published rows) are what the model is checked against (tests/training/test_step_model.py, docs/predictions.md).
+benchmarks of the kernels one training step runs (and of one component built from them, the CP ring's attention),
+never end-to-end training throughputs: those (TorchTitan's published rows) are what the model is checked against
+(tests/training/test_step_model.py, docs/predictions.md).
 A (low, high) pair is the spread the sources give; the model's band comes from these pairs.
 """
 from __future__ import annotations
