@@ -1,11 +1,11 @@
 """The calibrated step-time model against TorchTitan's published end-to-end rows (docs/performance.md of
 TorchTitan: 8 x H100 96GB at 500 W, Llama 3.1 8B), through the dry run's own prediction function on recipes set to
 each row's model, layout, batch, activation checkpointing and length (no fake model is built: memory is not what
-these rows check). The model's efficiencies come from kernel benchmarks (training/planning/accelerators.py); these rows are
-the check, never an input. Three rows the model does not meet (it is optimistic there: kernel benchmarks leave out
-SM sharing with NCCL, launch gaps and the ring's per-hop overheads) are held to a looser, stated bound instead: the
-prediction is optimistic by at most 1.5x, so a regression past the documented gap fails; docs/predictions.md shows
-the same table."""
+these rows check). The model's efficiencies come from kernel and component benchmarks (training/planning/accelerators.py,
+e.g. the zigzag CP ring's measured share of one FlashAttention call); these rows are the check, never an input. The
+two long-context CP rows the model does not meet (still optimistic with the ring's measured efficiency counted) are
+held to a looser, stated bound instead: their measured ratio + 0.1, so a regression past the documented gap fails;
+docs/predictions.md shows the same table."""
 import os
 
 import pytest
@@ -20,10 +20,10 @@ TABLE2 = [("table2_fsdp8_cp1_32k", 32768, 8, 1, 1, "full", True, 3890, 0.6, 1.0)
           ("table2_fsdp4_cp2_64k", 65536, 4, 2, 1, "full", True, 2540, 0.6, 1.0),
           ("table2_fsdp2_cp4_128k", 131072, 2, 4, 1, "full", True, 1071, 0.6, 1.0),
           ("table2_fsdp1_cp8_256k", 262144, 1, 8, 1, "full", True, 548, 0.6, 1.0)]
-# The known gaps (measured: eager 7,471 = 1.30x of 5,762; 128K 1,459 = 1.36x of 1,071; 256K 796 = 1.45x of 548):
-# the issue's bound is not met there; the test holds each to "optimistic by at most 1.5x" (lower, upper).
-OUTSIDE = {"table1_fsdp_bf16_eager": (1.0, 1.5), "table2_fsdp2_cp4_128k": (1.0, 1.5),
-           "table2_fsdp1_cp8_256k": (1.0, 1.5)}
+# The known gaps (measured: 128K 1,242 = 1.16x of 1,071; 256K 664 = 1.21x of 548): the issue's bound is not met
+# there; the test holds each to its measured ratio + 0.1 (lower, upper). Never widen these: tighten them when the
+# model improves.
+OUTSIDE = {"table2_fsdp2_cp4_128k": (1.0, 1.26), "table2_fsdp1_cp8_256k": (1.0, 1.31)}
 
 
 def predicted_tokens_per_gpu(seq_len: int, dp_shard: int, cp: int, batch: int, ac: str, compile_: bool) -> dict:
@@ -160,3 +160,40 @@ def test_visible_pairs_from_prepared_stores(tmp_path):
     assert length == pytest.approx((books * seq + web * 100) / expected, rel=1e-12)
     cfg.data.sources[1].name = "unprepared"
     assert pairs_from_stores(cfg, seq) is None
+
+
+def test_ring_attention_is_one_causal_call_at_the_rings_measured_share():
+    """A CP ring's attention: the causal FlashAttention-2 rate over the rank's block times the zigzag ring's measured
+    share of it (forward and backward); the backward's share reproduces the published forward + backward figure."""
+    from models.llama import model_config
+    from training.planning.accelerators import (ACCELERATORS, RING_MEASURED_LENGTH, RING_ZIGZAG_FWD,
+                                                RING_ZIGZAG_FWD_BWD, flash_rate, ring_efficiency)
+    from training.planning.roofline import Layout
+    from training.planning.step_model import Workload, predict_step
+
+    acc = ACCELERATORS["h100-sxm"]
+    t_f = 1 / flash_rate(acc, "fwd", 128, True, RING_MEASURED_LENGTH)
+    t_b = 2.5 / flash_rate(acc, "bwd", 128, True, RING_MEASURED_LENGTH)
+    (b_low, b_high) = ring_efficiency("bwd", 128)
+    for e_f, e_fb in zip(RING_ZIGZAG_FWD, RING_ZIGZAG_FWD_BWD):
+        assert any(t_f / e_f + t_b / e_b == pytest.approx((t_f + t_b) / e_fb, rel=1e-12) for e_b in (b_low, b_high))
+    m = model_config("llama3_8b")
+    seq, cp = 65536, 4
+    ring = predict_step(Workload(m, Layout(1, 1, 1, cp, 1, 8), seq, 1, 1, ac_mode="none"), acc)
+    fwd_flops = 4 * seq * (seq + 1) / 2 / cp * m.n_heads * m.head_dim * m.n_layers
+    middle = sum(acc.flash_fraction) / 2
+    expected = sum(flops / (flash_rate(acc, phase, 128, True, seq / cp) * middle * sum(ring_efficiency(phase, 128)) / 2)
+                   for phase, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)))
+    assert ring.parts["attention"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_op_ac_recomputes_the_even_numbered_matmuls():
+    """Of wq, wk, wv, wo, w1, w3, w2 the op policy saves the odd-numbered outputs: wk, wo and w3 run again."""
+    from models.llama import model_config
+    from training.planning.step_model import op_recomputed_matmul_share
+
+    m = model_config("llama3_8b")
+    d, q, kv, f = m.dim, m.n_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.ffn_hidden_dim
+    share = (d * kv + q * d + d * f) / (2 * d * q + 2 * d * kv + 3 * d * f)
+    assert op_recomputed_matmul_share(m) == pytest.approx(share, rel=1e-12)
+    assert 0.36 < share < 0.37

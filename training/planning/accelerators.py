@@ -2,8 +2,9 @@
 the kernel-level figures the calibrated step-time model (training/planning/step_model.py) uses, each with its source.
 
 Data-sheet figures are the vendors' (NVIDIA H100 / H200 / A100 data sheets). Kernel-level figures are published
-benchmarks of the kernels one training step runs, never end-to-end training throughputs: those (TorchTitan's
-published rows) are what the model is checked against (tests/training/test_step_model.py, docs/predictions.md).
+benchmarks of the kernels one training step runs (and of one component built from them, the CP ring's attention),
+never end-to-end training throughputs: those (TorchTitan's published rows) are what the model is checked against
+(tests/training/test_step_model.py, docs/predictions.md).
 A (low, high) pair is the spread the sources give; the model's band comes from these pairs.
 """
 from __future__ import annotations
@@ -30,6 +31,20 @@ EFFICIENT_VS_FLASH = 0.5
 """The memory-efficient (cutlass, xFormers-derived) kernel, used for float32 attention (flash is fp16/bf16 only), at
 about half FlashAttention-2's rate: Dao 2023, "FlashAttention-2", arXiv 2307.08691, Fig. 4-5 (xFormers cutlass vs
 FlashAttention-2 on A100, forward + backward, head dim 64 / 128: 0.4-0.6x)."""
+
+RING_ZIGZAG_FWD = (0.817, 0.852)
+"""A CP ring's attention relative to one FlashAttention call over the rank's own block (causal, the same length):
+zhuzilin/ring-flash-attention README, "Performance Summary", batch API, zigzag_ring vs "theoretic flash_attn"
+(Llama 3.1 8B's 32 query / 8 K/V heads of 128, batch 1, 8K tokens per GPU, bf16, 8 GPUs over NVLink): forward only
+81.7% on 8x A100, 85.2% on 8x H800. It carries what a ring adds to the kernel time: a launch per hop, the
+float32 merges of partial outputs, the smaller half-blocks of the balanced layout, P2P kernels beside the
+attention. TorchTitan's CP (torch's experimental context_parallel, head-tail load balancing) is the same zigzag."""
+RING_ZIGZAG_FWD_BWD = (0.898, 0.902)
+"""The same table, forward + backward: 89.8% on 8x A100, 90.2% on 8x H800 (the backward's own share:
+ring_efficiency)."""
+RING_MEASURED_LENGTH = 8192
+"""Tokens per GPU of that benchmark; the figures are applied at every block length and ring size (an assumption:
+per-hop overheads shrink relative to the quadratic work at longer blocks)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +132,20 @@ def flash_rate(spec: AcceleratorSpec, phase: str, head_dim: int, causal: bool, l
         rate *= _interpolate(FA2_H100[("fwd", 128, True)], length) / _interpolate(FA2_H100[("fwd", 128, False)],
                                                                                   length)
     return rate * 1e12 * spec.flash_scale
+
+
+def ring_efficiency(phase: str, head_dim: int) -> tuple[float, float]:
+    """(low, high) share of one causal FlashAttention call's rate that a zigzag CP ring reaches, per phase. The
+    backward's is solved from the forward and forward + backward figures at each end of their spread, with the
+    forward / backward time split of FlashAttention-2 at the benchmark's length (backward = 2.5x the forward's
+    FLOPs): t_f / e_f + t_b / e_b = (t_f + t_b) / e_fb."""
+    if phase == "fwd":
+        return RING_ZIGZAG_FWD
+    length = RING_MEASURED_LENGTH
+    t_f = 1.0 / flash_rate(ACCELERATORS["h100-sxm"], "fwd", head_dim, True, length)
+    t_b = 2.5 / flash_rate(ACCELERATORS["h100-sxm"], "bwd", head_dim, True, length)
+    ends = [t_b / ((t_f + t_b) / both - t_f / fwd) for fwd, both in zip(RING_ZIGZAG_FWD, RING_ZIGZAG_FWD_BWD)]
+    return min(ends), max(ends)
 
 
 def _row(phase: str, dim: int, causal: bool) -> tuple[float, ...]:

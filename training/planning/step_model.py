@@ -2,11 +2,14 @@
 
 The roofline (training/planning/roofline.py) is a bound: every FLOP at the data-sheet peak. This model prices each class of
 work at the rate published kernel benchmarks reach (training/planning/accelerators.py states each figure and its source):
-- large GEMMs (every linear layer, forward, backward = 2x forward, recomputation) at the cuBLAS rate;
-- attention at FlashAttention-2's measured rate for its head dim, causal or not, and the length of one call (a CP
-  ring's block: S / cp), on the visible query-key pairs (document masking: from a stated document mix);
-- memory-bound elementwise work (norms, RoPE, SwiGLU's gate, residual adds, casts, the loss's softmax, AdamW) as
-  bytes moved at the achieved HBM bandwidth, eager (one kernel per op) or fused under torch.compile;
+- large GEMMs (every linear layer, forward, backward = 2x forward, recomputation: op-level AC re-runs the
+  even-numbered matmuls of a block) at the cuBLAS rate;
+- attention at FlashAttention-2's measured rate for its head dim and the length of one call, on the visible
+  query-key pairs (document masking: from a stated document mix); a CP ring at one causal call's rate over the
+  rank's block (S / cp) times the zigzag ring's measured efficiency against that call;
+- memory-bound elementwise work (norms, RoPE, SwiGLU's gate, residual adds, casts, the loss's softmax, AdamW,
+  FSDP2's copy-out of gathered parameters and copy-in of gradients) as bytes moved at the achieved HBM bandwidth,
+  eager (one kernel per op) or fused under torch.compile; op-level AC re-runs all of a block's elementwise work;
 - collectives at NCCL's achieved bus bandwidth: FSDP's all-gathers and reduce-scatters prefetched under compute
   (exposed: the first gather and the last reduce-scatter of each micro-step, plus whatever does not fit under the
   compute), the CP ring's P2P under that layer's attention, TP's collectives exposed, activation offload's PCIe
@@ -19,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.llama import LlamaConfig
-from training.planning.accelerators import EFFICIENT_VS_FLASH, AcceleratorSpec, flash_rate
+from training.planning.accelerators import EFFICIENT_VS_FLASH, AcceleratorSpec, flash_rate, ring_efficiency
 from training.planning.roofline import Layout, fsdp_bytes_per_step, parameter_count, recomputed_block_fraction
 
 DOCUMENT_MIX = ((0.5, None), (0.5, 4096))
@@ -87,8 +90,10 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float) -> dict:
     tokens = w.local_batch_size * w.seq_len / lay.cp  # per micro-batch, before TP splits the work
     layers = m.n_layers / lay.pp
     block_recompute = recomputed_block_fraction(w.ac_mode, w.ac_every)
-    gemm_recompute = 0.5 if w.ac_mode == "op" else block_recompute  # op-level AC recomputes every other matmul
-    attn_recompute = 0.0 if w.ac_mode == "op" else block_recompute  # op-level AC saves the attention outputs
+    op_ac = w.ac_mode == "op"
+    gemm_recompute = op_recomputed_matmul_share(m) if op_ac else block_recompute
+    attn_recompute = 0.0 if op_ac else block_recompute  # op-level AC saves the attention outputs
+    elementwise_recompute = 1.0 if op_ac else block_recompute  # op-level AC re-runs every op it does not save
 
     block_gemm = 2.0 * m.dim * m.head_dim * (2 * m.n_heads + 2 * m.num_kv_heads) + 6.0 * m.dim * m.ffn_hidden_dim
     output_gemm = 2.0 * m.dim * m.vocab_size
@@ -96,17 +101,43 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float) -> dict:
                                     + output_gemm * (3 + (1 if w.loss_chunk_tokens else 0)))
     parts = {"gemm": gemm_flops / gemm_rate * w.grad_accum}
     flash = clock * _pick(acc.flash_fraction, where)
-    parts["attention"] = _attention_s(w, acc, flash, dtype_factor, attn_recompute) * w.grad_accum
+    parts["attention"] = _attention_s(w, acc, flash, dtype_factor, attn_recompute, where) * w.grad_accum
     eager = not w.compile
-    per_token = elementwise_bytes_per_token(m, eager, w.dtype) * layers * (3 + block_recompute)
+    per_token = elementwise_bytes_per_token(m, eager, w.dtype) * layers * (3 + elementwise_recompute)
     loss_bytes = m.vocab_size * (28 if eager else 12)
     parts["elementwise"] = tokens / lay.tp * (per_token + loss_bytes) / hbm * w.grad_accum
-    parts["elementwise"] += _ring_merge_bytes(w, tokens) / hbm * w.grad_accum
+    parts["fsdp_copies"] = fsdp_copy_bytes(w) / hbm * w.grad_accum
     local_params = parameter_count(m) / (lay.pp * lay.tp * lay.dp_shard * lay.cp)
     parts["optimizer"] = local_params * 32 / hbm  # AdamW + clipping: read p, g, m, v (fp32), write p, m, v
     compute = sum(parts.values())
     parts.update(_exposed_comm(w, acc, where, compute, parts["attention"]))
     return parts
+
+
+def op_recomputed_matmul_share(m: LlamaConfig) -> float:
+    """Share of one block's matmul FLOPs that op-level AC runs again. Its policy
+    (parallelisms/activation_checkpoint._op_policy, as TorchTitan's selective op AC) numbers a block's matmuls in
+    call order and saves the odd-numbered ones: of wq, wk, wv, wo, w1, w3, w2 it recomputes wk, wo and w3 (about
+    0.37 of the block's matmul FLOPs for Llama 3 8B, not half). Everything else it does not save (norms, RoPE, the
+    SwiGLU gate, residual adds, casts) runs again too: the caller counts one more forward of the elementwise work."""
+    q, kv, d, f = m.n_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.dim, m.ffn_hidden_dim
+    in_call_order = (d * q, d * kv, d * kv, q * d, d * f, d * f, f * d)  # wq, wk, wv, wo, w1, w3, w2
+    return sum(in_call_order[1::2]) / sum(in_call_order)
+
+
+def fsdp_copy_bytes(w: Workload) -> float:
+    """HBM bytes of FSDP2's own copies per micro-step, outside the collectives: each all-gather's output is copied
+    out into the unsharded parameters (torch.distributed.fsdp _fsdp_collectives.foreach_all_gather_copy_out,
+    split_with_sizes_copy: read and write every unsharded parameter), once for forward and again for backward when
+    resharded after forward; each reduce-scatter's input is packed from the unsharded gradients in the float32
+    reduce dtype (foreach_reduce, torch._chunk_cat: read the gradient, write float32)."""
+    lay = w.layout
+    if lay.dp_shard * lay.cp == 1:
+        return 0.0
+    params = parameter_count(w.model) / (lay.pp * lay.tp)
+    e = 4 if w.dtype == "float32" else 2
+    gathers = 2 if w.reshard_after_forward else 1
+    return params * (gathers * 2 * e + e + 4)
 
 
 def elementwise_bytes_per_token(m: LlamaConfig, eager: bool, dtype: str) -> float:
@@ -126,37 +157,26 @@ def elementwise_bytes_per_token(m: LlamaConfig, eager: bool, dtype: str) -> floa
     return 2 * d * 3 * e + (q + kv) * 2 * e + f * 3 * e + 2 * 3 * d * e
 
 
-def _attention_s(w: Workload, acc: AcceleratorSpec, clock: float, dtype_factor: float, recompute: float) -> float:
+def _attention_s(w: Workload, acc: AcceleratorSpec, clock: float, dtype_factor: float, recompute: float,
+                 where: float) -> float:
     """One micro-batch's attention: forward (+ recomputed forward) and backward (2.5x: five GEMMs to two) FLOPs on
-    the visible pairs, at FlashAttention-2's rate for one call's block length; a CP ring's diagonal blocks (1 / cp of
-    the work) run causal, the rest without a mask."""
+    the visible pairs, at FlashAttention-2's rate for one call's block length. Without CP one causal call; a CP ring
+    at the rate of one causal call over the rank's block times the zigzag ring's measured efficiency
+    (accelerators.ring_efficiency), which carries the ring's per-hop launches, float32 merges and half-blocks."""
     m, lay = w.model, w.layout
     fraction = w.visible_pair_fraction if w.visible_pair_fraction is not None else (w.seq_len + 1) / (2 * w.seq_len)
     pairs = w.local_batch_size * fraction * w.seq_len ** 2 / lay.cp
     fwd = 4.0 * pairs * m.n_heads / lay.tp * m.head_dim * m.n_layers / lay.pp
     length = w.attention_length or w.seq_len / lay.cp
-    causal_share = 1.0 / lay.cp
     seconds = 0.0
     for phase, flops in (("fwd", fwd * (1 + recompute)), ("bwd", 2.5 * fwd)):
-        for causal, share in ((True, causal_share), (False, 1 - causal_share)):
-            if share:
-                rate = flash_rate(acc, phase, m.head_dim, causal, length) * clock
-                if dtype_factor > 1:
-                    rate *= EFFICIENT_VS_FLASH
-                seconds += flops * share / rate
+        rate = flash_rate(acc, phase, m.head_dim, True, length) * clock
+        if lay.cp > 1:
+            rate *= _pick(ring_efficiency(phase, m.head_dim), where)
+        if dtype_factor > 1:
+            rate *= EFFICIENT_VS_FLASH
+        seconds += flops / rate
     return seconds
-
-
-def _ring_merge_bytes(w: Workload, tokens: float) -> float:
-    """The ring's float32 merges: per hop the partial output and log-sum-exp (forward, recompute) and the dK/dV
-    accumulators (backward)."""
-    m, lay = w.model, w.layout
-    if lay.cp == 1:
-        return 0.0
-    q = tokens * m.n_heads * m.head_dim / lay.tp
-    kv = tokens * 2 * m.num_kv_heads * m.head_dim / lay.tp
-    per_layer = (lay.cp - 1) * (12 * q * (1 + recomputed_block_fraction(w.ac_mode, w.ac_every)) + 12 * (q + kv))
-    return per_layer * m.n_layers / lay.pp
 
 
 def _exposed_comm(w: Workload, acc: AcceleratorSpec, where: float, compute_s: float, attention_s: float) -> dict:
@@ -205,10 +225,10 @@ def document_pair_fraction(seq_len: int, mix=DOCUMENT_MIX) -> tuple[float, float
     return fraction, length_weighted / fraction
 
 
-PREDICTION_STATEMENT = ("predicted: calibrated step time (training/planning/step_model.py): GEMMs at cuBLAS's measured rate, "
-                        "attention at FlashAttention-2's, elementwise work at achieved HBM bandwidth, collectives at "
-                        "NCCL's bus bandwidth with FSDP prefetch and the ring under attention; band = the sources' "
-                        "spread (docs/predictions.md)")
+PREDICTION_STATEMENT = ("predicted: calibrated step time (training/planning/step_model.py): GEMMs at cuBLAS's measured "
+                        "rate, attention at FlashAttention-2's (a CP ring at the zigzag ring's measured share of it), "
+                        "elementwise work at achieved HBM bandwidth, collectives at NCCL's bus bandwidth with FSDP "
+                        "prefetch and the ring under attention; band = the sources' spread (docs/predictions.md)")
 
 
 def accelerator_for(hw) -> AcceleratorSpec:
