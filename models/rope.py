@@ -15,6 +15,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from config.rope import DEFAULT_ROPE_TYPE, ROPE_TYPES
 
@@ -124,9 +125,52 @@ class RotaryEmbedding(nn.Module):
         return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, S, H, D) by the angles, pairs (2i, 2i+1) interleaved; math in float32, result in x's dtype."""
+ROTARY_TILE_ELEMENTS = 1 << 24
+"""`apply_rotary`'s float32 work spans at most this many elements of x at a time (64 MiB of float32 temporaries)."""
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     pairs = x.to(torch.float32).reshape(*x.shape[:-1], -1, 2)  # not unflatten: dynamo cannot trace it under a mode
     even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+class _TiledRotary(torch.autograd.Function):
+    """The rotation over tiles of tokens, saving only cos and sin: the rotation is linear, so its backward is the
+    rotation by the opposite angle and needs nothing of x. Autograd through `_rotate` would keep the float32 copy of
+    x and make float32 products of the whole shard (~48 KiB per token for an 8B model's q and k: the largest transient
+    at 512K tokens per rank once the ring runs in head groups, docs/frontier.md). Exact: every element is computed
+    with the same float32 operations as autograd's forward and backward of `_rotate`."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, tile_tokens: int):
+        out = torch.empty_like(x)
+        for start in range(0, x.size(1), tile_tokens):
+            rows = slice(start, start + tile_tokens)
+            out[:, rows] = _rotate(x[:, rows], cos[:, rows], sin[:, rows])
+        ctx.save_for_backward(cos, sin)
+        ctx.tile_tokens = tile_tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cos, sin = ctx.saved_tensors
+        grad_x = torch.empty_like(grad_out)
+        for start in range(0, grad_out.size(1), ctx.tile_tokens):
+            rows = slice(start, start + ctx.tile_tokens)
+            g = grad_out[:, rows].to(torch.float32)
+            g = g.reshape(*g.shape[:-1], -1, 2)
+            g_even, g_odd, c, s = g[..., 0], g[..., 1], cos[:, rows], sin[:, rows]
+            grad = torch.stack((g_even * c + g_odd * s, g_odd * c - g_even * s), dim=-1)
+            grad_x[:, rows] = grad.flatten(-2).to(grad_out.dtype)
+        return grad_x, None, None, None
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 tile_elements: int = ROTARY_TILE_ELEMENTS) -> torch.Tensor:
+    """Rotate (B, S, H, D) by the angles (B, S, 1, D // 2), pairs (2i, 2i+1) interleaved; math in float32, result in
+    x's dtype, `tile_elements` of x at a time."""
+    if isinstance(x, DTensor) or cos.size(1) != x.size(1):  # a DTensor's slices cannot be written in place
+        return _rotate(x, cos, sin)
+    per_token = max(1, x.numel() // max(1, x.size(1)))
+    return _TiledRotary.apply(x, cos, sin, max(1, tile_elements // per_token))

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # the repository root
 # Frames that only drive the step: ops under them (autograd's own backward kernels) are labelled by module instead.
 _SKIP_FILES = (os.path.join("training", "planning", "memory_breakdown.py"), os.path.join("training", "step.py"))
 
@@ -67,8 +67,8 @@ def _repo_frame_label() -> str | None:
         passes_through = frame.f_code.co_name in ("__torch_function__", "__torch_dispatch__")
         if path.endswith(_SKIP_FILES[1:]):
             return None
-        if path.startswith(_REPO) and not path.endswith(_SKIP_FILES) and not passes_through \
-                and "tests" + os.sep not in path[len(_REPO):]:
+        ours = path.startswith(_REPO) and "site-packages" not in path  # a virtualenv may live in the checkout
+        if ours and not path.endswith(_SKIP_FILES) and not passes_through and "tests" + os.sep not in path[len(_REPO):]:
             return f"{path[len(_REPO):]}:{frame.f_code.co_qualname}"
         if "fsdp" in path and "torch" in path:
             return "torch fsdp"
