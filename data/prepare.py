@@ -20,6 +20,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import shutil
 import sys
 import time
@@ -166,7 +167,7 @@ def _run_parts(parts, todo, partial, tokenizer, dtype, workers, progress, spec) 
             results = map(_prepare_part, jobs)
             pool = None
         else:
-            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker,
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_pool_worker,
                                                                  (_tokenizer_recipe(tokenizer), spec.format == "chat"))
             results = pool.imap_unordered(_prepare_part, jobs)
         for record in results:
@@ -192,6 +193,14 @@ def _tokenizer_recipe(tokenizer) -> tuple:
     if hasattr(tokenizer, "model_proto"):
         return ("spm", tokenizer.model_proto)
     return ("hf", tokenizer.source)
+
+
+def _init_pool_worker(recipe: tuple, chat: bool = False) -> None:
+    """A pool worker ignores Ctrl-C: the parent alone takes the KeyboardInterrupt and terminates the pool. A worker
+    interrupted while it holds the pool's task-queue lock would never release it, and the parent's terminate() would
+    then wait on that lock forever (seen once in CI: a Ctrl-C'd preparation that never exited)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(recipe, chat)
 
 
 def _init_worker(recipe: tuple, chat: bool = False) -> None:
