@@ -213,7 +213,7 @@ class ParallelismConfig:
     attention_head_groups: int = 0
     """CP attention runs its K/V heads in at most this many groups, one after another: its float32 gradient
     accumulators, K/V in flight and kernel temporaries then span one group (exact: attention is per head). 0 = by
-    size (a group's float32 dQ within 1 GiB: one group up to 128K tokens per rank of an 8B model); 1 = never."""
+    size (a group's float32 dQ within 1 GiB: one group up to 64K tokens per rank of an 8B model); 1 = never."""
     fsdp_reshard_after_forward: ReshardPolicy = "default"
     """Free gathered parameters after forward: default (yes, but no under PP) | always | never."""
 

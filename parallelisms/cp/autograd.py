@@ -5,8 +5,9 @@ Attention is independent per head, so a call may run its K/V heads in groups, on
 heads that read them, GQA's h // (Hq / Hkv)): every float32 accumulator, every K/V block in flight and every kernel
 temporary of the exchanges then spans one group, not the whole shard. Each group runs the same arithmetic for its
 heads as the whole call (a kernel may split its work over threads differently by head count: fp32 results agree to
-~1e-7); what grows is the number of kernel calls and transfers, each smaller. At 512K tokens per rank (Llama 3.1 8B, 32 query heads) the float32 dQ accumulator
-alone is 8 GiB: groups bring the backward's transient from ~60 to ~12 KiB per token (docs/frontier.md)."""
+~1e-7); what grows is the number of kernel calls and transfers, each smaller. At 512K tokens per rank (Llama 3.1 8B,
+32 query heads) the float32 dQ accumulator alone is 8 GiB: 8 groups take the ring's 60 KiB per token out of the
+step's peak (docs/frontier.md)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ if TYPE_CHECKING:  # an annotation only: the wrapper stays a leaf
 
 HEAD_GROUP_BYTES = 1 << 30
 """Automatic head groups: as few as keep one group's float32 dQ accumulator (B x Hq x S_local x D x 4 bytes) within
-this; below it (every test shape, 128K tokens per rank of an 8B model) a call is one group."""
+this; within it (every test shape, up to 64K tokens per rank of an 8B model) a call is one group."""
 
 
 def head_group_count(q: torch.Tensor, k: torch.Tensor, asked: int) -> int:
