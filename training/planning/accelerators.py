@@ -96,11 +96,13 @@ H100_SXM = AcceleratorSpec(
 ACCELERATORS = {
     "h100-sxm": H100_SXM,
     "h100-sxm-500w": AcceleratorSpec(
-        "h100-sxm-500w", bf16_flops=989e12, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9,
+        "h100-sxm-500w", bf16_flops=989e12, hbm_bytes_per_s=2.4e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9,
         pcie_bytes_per_s=64e9, memory_gib=96.0, host_memory_gib_per_node=2048.0, gemm_fraction=(0.68, 0.80),
         flash_scale=1.0, clock_fraction=((500 / 700) ** 0.5, (500 / 700) ** (1 / 3)),
-        notes="H100 SXM5 96GB capped at 500 W (TorchTitan's published runs): the 700 W part's figures, tensor "
-        "clock scaled by the cap"),
+        notes="H100 SXM 96GB HBM2e at its default 500 W limit (TorchTitan's published runs, Grand Teton hosts; their "
+        "docs/performance.md: 2.4 TB/s peak memory bandwidth, peak FLOP/s 'between SXM and NVL'): the 700 W part's "
+        "compute with the tensor clock scaled by the cap (836..884 TFLOP/s, between the NVL's 835 and the SXM's "
+        "989), HBM2e at 2.4 TB/s"),
     "h200": AcceleratorSpec(
         "h200", bf16_flops=989e12, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9,
         pcie_bytes_per_s=64e9, memory_gib=141.0, host_memory_gib_per_node=2048.0, gemm_fraction=(0.68, 0.80),
