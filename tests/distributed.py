@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -23,7 +24,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, args, queue, threads, backend):
+def _entry(fn, rank, world_size, port, args, queue, threads, backend, stacks_after):
+    # A rank still running when the parent's limit is near writes every thread's stack to stderr (the test's
+    # captured output): a hang fails with where it hangs.
+    faulthandler.dump_traceback_later(stacks_after, exit=False)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
@@ -44,6 +48,8 @@ def _entry(fn, rank, world_size, port, args, queue, threads, backend):
         queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report everything, including KeyboardInterrupt in the child
         queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, threads: int = 1,
@@ -51,7 +57,8 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, thr
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, threads, backend),
+    stacks_after = max(1.0, timeout - 3.0)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, threads, backend, stacks_after),
                          daemon=True)
              for r in range(world_size)]
     for p in procs:

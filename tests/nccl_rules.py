@@ -35,7 +35,10 @@ GPU the same double runs every rank's blocks of a CP layout on one device, real 
 """
 from __future__ import annotations
 
+import sys
 import threading
+import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -152,6 +155,7 @@ class NcclP2PWorld:
         self.finished: set[int] = set()
         self.failure: str | None = None
         self.groups_posted = 0
+        self.idle_waits = 0  # waits that ended by their 1 s timeout with nothing new: each costs a rank a second
 
     # ------------------------------------------------------------------ posting
     def post(self, rank: int, comm: tuple, p2p_ops) -> list[_Work]:
@@ -273,7 +277,8 @@ class NcclP2PWorld:
                         self.failure = self._explain()
                         self.cond.notify_all()
                         raise NcclDeadlock(self.failure)
-                    self.cond.wait(timeout=1.0)
+                    if not self.cond.wait(timeout=1.0):
+                        self.idle_waits += 1
                 op.deliver()
             finally:
                 self.waiting.pop(op.rank, None)
@@ -384,14 +389,24 @@ def run_ring_ranks(fn, size: int, monkeypatch, timeout: float = 120.0, run_devic
         finally:
             world.finish(rank)
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
+    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"rank {r}") for r in range(size)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout
     for t in threads:
-        t.join(timeout)
+        t.join(max(0.0, deadline - time.monotonic()))
     if any(t.is_alive() for t in threads):
-        raise TimeoutError(f"simulated ranks still running after {timeout}s")
+        raise TimeoutError(f"simulated ranks still running after {timeout}s; where each one is:\n{_stacks(threads)}")
+    if world.idle_waits:
+        print(f"NCCL-rule double: {world.idle_waits} wait(s) of a rank ended by their 1 s timeout, not a wake-up")
     # A rank's own error first: the others then wait on it, and their NcclDeadlock only echoes it.
     for error in sorted((e for e in errors if e is not None), key=lambda e: isinstance(e, NcclDeadlock)):
         raise error
     return results
+
+
+def _stacks(threads) -> str:
+    """The current stack of every rank thread still alive (what a hang is waiting on)."""
+    frames = sys._current_frames()
+    return "\n".join(f"--- {t.name} ---\n" + "".join(traceback.format_stack(frames[t.ident]))
+                     for t in threads if t.is_alive() and t.ident in frames)

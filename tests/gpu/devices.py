@@ -9,10 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-FAST_CPU = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
-SLOW_CPU = [pytest.param("cpu", id="cpu", marks=pytest.mark.slow),
-            pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
-CUDA_ONLY = [pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+GPU_TEST_LIMIT_S = 60
+"""Every cuda variant finishes within this on one H100 or fails at it (pytest-timeout); a test that runs ranks in
+threads or processes gives them `RANKS_LIMIT_S`, so a hung rank fails with its own stack before that."""
+RANKS_LIMIT_S = 50
+_CUDA = pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.timeout(GPU_TEST_LIMIT_S)])
+FAST_CPU = [pytest.param("cpu", id="cpu"), _CUDA]
+SLOW_CPU = [pytest.param("cpu", id="cpu", marks=pytest.mark.slow), _CUDA]
+CUDA_ONLY = [_CUDA]
 
 
 def visible_gpus() -> int:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tests.distributed import run_ranks
 from tests.gpu.cp_cases import VARIANTS, cp_cases, failures, run_cp_case
-from tests.gpu.devices import FAST_CPU, SLOW_CPU, require
+from tests.gpu.devices import FAST_CPU, RANKS_LIMIT_S, SLOW_CPU, require
 from tests.nccl_rules import run_ring_ranks
 
 
@@ -29,7 +29,7 @@ def test_cp_ranks_in_one_process_match_full_sequence_attention(device, size, mon
     torch_device = require(device)
     cases = cp_cases(size, thorough=device == "cuda")
     per_rank = run_ring_ranks(lambda group: _every_case(group, torch_device, cases), size, monkeypatch,
-                              timeout=600)
+                              timeout=RANKS_LIMIT_S if device == "cuda" else 600)
     assert not [line for rank_errors in per_rank for line in failures(rank_errors, device)]
     assert all(len(rank_errors) == len(cases) for rank_errors in per_rank)
 
@@ -45,7 +45,8 @@ def test_cp_over_real_processes_matches_full_sequence_attention(device, size):
     """One process per rank: NCCL over GPUs (the backend the trainer picks there), gloo on the CPU."""
     require(device, ranks=size)
     backend = "nccl" if device == "cuda" else "gloo"
-    per_rank = run_ranks(_processes_body, size, args=(device, device == "cuda"), timeout=600, backend=backend)
+    per_rank = run_ranks(_processes_body, size, args=(device, device == "cuda"),
+                         timeout=RANKS_LIMIT_S if device == "cuda" else 600, backend=backend)
     assert not [line for rank_errors in per_rank for line in failures(rank_errors, device)]
 
 
