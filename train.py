@@ -9,20 +9,26 @@ fails in one line. `--prepare-data` tokenizes the recipe's sources into their st
 [--json]` prints the first N training rows of the first stage (training/show_rows.py) and stops.
 `--plan-ramp --gpus N --target-seq-len L [--out F] [--offload auto|on|off] [--stages K] [--tokens-per-stage T]`
 writes a recipe whose [[ramp]] stages grow the context to L on N GPUs, each measured to fit (training/planning/ramp_recipe.py).
+Before anything else, a torch older than the oldest supported one (2.11) stops here in one line
+(config/torch_support.py).
 """
 from __future__ import annotations
 
 import os
 import sys
 
-from config import RecipeError
-from config.recipe import default_recipe, load_config, to_toml
-from data.sources import build_run_tokenizer, check_sources, open_stores, prepare_data
-from models.llama import recipe_model_config
-from training.checkpoint import preflight_checkpoint
-from training.planning.device_check import check_gpus
-from training.planning.preflight import preflight_stages, required_ranks
-from training.trainer import Trainer
+from config.torch_support import exit_if_unsupported_torch
+
+exit_if_unsupported_torch()  # first: on an older torch the imports below would fail with a traceback, not one line
+
+from config import RecipeError  # noqa: E402
+from config.recipe import default_recipe, load_config, to_toml  # noqa: E402
+from data.sources import build_run_tokenizer, check_sources, open_stores, prepare_data  # noqa: E402
+from models.llama import recipe_model_config  # noqa: E402
+from training.checkpoint import preflight_checkpoint  # noqa: E402
+from training.planning.device_check import check_gpus  # noqa: E402
+from training.planning.preflight import preflight_stages, required_ranks  # noqa: E402
+from training.trainer import Trainer  # noqa: E402
 
 
 def parse_cli(argv: list[str]) -> tuple[str, list[str], set[str]]:

@@ -36,7 +36,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from parallelisms.host_arena import HostArena, empty_host_cache, span_bytes
+from config.torch_support import empty_host_cache
+from parallelisms.host_arena import HostArena, span_bytes
 
 
 class _Record:

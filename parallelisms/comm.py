@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from config import torch_support
 from config.errors import Refusal
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -41,18 +42,17 @@ def all_reduce_(tensor: torch.Tensor, group=None, op: str = "sum") -> torch.Tens
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """Every rank's `input` concatenated into `output`. torch 2.13 calls it `all_gather_single`; earlier releases
-    (which GPU images often ship) name the same collective `all_gather_into_tensor`."""
+    """Every rank's `input` concatenated into `output` (`all_gather_into_tensor` before torch 2.13:
+    config/torch_support.py picks the name)."""
     check_contiguous(output, input)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, input, group=group, async_op=async_op)
+    return torch_support.all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """Sum over ranks of `input`, this rank's slice into `output` (`reduce_scatter_tensor` before torch 2.13)."""
+    """Sum over ranks of `input`, this rank's slice into `output` (`reduce_scatter_tensor` before torch 2.13:
+    config/torch_support.py picks the name)."""
     check_contiguous(output, input)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return scatter(output, input, group=group, async_op=async_op)
+    return torch_support.reduce_scatter_single(output, input, group=group, async_op=async_op)
 
 
 def all_to_all_rows(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],

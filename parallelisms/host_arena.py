@@ -96,10 +96,3 @@ def _register(buffer: torch.Tensor) -> None:
         raise RuntimeError(f"activation offload: pinning the {buffer.nbytes}-byte host arena failed "
                            f"(cudaHostRegister error {code}); set activation_checkpoint.offload = false or free "
                            "host memory")
-
-
-def empty_host_cache() -> None:
-    """Returns the CachingHostAllocator's cached pinned blocks (torch.accelerator.empty_host_cache, a no-op when no
-    accelerator allocator was initialised; a CPU-only build has no host cache and raises, so it is skipped)."""
-    if torch.accelerator.is_available():
-        torch.accelerator.empty_host_cache()
