@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from harness.launch_env import child_env  # noqa: E402
 from bench.cp_balance_counts import MIXES, layout_figures, packed_row  # noqa: E402
 from parallelisms.cp.plan_layout import DocumentLayout  # noqa: E402
 from parallelisms.cp.layouts import DOCUMENTS  # noqa: E402
@@ -65,7 +66,7 @@ def run_trainer(balancer: str, overrides: list[str]) -> list[dict]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                os.path.join(ROOT, "train.py"), RECIPE, *overrides, "--job.dump_folder", out,
                "--parallelism.cp_load_balancer", balancer]
-        env = dict(os.environ, PYTHONPATH=ROOT)
+        env = child_env()
         env.pop("OMP_NUM_THREADS", None)  # the trainer sizes its threads itself
         subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -27,6 +27,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from harness.launch_env import child_env  # noqa: E402
 from data.corpus import load_documents  # noqa: E402
 from data.prepare import StoreSpec, prepare_store  # noqa: E402
 from data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
@@ -160,7 +161,7 @@ def main() -> int:
                                     os.path.join(work, "cache2"))
         for recipe in (small_recipe, big_recipe):  # the big one must find its store ready: nothing is prepared twice
             done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), recipe, "--prepare-data"],
-                                  check=True, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+                                  check=True, capture_output=True, text=True, env=child_env())
             assert recipe == small_recipe or "already prepared" in done.stdout, done.stdout + done.stderr
         best = {"big": (1e9, 1e9), "small": (1e9, 1e9)}
         for r in range(args.rounds):

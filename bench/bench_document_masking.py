@@ -25,6 +25,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python bench/bench_document_masking.py` puts bench/ first on the path, not the root
+    sys.path.insert(0, ROOT)
+
+from harness.launch_env import child_env  # noqa: E402
 RECIPE = os.path.join(ROOT, "recipes", "debug.toml")
 
 
@@ -40,7 +44,7 @@ def run_trainer(masking: bool, overrides: list[str]) -> list[dict]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                os.path.join(ROOT, "train.py"), RECIPE, *overrides, "--job.dump_folder", out,
                "--data.document_masking", "true" if masking else "false"]
-        env = dict(os.environ, PYTHONPATH=ROOT)
+        env = child_env()
         env.pop("OMP_NUM_THREADS", None)  # the trainer sizes its threads itself
         subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "metrics.jsonl")) as f:

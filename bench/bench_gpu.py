@@ -1,30 +1,41 @@
-"""One GPU: our trainer vs TorchTitan on the same Llama shape, sequence length and batch (tok/s and MFU side by side
-in one run), and ring attention at CP=1 vs plain SDPA (fwd+bwd time).
+"""One GPU: our trainer vs its peers on the same Llama shape, sequence length and batch (tok/s, peak memory and MFU
+side by side in one run), and ring attention at CP=1 vs plain SDPA (fwd+bwd time).
 
-    python bench/bench_gpu.py [--rounds 3] [--steps 10] [--seq 8192] [--batch 1] [--dim 2048] [--n-layers 8]
-                              [--n-heads 16] [--n-kv-heads 8] [--torchtitan-attention flex|varlen] [--only ...]
+    python bench/bench_gpu.py [--short] [--rounds 3] [--steps 10] [--seq 8192] [--batch 1] [--dim 2048]
+                              [--n-layers 8] [--n-heads 16] [--n-kv-heads 8] [--torchtitan-attention flex|varlen]
 
-Without a CUDA device it prints one line and exits 0. Both trainers run as fresh torchrun processes (1 rank), bf16
-compute with fp32 master weights, AdamW, no activation checkpointing, no torch.compile of the model, no CUDA graphs,
-on the same English text (pydoc, shipped with Python) with a tokenizer of the model's vocabulary each; runs alternate
-(ours, TorchTitan, TorchTitan, ours, ...), each run's tok/s is the median over the steps after --warmup, the best
-run of each side is kept. Same work: TorchTitan 0.3.0 always masks attention by document (flex or varlen), so our
-trainer runs with data.document_masking = true (ring attention at cp 1, per-document pieces on the plain kernels).
+Without a CUDA device it prints one line and exits 0. --short (about a minute; `./run_tests.sh --gpu --report`
+runs it): one run of each side of the transformers comparison, 6 steps, 3 ring repetitions, no TorchTitan runs.
+
+Two peers, each on the work it does the same way as ours:
+- Hugging Face transformers' LlamaForCausalLM (bench/transformers_peer.py: the plain loop a user writes, fp32 master
+  weights, bf16 autocast, fused AdamW, SDPA causal attention) against our trainer with plain causal attention. It
+  runs on any torch, so every GPU image gets a comparison.
+- TorchTitan 0.3.0 (bench/torchtitan_config.py), when it imports here, against our trainer with document masking:
+  TorchTitan 0.3.0 always masks attention by document (flex or varlen), so ours runs with data.document_masking =
+  true (ring attention at cp 1, per-document pieces on the plain kernels).
+Every side runs as a fresh process (ours and TorchTitan under torchrun, 1 rank): bf16 compute with fp32 master
+weights, AdamW, no activation checkpointing, no torch.compile of the model, no CUDA graphs; the trainers on the same
+English text (pydoc, shipped with Python) with a tokenizer of the model's vocabulary each, transformers on random
+tokens. Runs alternate (ours, peer, peer, ours, ...), each run's tok/s is the median over the steps after --warmup,
+the best run of each side is kept. Peak memory is the allocator's max_memory_allocated (ours and transformers).
 
 MFU: tok/s x FLOPs per token / the GPU's dense bf16 peak (training/hardware.py; H100 SXM 989 TFLOP/s, TorchTitan's
 number too). FLOPs per token = 6 x (parameters without the embedding) + attention. Our trainer counts causal attention
 as half of full attention (12 x layers x heads x head_dim x seq / 2); TorchTitan counts it in full. The table prints
 both systems on both bases; the ratio of the two systems does not depend on the basis.
 
-TorchTitan is found by import; if it is missing or does not import, one line says so and only our side runs. The GPU
-machines have no network, so bring its wheels (TorchTitan 0.3.0 needs Python >= 3.11): on a machine with pip access,
+TorchTitan is found by import; if it is missing or does not import, one line says why and which release this torch
+needs, and the transformers comparison stands alone. TorchTitan 0.3.0 needs torch >= 2.12 (on 2.11 it fails with
+`cannot import name 'DataParallelMeshDims'`). 0.2.2 is the release for torch 2.10-2.11, but its TOML job config
+(`--job.config_file`, a TransformerModelArgs flavor registered through `experimental.custom_import`) has not been
+run by this bench on any GPU, so the bench does not drive it: with 0.2.2 it says so in one line. The GPU machines
+have no network, so bring TorchTitan's wheels (0.3.0 needs Python >= 3.11): on a machine with pip access,
     pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d wheels \\
         torchtitan==0.3.0 tyro docstring-parser typeguard torch_checkpointing spmd_types==0.2.3 \\
         "datasets<4.8" "dill<0.4.1" "multiprocess<0.70.19" torchdata==0.11.0
 (plus any other package `pip check` names there), copy the folder over, and on the GPU machine:
-    pip install --no-index --no-deps --target "$HOME/gpu-site" wheels/*.whl && export PYTHONPATH="$HOME/gpu-site"
-TorchTitan 0.3.0 is written against recent torch (2.13 here); with an older torch on the GPU image its import or its
-attention call may fail, which the bench reports in one line before running our side alone.
+    WHEELS=wheels ./run_tests.sh --gpu --report OUTDIR    (or: python -m pip install --no-index --no-deps wheels/*.whl)
 """
 from __future__ import annotations
 
@@ -44,6 +55,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from bench.torchtitan_config import JOB_ENV  # noqa: E402
+from harness.launch_env import child_env  # noqa: E402
 
 TT_STEP = re.compile(r"step:\s*(\d+).*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+|N/A)%?")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -56,9 +68,7 @@ def _model_config(args):
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    env.update(extra)
-    return env
+    return child_env(**extra)
 
 
 def _last_error(text: str) -> str:
@@ -68,30 +78,66 @@ def _last_error(text: str) -> str:
     return (errors or lines or ["no output"])[-1][-300:]
 
 
-def run_ours(args, out: str) -> tuple[float, float]:
-    """(median tok/s after warm-up, median MFU as the trainer logs it) of one train.py run."""
+def run_ours(args, out: str, documents: bool) -> tuple[float, float, float]:
+    """(median tok/s after warm-up, median MFU as the trainer logs it, peak GiB) of one train.py run, attention
+    masked by document or plain causal."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            os.path.join(ROOT, "train.py"), os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", out,
            "--model.dim", str(args.dim), "--model.n_layers", str(args.n_layers), "--model.n_heads", str(args.n_heads),
            "--model.n_kv_heads", str(args.n_kv_heads), "--training.seq_len", str(args.seq),
            "--training.local_batch_size", str(args.batch), "--training.steps", str(args.steps),
-           "--training.dtype", "bfloat16", "--parallelism.dp_shard", "1", "--data.document_masking", "true",
-           "--metrics.enable_tensorboard", "false", "--optimizer.lr", str(args.lr)]
+           "--training.dtype", "bfloat16", "--parallelism.dp_shard", "1", "--data.document_masking",
+           "true" if documents else "false", "--metrics.enable_tensorboard", "false", "--optimizer.lr", str(args.lr)]
     done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode:
         raise RuntimeError(f"train.py failed: {_last_error(done.stderr)}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f][args.warmup:]
-    return statistics.median(r["tokens_per_sec"] for r in records), statistics.median(r["mfu"] for r in records)
+        records = [json.loads(line) for line in f]
+    kept = records[args.warmup:] or records
+    return (statistics.median(r["tokens_per_sec"] for r in kept), statistics.median(r["mfu"] for r in kept),
+            max(r["memory"] for r in records))
+
+
+def run_transformers(args) -> tuple[float, float, float]:
+    """(median tok/s after warm-up, NaN: it logs no MFU, peak GiB) of one bench/transformers_peer.py run."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "transformers_peer.py"), "--dim", str(args.dim), "--n-layers",
+           str(args.n_layers), "--n-heads", str(args.n_heads), "--n-kv-heads", str(args.n_kv_heads), "--seq",
+           str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--lr", str(args.lr)]
+    done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode:
+        raise RuntimeError(f"transformers' run failed: {_last_error(done.stderr)}")
+    result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    return result["tokens_per_sec"], float("nan"), result["peak_gib"]
+
+
+def _torch_minor() -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    return int(major), int(minor)
 
 
 def torchtitan_unavailable() -> str | None:
-    """None when TorchTitan imports here, else one line saying why."""
-    probe = subprocess.run([sys.executable, "-c", "import torchtitan, torchtitan.train; print(torchtitan.__version__)"],
+    """None when a TorchTitan this bench drives (0.3.x) imports here, else one line: why not, and which release
+    this torch needs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("torchtitan")
+    except PackageNotFoundError:
+        installed = None
+    need = ("0.3.0" if _torch_minor() >= (2, 12) else "0.2.2 (0.3.0 needs torch >= 2.12), which this bench does not "
+            "drive yet (its TOML job config has not been run by it)")
+    if installed is None:
+        return f"TorchTitan is not installed; torch {torch.__version__} needs TorchTitan {need}"
+    probe = subprocess.run([sys.executable, "-c", "import torchtitan, torchtitan.train"],
                            env=_env(), capture_output=True, text=True, timeout=300)
-    if probe.returncode == 0:
-        return None
-    return f"TorchTitan does not import here ({_last_error(probe.stderr)})"
+    if probe.returncode:
+        return (f"TorchTitan {installed} does not import here ({_last_error(probe.stderr)}); torch "
+                f"{torch.__version__} needs TorchTitan {need}")
+    if not installed.startswith("0.3."):
+        return (f"TorchTitan {installed} imports here, but this bench drives only 0.3.0 (bench/torchtitan_config.py): "
+                f"{installed}'s TOML job config has not been run by it")
+    return None
 
 
 def write_torchtitan_assets(folder: str, vocab_size: int) -> tuple[str, str]:
@@ -140,48 +186,69 @@ def run_torchtitan(args, assets: tuple[str, str], out: str) -> tuple[float, floa
     return statistics.median(t for t, _ in kept), statistics.median(mfus) if mfus else float("nan")
 
 
+SIDES = {"ours": "ours (train.py), causal", "transformers": "transformers LlamaForCausalLM, causal",
+         "ours-documents": "ours (train.py), documents masked", "torchtitan": "TorchTitan 0.3.0, documents masked"}
+
+
 def compare_trainers(args) -> None:
     from models.llama import flops_per_token
     from training.hardware import Device, peak_flops
 
     cfg = _model_config(args)
     peak, source = peak_flops(Device("cuda", "nccl", torch.device("cuda")), torch.bfloat16)
-    missing = torchtitan_unavailable()
+    pairs = [("ours", "transformers")]
+    missing = "--short leaves TorchTitan out (about a minute per run)" if args.short else torchtitan_unavailable()
     if missing:
-        print(f"{missing}: our side only (pip package torchtitan==0.3.0; see this file's docstring for the wheels)")
-    best = {"ours": None, "torchtitan": None}
+        print(f"TorchTitan: {missing}; comparing with transformers only", flush=True)
+    else:
+        pairs.append(("ours-documents", "torchtitan"))
+    best: dict = {side: None for pair in pairs for side in pair}
+    dropped = set()  # peers whose run failed: one line said why, and our side of their pair runs on alone
     with tempfile.TemporaryDirectory() as tmp:
         assets = None if missing else write_torchtitan_assets(os.path.join(tmp, "assets"), cfg.vocab_size)
         for r in range(args.rounds):
-            order = ("ours", "torchtitan") if r % 2 == 0 else ("torchtitan", "ours")
-            for side in order:
-                if side == "torchtitan" and (missing or assets is None):
-                    continue
-                out = os.path.join(tmp, f"{side}-{r}")
-                try:
-                    result = run_ours(args, out) if side == "ours" else run_torchtitan(args, assets, out)
-                except RuntimeError as err:
-                    if side == "ours":
-                        raise
-                    print(f"{err}: our side only from here")
-                    assets = None
-                    continue
-                print(f"round {r + 1} {side}: {result[0]:,.0f} tok/s", flush=True)
-                if best[side] is None or result[0] > best[side][0]:
-                    best[side] = result
+            for pair in pairs:
+                for side in pair if r % 2 == 0 else pair[::-1]:
+                    if side in dropped:
+                        continue
+                    out = os.path.join(tmp, f"{side}-{r}")
+                    try:
+                        if side.startswith("ours"):
+                            result = run_ours(args, out, documents=side == "ours-documents")
+                        elif side == "transformers":
+                            result = run_transformers(args)
+                        else:
+                            result = (*run_torchtitan(args, assets, out), float("nan"))
+                    except (RuntimeError, subprocess.TimeoutExpired) as err:
+                        if side.startswith("ours"):
+                            raise
+                        print(f"{SIDES[side]}: {(str(err).splitlines() or [type(err).__name__])[0]}; our side "
+                              f"only from here", flush=True)
+                        dropped.add(side)
+                        continue
+                    print(f"round {r + 1} {side}: {result[0]:,.0f} tok/s", flush=True)
+                    if best[side] is None or result[0] > best[side][0]:
+                        best[side] = result
     causal, full = flops_per_token(cfg, args.seq, causal=True), flops_per_token(cfg, args.seq, causal=False)
     print(f"\nLlama dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim}, "
-          f"vocab {cfg.vocab_size}, seq {args.seq}, batch {args.batch}, bf16, documents masked; peak "
-          f"{peak / 1e12:.0f} TFLOP/s ({source}); best of {args.rounds} run(s) each")
-    print("| system | tok/s | MFU, causal attention as half | MFU, attention in full | MFU as the system logs it |")
-    print("|---|---|---|---|---|")
-    for side, label in (("ours", "ours (train.py)"), ("torchtitan", "TorchTitan 0.3.0")):
-        if best[side] is None:
+          f"vocab {cfg.vocab_size}, seq {args.seq}, batch {args.batch}, bf16; peak {peak / 1e12:.0f} TFLOP/s "
+          f"({source}); best of {args.rounds} run(s) each, {args.steps} steps, median after {args.warmup}")
+    print("| system | tok/s | peak GiB | MFU, causal attention as half | MFU, attention in full | MFU as logged |")
+    print("|---|---|---|---|---|---|")
+    for side, label in SIDES.items():
+        if best.get(side) is None:
             continue
-        tps, logged = best[side]
-        print(f"| {label} | {tps:,.0f} | {causal * tps / peak:.1%} | {full * tps / peak:.1%} | {logged:.1%} |")
-    if best["ours"] and best["torchtitan"]:
-        print(f"ours / TorchTitan tok/s: {best['ours'][0] / best['torchtitan'][0]:.3f}")
+        tps, logged, memory = best[side]
+        print(f"| {label} | {tps:,.0f} | {_cell(memory, '.2f')} | {causal * tps / peak:.1%} | {full * tps / peak:.1%} "
+              f"| {_cell(logged, '.1%')} |")
+    for ours, peer in (("ours", "transformers"), ("ours-documents", "torchtitan")):
+        if best.get(ours) and best.get(peer):
+            print(f"ours / {SIDES[peer].split(',')[0]}: tok/s {best[ours][0] / best[peer][0]:.3f}"
+                  + (f", peak memory {best[ours][2] / best[peer][2]:.3f}" if best[peer][2] == best[peer][2] else ""))
+
+
+def _cell(value: float, spec: str) -> str:
+    return "-" if value != value else format(value, spec)  # NaN: the system does not report it
 
 
 def _timed(call, grad, device: torch.device) -> float:
@@ -247,7 +314,11 @@ def main() -> int:
     parser.add_argument("--torchtitan-attention", choices=("flex", "varlen"), default="flex")
     parser.add_argument("--only", choices=("trainers", "ring"), default=None)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per training run")
+    parser.add_argument("--short", action="store_true",
+                        help="about a minute: 1 round of ours vs transformers, 6 steps, 3 ring repetitions")
     args = parser.parse_args()
+    if args.short:
+        args.rounds, args.steps, args.warmup, args.reps, args.timeout = 1, 6, 2, 3, min(args.timeout, 50)
     if not torch.cuda.is_available():
         print(f"bench_gpu: no CUDA device visible to torch {torch.__version__}; nothing measured")
         return 0

@@ -21,6 +21,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python bench/bench_memory_features.py` puts bench/ first on the path, not the root
+    sys.path.insert(0, ROOT)
+
+from harness.launch_env import child_env  # noqa: E402
 OFF = ["--training.loss_chunk_tokens", "0", "--model.mlp_chunk_tokens", "0"]
 ON = ["--training.loss_chunk_tokens", "2048", "--model.mlp_chunk_tokens", "2048"]
 
@@ -43,7 +47,7 @@ def run(seq_len: int, features: list[str], steps: int, vocab: int, ac: str, toke
                "--training.local_batch_size", "1", "--model.vocab_size", str(vocab),
                "--data.tokenizer_path", tokenizer, "--activation_checkpoint.mode", ac, "--job.dump_folder", out, "--metrics.enable_tensorboard", "false",
                *features]
-        env = dict(os.environ, PYTHONPATH=ROOT, MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536")
+        env = child_env(MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536")
         subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f]

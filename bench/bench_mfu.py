@@ -33,6 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from harness.launch_env import child_env  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
@@ -185,7 +186,7 @@ def _free_port():
 
 
 def _env():
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = child_env()
     env.pop("OMP_NUM_THREADS", None)  # both sides take the 2 cores (the trainer's pick_device does the same)
     return env
 

@@ -17,6 +17,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python bench/bench_throughput.py` puts bench/ first on the path, not the root
+    sys.path.insert(0, ROOT)
+
+from harness.launch_env import child_env  # noqa: E402
 
 
 def run_trainer(nproc: int, steps: int, dtype: str, extra: list[str]) -> list[dict]:
@@ -26,7 +30,7 @@ def run_trainer(nproc: int, steps: int, dtype: str, extra: list[str]) -> list[di
                "--training.steps", str(steps), "--training.seq_len", "512", "--training.local_batch_size", "8",
                "--training.dtype", dtype, "--parallelism.dp_shard", str(nproc), "--job.dump_folder", out,
                "--metrics.enable_tensorboard", "false", *extra]
-        env = dict(os.environ, PYTHONPATH=ROOT)
+        env = child_env()
         env.pop("OMP_NUM_THREADS", None)  # the trainer splits the cores between its local ranks itself
         subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "metrics.jsonl")) as f:

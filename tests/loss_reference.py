@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+from harness.launch_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "debug.toml")
 GLOBAL_BATCH = 4
@@ -141,7 +143,7 @@ def trainer_run(degrees: dict, steps: int, seq_len: int, extra: list[str] = (), 
             recipe, *overrides, "--training.steps", str(steps), "--training.seq_len", str(seq_len),
             "--training.local_batch_size", str(global_batch // dp), "--training.dtype", dtype, "--job.dump_folder", out,
             "--metrics.enable_tensorboard", "false", *extra])
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        env = child_env(OMP_NUM_THREADS="1")
         result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if result.returncode != 0:  # the ranks' own error lines first, then the launcher's tail
             causes = [line for line in result.stderr.splitlines() if line.startswith("[rank") and "Error" in line]

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+from harness.launch_env import child_env
 from tests.pinned_requirements import ROOT, pinned_packages
 
 
@@ -22,7 +23,7 @@ def _pytest_with_hidden_transformers(tmp_path, test_text: str) -> subprocess.Com
     try:
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", probe],
                               capture_output=True, text=True, cwd=ROOT, timeout=120,
-                              env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "shadow"), ROOT])))
+                              env=child_env(str(tmp_path / "shadow")))
     finally:
         os.unlink(probe)
 

@@ -4,7 +4,6 @@ API hidden (as on torch 2.11, the GPU images' torch), and no product file calls 
 from __future__ import annotations
 
 import ast
-import os
 import pathlib
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from config import torch_support
 from config.torch_support import (NEWER_TORCH_APIS, NEWEST_TESTED_TORCH, OLDEST_TORCH, exit_if_unsupported_torch,
                                   torch_release, unsupported_torch, untested_torch)
+from harness.launch_env import child_env
 from tests.distributed import run_ranks
 from tests.parallelisms.test_host_arena import _offloaded_model, _step
 
@@ -74,7 +74,7 @@ def test_run_train_stops_an_old_torch_before_anything_else(flag, tmp_path):
     """run_train.sh's --check (before torchrun) and --dry-run both go through train.py, whose first step refuses an
     older torch: one line, exit status 2, before any product import (let alone a process group)."""
     (tmp_path / "sitecustomize.py").write_text("import torch\ntorch.__version__ = '2.10.0'\n")
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(tmp_path))
+    env = child_env(str(tmp_path), PYTHON=sys.executable)  # the sitecustomize first on the path
     env.pop("NPROC", None)
     done = subprocess.run(["bash", str(ROOT / "run_train.sh"), flag], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from bench import forked_launch
+from harness.launch_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,7 +21,7 @@ def run_train(*args, nproc: int | None = None, timeout: float = 180, env: dict |
     full_env.pop("NPROC", None)
     if forked:
         return subprocess.run(forked_launch.command(nproc, list(args)), capture_output=True, text=True,
-                              env=dict(full_env, PYTHONPATH=ROOT),
+                              env=child_env(base=full_env),
                               timeout=timeout, cwd=ROOT)
     if nproc:
         full_env["NPROC"] = str(nproc)

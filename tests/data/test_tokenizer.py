@@ -11,6 +11,7 @@ import data.tokenizer as tokenizer_module
 from data.corpus import load_documents
 from data.tokenizer import Tokenizer, build_tokenizer, publish_once
 from config import RecipeError
+from harness.launch_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -154,7 +155,7 @@ def test_vocab_too_large_for_the_corpus_is_a_recipe_error(tmp_path):
 
 def test_cli_writes_a_model_with_the_exact_vocab(tmp_path):
     out = tmp_path / "sub" / "tok.model"
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = child_env()
     done = subprocess.run([sys.executable, "-m", "data.tokenizer", "--corpus", "pydoc", "--vocab-size", "512",
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -1,11 +1,13 @@
-"""The GPU tier's entry point as a user meets it on a machine without GPUs: `./run_tests.sh --gpu` prints one line,
-runs nothing and exits 0; and the tier's cuda variants exist for every area it checks (they are collected in every
-tier, and only --gpu selects them)."""
+"""The GPU tier's entry point as a user meets it on a machine without GPUs: `./run_tests.sh --gpu` (and
+`./run_tests.sh --gpu --report DIR`, harness/gpu_report.py) prints one line, runs nothing and exits 0; and the tier's
+cuda variants exist for every area it checks (they are collected in every tier, and only --gpu selects them)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+from harness.launch_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,9 +21,28 @@ def test_gpu_tier_without_a_visible_gpu_is_one_line_and_exit_0():
     assert "nothing ran" in done.stdout
 
 
+def test_gpu_report_without_a_visible_gpu_is_one_line_and_exit_0(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", WHEELS=str(tmp_path / "no-wheels-here"))
+    done = subprocess.run([os.path.join(ROOT, "run_tests.sh"), "--gpu", "--report", str(tmp_path / "report")],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [done.stdout.strip()] and "no GPU visible" in done.stdout, done.stdout
+    assert not (tmp_path / "report").exists()  # nothing ran, nothing was installed, nothing written
+
+
+def test_report_goes_with_gpu_alone_and_needs_a_folder():
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    for args in (["--report", "out"], ["--gpu", "--report"], ["--gpu", "--report", "out", "-k", "x"]):
+        done = subprocess.run([os.path.join(ROOT, "run_tests.sh"), *args], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and not done.stdout, (args, done.stdout, done.stderr)
+        assert done.stderr.splitlines() == [done.stderr.strip()] and "./run_tests.sh --gpu --report OUTDIR" in \
+            done.stderr, done.stderr
+
+
 def test_the_gpu_marker_selects_a_cuda_variant_of_every_check():
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests/gpu"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=child_env())
     selected = [line for line in done.stdout.splitlines() if "::" in line]
     assert selected and all("[cuda" in line for line in selected), done.stdout[-2000:]
     for area in ("test_gpu_block_kernels", "test_gpu_cp", "learns_with_document_masking", "test_trainer_fp32", "test_resume",
@@ -35,11 +56,11 @@ def _fake_tool(folder, name: str, script: str) -> None:
     path.chmod(0o755)
 
 
-def _gpu_tier(folder, python: str, **env) -> subprocess.CompletedProcess:
+def _gpu_tier(folder, python: str, *args: str, cwd: str = ROOT, **env) -> subprocess.CompletedProcess:
     full = dict(os.environ, PYTHON=python, PATH=f"{folder}{os.pathsep}{os.environ['PATH']}", **env)
     full.pop("CUDA_VISIBLE_DEVICES", None)
-    return subprocess.run([os.path.join(ROOT, "run_tests.sh"), "--gpu"], env=full, cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([os.path.join(ROOT, "run_tests.sh"), "--gpu", *args], env=full, cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_gpu_tier_with_gpus_listed_but_a_cpu_torch_fails_in_one_line(tmp_path):
@@ -68,3 +89,16 @@ def test_gpu_tier_prints_device_torch_and_cuda_before_it_runs(tmp_path):
     first, ran = done.stdout.splitlines()
     assert first == "GPU tier: 1 x NVIDIA H100 80GB HBM3, torch 2.13.0+cu128, CUDA 12.8"
     assert ran == "pytest -m pytest -m gpu"
+
+
+def test_gpu_report_runs_the_report_after_the_device_line_on_the_callers_folder(tmp_path):
+    """With a CUDA torch (the same stand-in) the report starts with the caller's folders: run_tests.sh changes into
+    the repository before it runs anything, so a relative OUTDIR and WHEELS are resolved first."""
+    _fake_tool(tmp_path, "nvidia-smi", 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+    _fake_tool(tmp_path, "cuda-python", 'if [ "$1" = "-c" ]; then echo "1 2.11.0+cu128 12.8 NVIDIA H100 80GB HBM3"; '
+                                       'else echo "python $* WHEELS=$WHEELS"; fi\n')
+    done = _gpu_tier(tmp_path, str(tmp_path / "cuda-python"), "--report", "out", cwd=str(tmp_path), WHEELS="wheels")
+    assert done.returncode == 0, done.stdout + done.stderr
+    first, ran = done.stdout.splitlines()
+    assert first == "GPU tier: 1 x NVIDIA H100 80GB HBM3, torch 2.11.0+cu128, CUDA 12.8"
+    assert ran == f"python -m harness.gpu_report {tmp_path / 'out'} WHEELS={tmp_path / 'wheels'}"

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+from harness.launch_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEBUG_RECIPE = os.path.join(ROOT, "recipes", "debug.toml")
 SMALL = ("--model.n_layers", "2", "--training.seq_len", "256", "--training.local_batch_size", "4",
@@ -18,13 +20,16 @@ SMALL = ("--model.n_layers", "2", "--training.seq_len", "256", "--training.local
 
 
 def train(device: str, out: str, *overrides: str, nproc: int = 1, deterministic: bool = False,
-          timeout: float = 600) -> subprocess.CompletedProcess:
-    """Runs train.py (debug recipe + `overrides`) on `nproc` ranks; fails the test with the log tail on an error."""
+          timeout: float = 600, wrapper: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Runs train.py (debug recipe + `overrides`) on `nproc` ranks; fails the test with the log tail on an error.
+    `wrapper`: what torchrun starts in each rank instead, with train.py as its first argument (a script, or
+    "-m", MODULE), as `deterministic` starts tests/gpu/deterministic_run.py."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     if deterministic:
         cmd.append(os.path.join(ROOT, "tests", "gpu", "deterministic_run.py"))
+    cmd += wrapper
     cmd += [os.path.join(ROOT, "train.py"), DEBUG_RECIPE, "--job.dump_folder", out, *overrides]
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = child_env()
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

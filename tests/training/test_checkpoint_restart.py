@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from harness.launch_env import python_path
 from tests.trainer_runs import ROOT
 from tests.training.test_checkpoint_runs import losses
 
@@ -122,7 +123,7 @@ def test_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, unint
     folder = str(tmp_path / "run")
     start = time.perf_counter()
     process = launch(folder, {"KILL_DURING_SAVE": "1:step-10.partial",
-                              "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])})
+                              "PYTHONPATH": python_path(str(hook))})
     out, err = finish(process)
     print(f"kill during the step-10 save: job finished in {time.perf_counter() - start:.1f} s")
     assert "saved step 10" in out  # by the restarted job: the first attempt died before publishing it

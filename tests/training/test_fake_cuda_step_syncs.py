@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from harness.launch_env import child_env
 from tests.trainer_runs import ROOT
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,7 +44,7 @@ def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement
     from training.planning.step_sync_probe import fake_cuda_env
 
     try:
-        env = fake_cuda_env(dict(os.environ, PYTHONPATH=ROOT))
+        env = fake_cuda_env(child_env())
     except (OSError, subprocess.SubprocessError) as e:
         pytest.skip(f"cannot build the fake CUDA runtime ({type(e).__name__})")
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fake_cuda_step_ranks.py"),

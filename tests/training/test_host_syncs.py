@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from harness.launch_env import child_env
 from tests.trainer_runs import ROOT, short_documents_recipe
 from training.planning.host_syncs import HostSyncCounter
 
@@ -40,7 +41,7 @@ def test_trainer_micro_step_at_cp2_dp2_with_documents_and_placement_makes_no_hos
             "documents", "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path / "run")]
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "host_sync_ranks.py"), "4", *args],
                             capture_output=True, text=True, timeout=240, cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=ROOT, HOST_SYNC_OUT=str(out)))
+                            env=child_env(HOST_SYNC_OUT=str(out)))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     print(f"host syncs per rank over 2 steps x 2 micro-steps: {[r['syncs'] for r in per_rank]}")

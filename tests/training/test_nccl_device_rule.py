@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from harness.launch_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PASSKEY = """
@@ -58,7 +60,7 @@ def _train_under_rule(recipe: str, out: str, *overrides: str, nproc: int = 4, ti
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.join(ROOT, "tests", "nccl_device_rule.py"), os.path.join(ROOT, "train.py"), recipe,
            "--job.dump_folder", out, *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, NCCL_DOUBLE_REPORT=os.path.join(out, "nccl_double"),
+    env = child_env(OMP_NUM_THREADS="1", NCCL_DOUBLE_REPORT=os.path.join(out, "nccl_double"),
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from harness.launch_env import child_env
 from tests.distributed import run_ranks
 from tests.trainer_runs import ROOT, max_rel_diff, read_metrics, train_losses
 
@@ -22,7 +23,7 @@ def _census(out: str, *args, nproc: int, timeout: float = 500) -> tuple[list[dic
     command = [sys.executable, os.path.join(ROOT, "tests", "group_census.py"), str(nproc),
                os.path.join(ROOT, "train.py"), *args, "--job.dump_folder", out]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+                          env=child_env())
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     counts = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "group_census_rank*.json")))]
     assert len(counts) == nproc, counts

@@ -1,0 +1,248 @@
+"""`./run_tests.sh --gpu --report DIR`: one command that checks a freshly booted, possibly air-gapped GPU node.
+
+    WHEELS=DIR ./run_tests.sh --gpu --report OUTDIR     (WHEELS: optional, a folder of .whl files)
+
+In order, each step a process group of its own under a time limit (killed at the limit, then the next step runs):
+  1. with WHEELS set, `python -m pip install --no-index --no-deps WHEELS/*.whl` into this interpreter: the pure-Python
+     requirements an image may lack (torchdata, and TorchTitan's for the bench) from local files, no network;
+  2. every tests/gpu/test_gpu_*.py as its own pytest process (`-m gpu`), with pytest-timeout per test (thread method,
+     so a hang dumps every thread's stack into the log before the process ends), so one hung or crashed file costs
+     its own limit and the others still run;
+  3. bench/bench_gpu.py --short (our trainer and a peer on the bench shape, ring at CP=1 vs SDPA);
+  4. one 64K-token step of the bench shape: `train.py --dry-run`'s predicted peak memory and step time against
+     train.py on this GPU.
+Each step's output goes to OUTDIR/<step>.log; OUTDIR/summary.md (harness/report_summary.py, from the logs alone) is
+printed at the end. Exit 0 when every step was ok. Without a visible GPU, run_tests.sh prints one line and exits 0
+before this module runs.
+
+The limits add up to TOTAL_LIMIT_S (8 minutes on one H100). They are estimates until a node has run them: the
+report's own table shows each step's seconds next to its limit, so the next node's numbers can set them.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from harness.launch_env import ROOT, child_env
+from harness.report_summary import FIGURES, FOOTER_EXIT, FOOTER_KILLED, HEADER, all_ok, parse_step, summarize
+
+TOTAL_LIMIT_S = 480
+WHEELS_LIMIT_S = 30
+FILE_LIMIT_S = {"test_gpu_trainer.py": 110, "test_gpu_memory.py": 55}
+"""Test files with trainer launches (five and one, ~20 s each); every other file gets DEFAULT_FILE_LIMIT_S."""
+DEFAULT_FILE_LIMIT_S = 25
+NOT_IN_REPORT = {"test_gpu_tier_entry.py"}
+"""The tier's entry checks: no cuda variants (they run in the fast tier, on machines without GPUs)."""
+PER_TEST_LIMIT_S = 60
+BENCH_LIMIT_S = 75
+STEP_LIMIT_S = 60
+BENCH_SHAPE = {"dim": 2048, "n_layers": 8, "n_heads": 16, "n_kv_heads": 8}
+"""bench/bench_gpu.py's default Llama shape, handed to it explicitly so that the bench and the 64K step agree."""
+STEP_SEQ_LEN = 65536
+STEP_STEPS = 3
+
+
+@dataclass
+class Step:
+    name: str
+    kind: str
+    """pytest | wheels | bench | step: how report_summary reads its log."""
+    command: list[str]
+    limit_s: float
+
+
+def gpu_test_files() -> list[str]:
+    files = sorted(glob.glob(os.path.join(ROOT, "tests", "gpu", "test_gpu_*.py")))
+    return [f for f in files if os.path.basename(f) not in NOT_IN_REPORT]
+
+
+def plan(out_dir: str, wheels: list[str]) -> list[Step]:
+    """The steps in the order they run; the wheels step only when there are wheels."""
+    steps = []
+    if wheels:
+        steps.append(Step("wheels", "wheels", [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
+                                               "--disable-pip-version-check", *wheels], WHEELS_LIMIT_S))
+    for path in gpu_test_files():
+        name = os.path.basename(path)
+        limit = FILE_LIMIT_S.get(name, DEFAULT_FILE_LIMIT_S)
+        per_test = min(PER_TEST_LIMIT_S, limit - 5)  # below the file's: pytest-timeout dumps stacks first
+        steps.append(Step(name, "pytest", [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-ra",
+                                           f"--timeout={per_test}", "--timeout-method=thread",
+                                           os.path.relpath(path, ROOT)], limit))
+    shape = [arg for key, value in BENCH_SHAPE.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
+    steps.append(Step("bench_gpu", "bench", [sys.executable, os.path.join("bench", "bench_gpu.py"), "--short", *shape],
+                      BENCH_LIMIT_S))
+    steps.append(Step("step_64k", "step", [sys.executable, "-m", "harness.gpu_report", "--measure-step",
+                                           os.path.join(out_dir, "step_64k")], STEP_LIMIT_S))
+    return steps
+
+
+def _step_processes(pgid: int) -> set[int]:
+    """The running processes of a step: its process group, and every descendant of those (torchrun starts each rank
+    in a process group of its own). Zombies do not count: an orphan's zombie stays where the container's first
+    process does not reap it, and it holds no GPU memory. Without /proc: the group's leader, if it runs."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+            return {pgid}
+        except ProcessLookupError:
+            return set()
+    table = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]  # after the name, which may hold spaces
+        except (OSError, ValueError):
+            continue
+        if state not in ("Z", "X"):
+            table[int(pid)] = (int(ppid), int(pgrp))
+    found = {pid for pid, (_, pgrp) in table.items() if pgrp == pgid}
+    while True:
+        more = {pid for pid, (ppid, _) in table.items() if ppid in found} - found
+        if not more:
+            return found
+        found |= more
+
+
+def _end_step(pgid: int, grace: float = 5.0) -> None:
+    """SIGTERM to every process the step left running (torchrun then ends its ranks itself), SIGKILL to those still
+    running after `grace` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        left = _step_processes(pgid)
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while _step_processes(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def run_step(step: Step, log_path: str) -> str:
+    """Runs one step in its own process group, its output into `log_path` between the runner's header and footer.
+    At the limit the whole group (torchrun and its ranks too) is ended; so is whatever a step leaves behind when
+    it ends (pytest-timeout's exit does not wait for a test's trainer processes), so that no step's processes hold
+    the GPU during the next one."""
+    with open(log_path, "w") as log:
+        log.write(HEADER.format(name=step.name, kind=step.kind, limit=step.limit_s, command=" ".join(step.command))
+                  + "\n")
+        log.flush()
+        start = time.perf_counter()
+        process = subprocess.Popen(step.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(),
+                                   start_new_session=True)
+        try:
+            rc = process.wait(timeout=step.limit_s)
+            footer = FOOTER_EXIT.format(rc=rc, seconds=time.perf_counter() - start)
+        except subprocess.TimeoutExpired:
+            footer = FOOTER_KILLED.format(limit=step.limit_s, seconds=time.perf_counter() - start)
+        _end_step(process.pid)
+        process.wait()
+        log.write("\n" + footer + "\n")
+    with open(log_path) as f:
+        return f.read()
+
+
+def _accelerator(device_name: str, memory_gib: float) -> str:
+    """hardware.accelerator of the GPU the step ran on, for the dry run's prediction (an H100 PCIe is counted
+    as SXM: the prediction then assumes its faster memory and links)."""
+    if "H200" in device_name:
+        return "h200"
+    if "A100" in device_name:
+        return "a100-80gb" if memory_gib > 60 else "a100-40gb"
+    return "h100-sxm"
+
+
+def _run(what: str, command: list[str], env: dict) -> None:
+    """Runs a command of the 64K step into this log; a failure ends the step in one line (the cause is above it)."""
+    done = subprocess.run(command, cwd=ROOT, env=env)
+    if done.returncode:
+        raise SystemExit(f"64K step: {what} failed (exit {done.returncode}); its output is above")
+
+
+def measure_step(out: str, seq_len: int = STEP_SEQ_LEN, shape: dict = BENCH_SHAPE, steps: int = STEP_STEPS) -> dict:
+    """The dry run's prediction and a real run of the same recipe (debug recipe, `shape`, one rank, batch 1, bf16,
+    plain causal attention: the dry run measures document masking as causal, an upper bound, so causal is the case
+    its memory is exact for). Prints the figures as one JSON line (report_summary.FIGURES) and returns them."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    memory = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 0.0
+    accelerator = _accelerator(name, memory)
+    recipe = [os.path.join(ROOT, "train.py"), os.path.join(ROOT, "recipes", "debug.toml"),
+              *[arg for key, value in shape.items() for arg in (f"--model.{key}", str(value))],
+              "--training.seq_len", str(seq_len), "--training.local_batch_size", "1", "--training.dtype", "bfloat16",
+              "--parallelism.dp_shard", "1", "--data.document_masking", "false", "--metrics.enable_tensorboard",
+              "false", "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1"]
+    dry_dir, run_dir = os.path.join(out, "dry_run"), os.path.join(out, "run")
+    _run("train.py --dry-run", [sys.executable, *recipe, "--dry-run", "--hardware.accelerator", accelerator,
+                                 "--job.dump_folder", dry_dir], env=child_env(CUDA_VISIBLE_DEVICES=""))  # no GPU
+    with open(os.path.join(dry_dir, "dry_run.json")) as f:
+        stage = json.load(f)["stages"][0]
+    _run("train.py", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *recipe,
+                      "--job.dump_folder", run_dir], env=child_env())
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    figures = {
+        "shape": ", ".join(f"{key} {value}" for key, value in shape.items()), "seq_len": seq_len, "steps": steps,
+        "accelerator": accelerator, "device": name,
+        "predicted_peak_gib": stage.get("peak_device_gib_per_rank_cuda_path", stage["peak_device_gib_per_rank"]),
+        "predicted_step_s": stage["predicted_step_s"], "predicted_step_s_band": stage["predicted_step_s_band"],
+        "measured_peak_gib": max(r["memory"] for r in records),
+        "measured_step_s": statistics.median(r["step_time"] for r in records[1:] or records)}
+    print(FIGURES + json.dumps(figures), flush=True)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--measure-step"] and len(argv) == 2:
+        measure_step(argv[1])
+        return 0
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: ./run_tests.sh --gpu --report OUTDIR   (WHEELS=DIR: install DIR/*.whl first)")
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"GPU report: no GPU visible to torch {torch.__version__}, so nothing ran")
+        return 0
+    out_dir = os.path.abspath(argv[0])
+    wheels = []
+    if os.environ.get("WHEELS"):
+        wheels = sorted(glob.glob(os.path.join(os.path.abspath(os.environ["WHEELS"]), "*.whl")))
+        if not wheels:
+            print(f"GPU report: WHEELS={os.environ['WHEELS']} holds no .whl files: point WHEELS at the folder "
+                  f"`pip download` wrote, or unset it")
+            return 2
+    os.makedirs(out_dir, exist_ok=True)
+    steps = plan(out_dir, wheels)
+    total = sum(s.limit_s for s in steps)
+    title = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA "
+             f"{torch.version.cuda}; logs in {out_dir}; limits {total:.0f} s in all")
+    print(f"GPU report: {title}", flush=True)
+    logs = []
+    for index, step in enumerate(steps, 1):
+        print(f"[{index}/{len(steps)}] {step.name} (limit {step.limit_s:.0f} s) ...", end=" ", flush=True)
+        logs.append(run_step(step, os.path.join(out_dir, f"{step.name}.log")))
+        row = parse_step(logs[-1])
+        print(f"{row.result} ({row.seconds:.0f} s)", flush=True)
+    page = summarize(logs, title)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(page)
+    print("\n" + page, end="")
+    return 0 if all_ok(logs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

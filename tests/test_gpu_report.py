@@ -1,0 +1,173 @@
+"""`./run_tests.sh --gpu --report DIR` without a GPU: the summary page from canned logs (pytest's closing line, a
+timeout, a crash with no closing line, a wheel install refused, a bench log, the 64K step's figures), the runner on
+real processes (pytest's own closing line and pytest-timeout's stack dump, a process group killed at its limit),
+the 64K step's plumbing on the CPU with a tiny shape, and the limits adding up to the 8 minutes the report promises.
+The entry itself (one line and exit 0 without a GPU) is tested in tests/gpu/test_gpu_tier_entry.py."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import pytest
+
+from harness.gpu_report import NOT_IN_REPORT, TOTAL_LIMIT_S, Step, gpu_test_files, measure_step, plan, run_step
+from harness.launch_env import ROOT
+from harness.report_summary import (FIGURES, FOOTER_EXIT, FOOTER_KILLED, HEADER, all_ok, bench_lines, parse_step,
+                                    summarize)
+
+
+def _log(name: str, kind: str, body: str, limit: float = 25, rc: int | None = 0, seconds: float = 12.5) -> str:
+    head = HEADER.format(name=name, kind=kind, limit=limit, command="python -m pytest ...")
+    foot = FOOTER_EXIT.format(rc=rc, seconds=seconds) if rc is not None else FOOTER_KILLED.format(
+        limit=limit, seconds=seconds)
+    return f"{head}\n{body}\n{foot}\n"
+
+
+PASSED = _log("test_gpu_block_kernels.py", "pytest", "tests/gpu/test_gpu_block_kernels.py .s.\n"
+              "SKIPPED [1] tests/gpu/test_gpu_cp.py:30: needs 2 GPU(s), 1 visible\n"
+              "============ 3 passed, 2 skipped, 4 deselected in 11.31s ============")
+QUIET = _log("test_gpu_varlen.py", "pytest", "1 passed, 1 deselected in 75.02s (0:01:15)")
+FAILED = _log("test_gpu_memory.py", "pytest", "E   AssertionError: (4.1, 5.3)\n"
+              "====== 1 failed, 1 error, 2 deselected in 40.00s ======", rc=1)
+NOTHING = _log("test_gpu_x.py", "pytest", "============ 3 deselected in 0.41s ============", rc=5)
+TIMEOUT = _log("test_gpu_trainer.py", "pytest", "tests/gpu/test_gpu_trainer.py .+++++++++++ Timeout ++++++++++++\n"
+               "~~~~~ Stack of MainThread (1) ~~~~~\n"
+               '  File "/r/tests/gpu/test_gpu_trainer.py", line 80, in test_resume_from_a_checkpoint\n'
+               "    train(device, straight_dir, *args)\n+++++++++++ Timeout ++++++++++++", rc=1, seconds=105.2)
+KILLED = _log("test_gpu_cp.py", "pytest", "tests/gpu/test_gpu_cp.py ..", rc=None, seconds=25.0)
+CRASH = _log("test_gpu_varlen.py", "pytest", "tests/gpu/test_gpu_varlen.py \nFatal Python error: Segmentation fault\n"
+             "\nCurrent thread 0x01 (most recent call first):\n  File \"x.py\", line 3 in f", rc=-11, seconds=3.0)
+WHEELS_REFUSED = _log("wheels", "wheels", "error: externally-managed-environment\n\n"
+                      "× This environment is externally managed", rc=1, seconds=1.0)
+WHEELS_OK = _log("wheels", "wheels", "Processing ./w/torchdata-0.11.0-py3-none-any.whl\n"
+                 "Successfully installed torchdata-0.11.0 tyro-0.9.1", seconds=2.0)
+BENCH = _log("bench_gpu", "bench", "NVIDIA H100 80GB HBM3, torch 2.11.0+cu128; command: bench/bench_gpu.py --short\n"
+             "\nring at CP=1 / SDPA, causal fwd+bwd, bf16: 4.10 ms / 3.90 ms = 1.051 (fastest of 3 each)\n"
+             "TorchTitan: --short leaves TorchTitan out (about a minute per run); comparing with transformers only\n"
+             "round 1 ours: 50,000 tok/s\nround 1 transformers: 40,000 tok/s\n\n"
+             "Llama dim 2048, 8 layers, 16/8 heads of 128, vocab 2048, seq 8192, batch 1, bf16\n"
+             "| system | tok/s | peak GiB |\n|---|---|---|\n| ours (train.py), causal | 50,000 | 9.10 |\n"
+             "| transformers LlamaForCausalLM, causal | 40,000 | 12.00 |\n"
+             "ours / transformers LlamaForCausalLM: tok/s 1.250, peak memory 0.758", limit=75, seconds=58.0)
+STEP = _log("step_64k", "step", "dry run ...\nstep 3/3 ...\n" + FIGURES + json.dumps({
+    "shape": "dim 2048, n_layers 8, n_heads 16, n_kv_heads 8", "seq_len": 65536, "steps": 3,
+    "accelerator": "h100-sxm", "device": "NVIDIA H100 80GB HBM3", "predicted_peak_gib": 51.84,
+    "predicted_step_s": 1.295, "predicted_step_s_band": [1.204, 1.402], "measured_peak_gib": 50.0,
+    "measured_step_s": 1.4}), limit=60, seconds=40.0)
+
+
+def _row(page: str, name: str) -> list[str]:
+    line = next(line for line in page.splitlines() if line.startswith(f"| {name} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_pytests_closing_line_gives_the_counts_and_the_runner_the_seconds():
+    page = summarize([PASSED, QUIET, FAILED, NOTHING])
+    assert _row(page, "test_gpu_block_kernels.py") == ["test_gpu_block_kernels.py", "passed", "3", "0", "2", "12.5",
+                                                       "25"]
+    assert _row(page, "test_gpu_varlen.py")[1:3] == ["passed", "1"]
+    assert _row(page, "test_gpu_memory.py")[1:4] == ["FAILED", "0", "1 + 1 error(s)"]
+    assert _row(page, "test_gpu_x.py")[1] == "no GPU tests in it"
+    assert "3 of 4 steps ok; not ok: test_gpu_memory.py. 50 s spent of 100 s of limits." in page
+
+
+def test_a_timeout_and_a_crash_are_named_not_counted():
+    timeout, killed, crash = (parse_step(text) for text in (TIMEOUT, KILLED, CRASH))
+    assert timeout.result.startswith("timed out in test_resume_from_a_checkpoint: a test passed its pytest-timeout")
+    assert killed.result == "timed out: the file passed its limit" and killed.seconds == 25.0
+    assert crash.result == "crashed (signal 11), no closing line: Fatal Python error: Segmentation fault"
+    assert not any(r.ok for r in (timeout, killed, crash)) and not all_ok([PASSED, CRASH]) and all_ok([PASSED])
+
+
+def test_the_wheel_step_says_what_it_installed_or_how_to_fix_a_refusal():
+    assert parse_step(WHEELS_OK).result == "installed 2 wheel(s)"
+    refused = parse_step(WHEELS_REFUSED)
+    assert not refused.ok and "PIP_BREAK_SYSTEM_PACKAGES=1" in refused.result, refused.result
+
+
+def test_the_bench_figures_and_the_prediction_table_reach_the_page():
+    page = summarize([PASSED, BENCH, STEP], title="1 x NVIDIA H100 80GB HBM3, torch 2.11.0+cu128")
+    assert page.splitlines()[2] == "1 x NVIDIA H100 80GB HBM3, torch 2.11.0+cu128"
+    lines = bench_lines(BENCH)
+    assert "| ours (train.py), causal | 50,000 | 9.10 |" in lines and "round 1 ours: 50,000 tok/s" not in lines
+    assert "- ours / transformers LlamaForCausalLM: tok/s 1.250, peak memory 0.758" in lines
+    assert any(line.startswith("- TorchTitan: --short leaves") for line in lines)
+    assert "| peak memory, GiB | 51.84 | 50.00 | 0.96 |" in page
+    assert "| step time, s | 1.295 (band 1.204..1.402) | 1.400 | 1.08 |" in page
+    assert "hardware.accelerator = h100-sxm" in page
+
+
+def test_a_step_without_figures_says_why():
+    page = summarize([_log("step_64k", "step", "CUDA out of memory. Tried to allocate ...\nRuntimeError: OOM", rc=1)])
+    assert "no figures: FAILED (exit 1): RuntimeError: OOM" in page
+
+
+def test_the_runner_reads_pytests_real_closing_line_and_pytest_timeouts_stack_dump(tmp_path):
+    case = tmp_path / "test_case.py"
+    case.write_text("import time\n\ndef test_ok():\n    pass\n\ndef test_hangs():\n    time.sleep(60)\n")
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--timeout=2", "--timeout-method=thread"]
+    passed = run_step(Step("case", "pytest", [*command, "-k", "ok", str(case)], 60), str(tmp_path / "ok.log"))
+    hung = run_step(Step("case", "pytest", [*command, str(case)], 60), str(tmp_path / "hung.log"))
+    assert parse_step(passed).result == "passed" and parse_step(passed).counts == {"passed": 1, "deselected": 1}
+    assert parse_step(hung).result.startswith("timed out in test_hangs: a test passed its pytest-timeout limit")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie that nobody reaps in a container counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _grandchild_step(tmp_path, name: str, parent_sleeps: int, limit: float) -> tuple[str, int]:
+    """A step as the GPU tier makes them: the step's process (pytest) starts a middle process in its group
+    (torchrun), which starts a long-lived rank in a process group of its own (as torchrun does); the step's
+    process then sleeps for `parent_sleeps` seconds and exits. Returns (log, the rank's pid)."""
+    pid_file = tmp_path / f"{name}.pid"
+    rank = "import time; time.sleep(60)"
+    middle = (f"import subprocess, sys, time; rank = subprocess.Popen([sys.executable, '-c', {rank!r}], "
+              f"start_new_session=True); open({str(pid_file)!r}, 'w').write(str(rank.pid)); time.sleep(60)")
+    script = (f"import subprocess, sys, time, os\nsubprocess.Popen([sys.executable, '-c', {middle!r}])\n"
+              f"while not os.path.exists({str(pid_file)!r}):\n    time.sleep(0.05)\n"
+              f"print('started', flush=True)\ntime.sleep({parent_sleeps})\n")
+    text = run_step(Step(name, "bench", [sys.executable, "-c", script], limit), str(tmp_path / f"{name}.log"))
+    return text, int(pid_file.read_text())
+
+
+def test_nothing_a_step_started_outlives_it(tmp_path):
+    """Killed at its limit, or ended with a child still running (pytest-timeout exits without waiting for a test's
+    trainer processes): either way the step's whole process group is gone before the next step starts."""
+    killed, at_limit = _grandchild_step(tmp_path, "sleeper", parent_sleeps=60, limit=3)
+    ended, left_behind = _grandchild_step(tmp_path, "leaver", parent_sleeps=0, limit=30)
+    assert parse_step(killed).result == "timed out" and "started" in killed
+    assert parse_step(ended).result == "ran"
+    assert not _alive(at_limit) and not _alive(left_behind)
+
+
+def test_the_limits_add_up_to_8_minutes_and_every_gpu_test_file_is_in_the_report():
+    steps = plan("/out", ["w.whl"])
+    assert sum(s.limit_s for s in steps) <= TOTAL_LIMIT_S == 480, [(s.name, s.limit_s) for s in steps]
+    names = {s.name for s in steps}
+    on_disk = {f for f in os.listdir(os.path.join(ROOT, "tests", "gpu")) if f.startswith("test_gpu_")
+               and f.endswith(".py")}
+    assert on_disk - NOT_IN_REPORT == {os.path.basename(f) for f in gpu_test_files()} <= names
+    assert [s.kind for s in steps][0] == "wheels" and [s.name for s in steps][-2:] == ["bench_gpu", "step_64k"]
+    assert steps[0].command[1:] == ["-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
+                                    "w.whl"]  # into the interpreter itself: no --target folder to put on a path
+    assert all(f"--timeout={min(60, s.limit_s - 5)}" in s.command for s in steps if s.kind == "pytest")
+
+
+def test_the_64k_steps_prediction_and_measurement_on_the_cpu_with_a_tiny_shape(tmp_path, capsys):
+    """The same code as on the GPU (dry run, then train.py under torchrun) at 256 tokens, so its plumbing (the keys
+    of dry_run.json and metrics.jsonl) cannot rot on machines without GPUs."""
+    figures = measure_step(str(tmp_path), seq_len=256, shape={"dim": 64, "n_layers": 2, "n_heads": 4,
+                                                               "n_kv_heads": 2}, steps=2)
+    assert all(math.isfinite(figures[k]) and figures[k] > 0 for k in ("predicted_peak_gib", "predicted_step_s",
+                                                                         "measured_peak_gib", "measured_step_s"))
+    page = summarize([_log("step_64k", "step", capsys.readouterr().out)])
+    assert "| peak memory, GiB |" in page and "| step time, s |" in page, page
