@@ -1,7 +1,7 @@
 """Zigzag vs the documents CP layout on packed rows, side by side (issue 20): balance and bytes from the plans, and
 a real 4-rank gloo step timed both ways.
 
-Counts (no processes; bench/cp_balance_counts.py says what each number is): for CP 2, 4, 8, 16 at 128K and 1M
+Counts (no processes; harness/cp_balance_counts.py says what each number is): for CP 2, 4, 8, 16 at 128K and 1M
 tokens, rows packed from three length mixes (web-like lognormal(6.5, 1.0); heavy tail 256 x (1 + Pareto(1.1));
 long-document mix, 95% web-like and 5% of 64K-512K tokens) and a row of one document. Per point, `--rows` rows are
 drawn; the worst row's busiest/mean and ring-step efficiency are printed, and the mean over rows of the busiest
@@ -35,7 +35,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from harness.launch_env import child_env  # noqa: E402
-from bench.cp_balance_counts import MIXES, layout_figures, packed_row  # noqa: E402
+from harness.cp_balance_counts import MIXES, layout_figures, packed_row  # noqa: E402
 from parallelisms.cp.plan_layout import DocumentLayout  # noqa: E402
 from parallelisms.cp.layouts import DOCUMENTS  # noqa: E402
 
@@ -136,7 +136,7 @@ def _attention_rank(rank, size, ids, shape, reps):
 
 def attention_steps(seq_len: int, reps: int, seed: int) -> None:
     """The attention alone, 4 gloo ranks x 1 thread, on one web-like row (pydoc's documents are ~1.5K tokens)."""
-    from bench.cp_balance_counts import web_like
+    from harness.cp_balance_counts import web_like
     from tests.distributed import run_ranks
 
     ids = packed_row(web_like, seq_len, np.random.default_rng(seed))[None]

@@ -1,6 +1,6 @@
 """Host milliseconds per micro-step before and after the plan travels with the batch (issue 27, acceptance 3).
 
-Documents layout, one row of `--seq-len` tokens (default 1M) from each of three length mixes (bench/cp_balance_counts:
+Documents layout, one row of `--seq-len` tokens (default 1M) from each of three length mixes (harness/cp_balance_counts:
 web-like, heavy tail, long-doc mix) at CP 8, 16, 64, for CP rank 0, with `--layers` (default 32, Llama 3 8B)
 attention calls forward and backward per micro-step:
 - before, training thread (today's path when no plan is handed in, timed the same way): DocumentLayout.plan of the
@@ -40,7 +40,7 @@ from multiprocessing.reduction import ForkingPickler
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_dp_placement import packed_steps  # noqa: E402
-from bench.cp_balance_counts import MIXES, packed_row  # noqa: E402
+from harness.cp_balance_counts import MIXES, packed_row  # noqa: E402
 from data.placement import StepPlacement, StepSlots  # noqa: E402
 from parallelisms.cp.plan_layout import DocumentLayout  # noqa: E402
 from parallelisms.cp.plan_host import BatchPlan  # noqa: E402

@@ -1,5 +1,5 @@
 """Counts process-group creations in real trainer ranks: during setup (Trainer.__init__) and during the run (every
-step, stage switch and evaluation). Launched like bench/forked_launch.py:
+step, stage switch and evaluation). Launched like harness/forked_launch.py:
 
     python tests/group_census.py NPROC train.py [RECIPE] [--section.key value ...]
 
@@ -40,7 +40,7 @@ def install(counts: dict) -> None:
 
 def main() -> int:
     sys.path.insert(0, ROOT)
-    from bench import forked_launch
+    from harness import forked_launch
     from training.trainer import Trainer
 
     counts = {"made": 0, "destroyed": 0}

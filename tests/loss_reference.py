@@ -3,7 +3,7 @@
 The reference is independent of the parallel code: a plain `Llama` (no FSDP / TP / PP / CP wrappers) initialised
 from the same seed, fed the same global batch rows (the loader with one data-parallel rank), full-sequence attention,
 mean cross entropy, AdamW, the same lr schedule and global-norm clipping. `trainer_run` runs the real trainer
-(train.main on every rank, forked by bench/forked_launch.py with torchrun's environment: one interpreter start
+(train.main on every rank, forked by harness/forked_launch.py with torchrun's environment: one interpreter start
 instead of one per rank) and returns its metrics.jsonl, to be compared step by step. bench/loss_parity.py prints the
 comparison for every mesh of `MESHES`.
 """
@@ -133,7 +133,7 @@ def trainer_run(degrees: dict, steps: int, seq_len: int, extra: list[str] = (), 
     """The real trainer on world_size(degrees) local ranks (forked_launch.py); returns its metrics.jsonl records."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    from bench import forked_launch
+    from harness import forked_launch
 
     nproc = world_size(degrees)
     dp = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)

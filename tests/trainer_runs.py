@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from bench import forked_launch
+from harness import forked_launch
 from harness.launch_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_train(*args, nproc: int | None = None, timeout: float = 180, env: dict | None = None, forked: bool = False):
     """Runs ./run_train.sh with this interpreter (no bootstrap) and returns the CompletedProcess. `forked`: the same
-    train.py arguments on `nproc` ranks forked from one interpreter (bench/forked_launch.py) instead, for tests whose
+    train.py arguments on `nproc` ranks forked from one interpreter (harness/forked_launch.py) instead, for tests whose
     subject is what the trainer computes or saves, not the launch: no preflight process, one import for all ranks."""
     full_env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
     full_env.pop("NPROC", None)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.cp_balance_counts import MIXES, packed_row
+from harness.cp_balance_counts import MIXES, packed_row
 from parallelisms.cp.plan_layout import DocumentLayout
 
 BUSIEST_OVER_MEAN, STEP_EFFICIENCY, WEB_BYTES_VS_ZIGZAG = 1.02, 0.95, 0.3

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.cp_balance_counts import MIXES, packed_row
+from harness.cp_balance_counts import MIXES, packed_row
 from parallelisms import context_parallel as cp_module
 from parallelisms.cp import plan_pieces as ring_plan
 from parallelisms.cp.plan_layout import DocumentLayout

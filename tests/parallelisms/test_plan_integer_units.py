@@ -7,7 +7,7 @@ import operator
 import numpy as np
 import pytest
 
-from bench.cp_balance_counts import MIXES, packed_row
+from harness.cp_balance_counts import MIXES, packed_row
 from parallelisms.cp import plan_layout as document_layout
 from parallelisms.cp.plan_layout import plan_row
 

@@ -1,4 +1,4 @@
-"""Runs train.py on forked ranks (bench/forked_launch.py) with every micro-step, and the move of its batch to the
+"""Runs train.py on forked ranks (harness/forked_launch.py) with every micro-step, and the move of its batch to the
 device, under training/planning/host_syncs.HostSyncCounter(strict=True); each rank writes its counts to
 $HOST_SYNC_OUT/rank<N>.json. Used by tests/training/test_host_syncs.py.
 
@@ -12,7 +12,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from bench import forked_launch  # noqa: E402
+from harness import forked_launch  # noqa: E402
 from training import step  # noqa: E402
 from training.planning.host_syncs import HostSyncCounter  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Checkpointing in real multi-rank runs (slow tier; ranks forked by bench/forked_launch.py with torchrun's
+"""Checkpointing in real multi-rank runs (slow tier; ranks forked by harness/forked_launch.py with torchrun's
 environment): exact resume, resharding onto other meshes, starting from Hugging Face weights and exporting them.
 The reference is always an uninterrupted run of the same recipe, or transformers itself for the HF weights."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Data-parallel placement in real runs (slow tier; ranks forked by bench/forked_launch.py): the losses of a dp_shard2
+"""Data-parallel placement in real runs (slow tier; ranks forked by harness/forked_launch.py): the losses of a dp_shard2
 run with segments placed by work, and without, match the single-process run of every document alone; a run resumed
 at dp 2 or resharded to dp 1 or 4 continues with the uninterrupted run's losses, rows and pairs."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A one-host stand-in for `torchrun --standalone` that starts the interpreter once: the parity runs' launcher.
 
-    python bench/forked_launch.py NPROC train.py [RECIPE] [--section.key value ...]
+    python harness/forked_launch.py NPROC train.py [RECIPE] [--section.key value ...]
 
 Importing torch and the trainer costs a few CPU seconds per process; torchrun pays it once for its agent and once per
 rank, which made most of a short parity run's time on a 2-core box (a 16-rank run paid 17 imports for 5 steps of
@@ -84,5 +84,5 @@ def launch(nproc: int, argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or not sys.argv[1].isdigit() or os.path.basename(sys.argv[2]) != "train.py":
-        sys.exit("usage: python bench/forked_launch.py NPROC train.py [RECIPE] [--section.key value ...]")
+        sys.exit("usage: python harness/forked_launch.py NPROC train.py [RECIPE] [--section.key value ...]")
     sys.exit(launch(int(sys.argv[1]), sys.argv[3:]))
