@@ -15,6 +15,7 @@ import os
 import pickle
 import queue as queue_module
 import socket
+import sys
 import traceback
 
 
@@ -94,6 +95,14 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, thr
     if errors:
         raise RuntimeError("rank failure:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def thread_stacks(threads) -> str:
+    """The current stack of every thread in `threads` still alive: where ranks run as threads of one process
+    (tests/nccl_rules.py), what a hang is waiting on."""
+    frames = sys._current_frames()
+    return "\n".join(f"--- {t.name} ---\n" + "".join(traceback.format_stack(frames[t.ident]))
+                     for t in threads if t.is_alive() and t.ident in frames)
 
 
 class WireBytes:

@@ -35,15 +35,14 @@ GPU the same double runs every rank's blocks of a CP layout on one device, real 
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from tests.distributed import thread_stacks
 from tests.nccl_async_data import poison
 from tests.nccl_collectives import execute
 from tests.nccl_device_rule import HostTensors, host_factories, refuse_off_device
@@ -367,9 +366,9 @@ def _patched_dist(world: NcclP2PWorld, local: threading.local, bound_device: boo
 def run_ring_ranks(fn, size: int, monkeypatch, timeout: float = 120.0, run_device_type: str | None = None,
                    bound_device: bool = True) -> list:
     """`fn(group)` on `size` simulated ranks in threads; returns their results in rank order, or raises the first
-    rank's error (an `NcclDeadlock` when the code breaks NCCL's ordering rules). `run_device_type`: the device the
-    buffers must be on (by default the device of the first buffer a rank posts: "cuda" in the GPU tier, "cpu",
-    standing in for it, elsewhere); `bound_device`:
+    rank's error (an `NcclDeadlock` when the code breaks NCCL's ordering rules), or, past `timeout`, every live
+    rank's stack. `run_device_type`: the device the buffers must be on (by default the device of the first buffer a
+    rank posts: "cuda" in the GPU tier, "cpu", standing in for it, elsewhere); `bound_device`:
     `init_process_group(device_id=...)` was called, as build.py does on CUDA (group creation splits the world)."""
     world = NcclP2PWorld(size, run_device_type)
     local = threading.local()
@@ -390,23 +389,16 @@ def run_ring_ranks(fn, size: int, monkeypatch, timeout: float = 120.0, run_devic
             world.finish(rank)
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"rank {r}") for r in range(size)]
+    deadline = time.monotonic() + timeout
     for t in threads:
         t.start()
-    deadline = time.monotonic() + timeout
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     if any(t.is_alive() for t in threads):
-        raise TimeoutError(f"simulated ranks still running after {timeout}s; where each one is:\n{_stacks(threads)}")
+        raise TimeoutError(f"simulated ranks still running after {timeout}s:\n{thread_stacks(threads)}")
     if world.idle_waits:
         print(f"NCCL-rule double: {world.idle_waits} wait(s) of a rank ended by their 1 s timeout, not a wake-up")
     # A rank's own error first: the others then wait on it, and their NcclDeadlock only echoes it.
     for error in sorted((e for e in errors if e is not None), key=lambda e: isinstance(e, NcclDeadlock)):
         raise error
     return results
-
-
-def _stacks(threads) -> str:
-    """The current stack of every rank thread still alive (what a hang is waiting on)."""
-    frames = sys._current_frames()
-    return "\n".join(f"--- {t.name} ---\n" + "".join(traceback.format_stack(frames[t.ident]))
-                     for t in threads if t.is_alive() and t.ident in frames)
