@@ -39,9 +39,10 @@ runs ~350 s together, ...), longest first. A stale list only costs CI minutes, n
 
 def pytest_collection_modifyitems(config, items):
     """Longest files first, each file's tests kept together and in order (a stable sort by file). CI runs the tiers on
-    two pytest-xdist workers, one file at a time each (`-n 2 --dist loadfile`), handing the next file to whichever
-    worker is free: a six-minute learning run that starts last keeps CI waiting on one worker while the other sits
-    idle (it did: the passkey and SFT files, last in path order, ran alone for the final 8 minutes: CI 36.3 min).
+    two pytest-xdist workers that keep this order (`-n 2 --dist worksteal`: each starts on its half of the list, an
+    idle one takes half of the other's remaining queue): a six-minute learning run that starts last keeps CI waiting
+    on one worker while the other sits idle (it did: the passkey and SFT runs, last in path order and again under
+    `--dist loadfile`, which sorts files by their number of tests, ran alone for the final 8 minutes: CI 36.3 min).
     After `LONGEST_FILES`, the other files with slow-tier tests by their longest time limit (`pytest.mark.timeout`,
     which a test sets from what it needs), then the fast tier's one-process files fill in around them."""
     default = float(config.getini("timeout") or 0)
