@@ -1,15 +1,12 @@
 """A test double for NCCL's ordering rules, to run the CP code as P ranks in threads of one process.
 
-gloo buffers sends, so a ring that posts a send-only group and then a receive-only group on every rank works on CPU;
-NCCL runs each rank's groups in order on one stream, and a send in a group completes only when the peer's matching
-receive sits in the group the peer is running at that moment. Once messages outgrow NCCL's internal buffers, a ring
-of such groups waits on itself. This double enforces that rule strictly (no buffering at any size), so a tiny CPU
-test finds what would hang a real run:
+gloo buffers sends; NCCL runs each rank's groups in order on one stream, and a send completes only when the peer's
+matching receive sits in the group the peer is running then (a ring of send-only then receive-only groups hangs once
+messages outgrow NCCL's buffers). This double enforces that strictly, so a tiny CPU test finds what would hang:
 
 - each `batch_isend_irecv` call is one group; a rank's groups run one after another, in posting order;
-- the k-th send from a to b matches the k-th receive at b from a on the same communicator (NCCL has no tags), and
-  only while both sit in the group their rank is running; sizes and dtypes must agree (NCCL would silently
-  reinterpret the bytes);
+- the k-th send from a to b matches the k-th receive at b from a on the same communicator (NCCL has no tags), only
+  while both sit in the group their rank is running; sizes and dtypes must agree (NCCL would reinterpret bytes);
 - a collective (`all_gather`, `all_gather_single`, `reduce_scatter_single`, `all_to_all_single`, with equal or
   variable splits: rank i's j-th input split must be rank j's i-th output split) is a group of its own in the same
   stream order: it runs once every member of its communicator is running its k-th
@@ -26,8 +23,7 @@ test finds what would hang a real run:
 - data move as NCCL moves them, asynchronously: a send buffer (a collective's input) is copied at post, so writing
   it afterwards changes nothing received; a receive buffer (a collective's output) holds poison (NaN, or -1 for
   integers) from post until `wait()` on its work, which delivers the data;
-- when every rank still running is waiting and nothing can run, it raises `NcclDeadlock` on every rank, naming what
-  each rank waits for.
+- when every running rank waits and nothing can run, it raises `NcclDeadlock` on every rank, naming each wait.
 
 `run_ring_ranks(fn, size)` runs `fn(group)` once per simulated rank with `torch.distributed`'s entry points patched to
 the double (`group` is that rank's `SimGroup` of the whole world). The copies run on the tensors' own device, so on a
