@@ -8,8 +8,9 @@ routed back into the ring by the context-parallel mode):
   otherwise `aten._scaled_dot_product_efficient_attention` (+ `_backward`), whose mask needs a 16-aligned last dim,
   whose log-sum-exp is padded to a multiple of 32 rows, and whose backward reads `out` in the (B, L, H, D) memory of
   its own forward output (`sdpa_output_layout`). GQA: flash takes K/V unexpanded (native); the efficient kernel gets
-  them expanded. Schemas, layouts and strides are checked on meta / fake CUDA tensors in the CPU tiers; the numbers on
-  a GPU by `./run_tests.sh --gpu`.
+  them expanded. With `prefer="cudnn"` (kernel_for) half-precision mask-free blocks go to cuDNN's fused attention
+  instead (kernel_cudnn.py: GQA native, its own LSE layout). Schemas, layouts and strides are checked on meta / fake
+  CUDA tensors in the CPU tiers; the numbers on a GPU by `./run_tests.sh --gpu`.
 Blocks with `is_causal=True` always have Lq == Lk, so top-left (CPU) and bottom-right (CUDA flash) alignment agree.
 Every kernel returns lse as float32 (B, H, Lq). The CP variants never pass a mask: document masking is computed as
 mask-free pieces (plan_pieces.py), so half-precision runs with documents get CUDA flash too. The mask path stays for
@@ -24,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from config.errors import Refusal
+from parallelisms.cp.kernel_cudnn import CudnnBlock, cudnn_serves
+from parallelisms.cp.rows import sdpa_output_layout
 
 aten = torch.ops.aten
 
@@ -40,13 +43,6 @@ class CpuFlashBlock:
                  mask: torch.Tensor | None):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
-
-
-def sdpa_output_layout(t: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, D) over (B, L, H, D) memory: how the fused CUDA kernels write their output, and how the efficient
-    backward READS it (its kernel derives out's row stride as num_heads * head_dim, whatever strides the tensor
-    claims). The ring hands backward a merged output in (B, H, L, D) memory, sliced by rows: re-lay it out."""
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -114,12 +110,20 @@ class CudaEfficientBlock:
 FLASH_MAX_HEAD_DIM = 256  # CUDA flash attention has kernels up to this head dim
 
 
-def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, needs_mask: bool):
+KERNEL_PREFERENCES = ("flash", "cudnn")
+
+
+def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, needs_mask: bool, *, prefer: str = "flash"):
     """CPU flash on CPU; on CUDA flash for half precision without a mask (head dim a multiple of 8, at most 256),
-    else memory-efficient."""
+    else memory-efficient. `prefer="cudnn"` takes cuDNN's fused attention (kernel_cudnn.py, about twice flash's speed
+    on Hopper) wherever it serves the case, and the same choice as "flash" elsewhere."""
+    if prefer not in KERNEL_PREFERENCES:
+        raise Refusal(f"attention kernel preference {prefer!r} is none of {KERNEL_PREFERENCES}")
     if device_type == "cpu":
         return CpuFlashBlock()
     if device_type == "cuda":
+        if prefer == "cudnn" and cudnn_serves(dtype, head_dim, needs_mask):
+            return CudnnBlock()
         if (dtype in (torch.float16, torch.bfloat16) and not needs_mask and head_dim % 8 == 0
                 and head_dim <= FLASH_MAX_HEAD_DIM):
             return CudaFlashBlock()

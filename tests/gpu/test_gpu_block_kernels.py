@@ -10,8 +10,9 @@ log-sum-exp -inf there (as `exchange_ring._block_forward` does); rows that see n
 gradients.
 
 The cpu variants run the CPU flash kernel in the fast tier; the cuda variants (`./run_tests.sh --gpu`) run
-CudaFlashBlock (half precision, no mask) and CudaEfficientBlock (fp32 and bf16, masks). The wrappers' shape and
-stride rules (mask padding, log-sum-exp padding) are also checked on meta tensors here, on any machine.
+CudaFlashBlock and CudnnBlock (half precision, no mask) and CudaEfficientBlock (fp32 and bf16, masks). The
+wrappers' shape and stride rules (mask padding, log-sum-exp padding) are also checked on meta tensors here, on any
+machine (the cuDNN block's in tests/parallelisms/test_cudnn_block.py).
 """
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ import pytest
 import torch
 
 from parallelisms.cp.kernel_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock
+from parallelisms.cp.kernel_cudnn import CudnnBlock
 from tests.gpu.devices import FAST_CPU, require
 
-KERNELS = {"cpu_flash": CpuFlashBlock, "cuda_flash": CudaFlashBlock, "cuda_efficient": CudaEfficientBlock}
+KERNELS = {"cpu_flash": CpuFlashBlock, "cuda_flash": CudaFlashBlock, "cuda_efficient": CudaEfficientBlock,
+           "cuda_cudnn": CudnnBlock}
 TOLERANCE = {("cpu", torch.float32): 1e-5, ("cuda", torch.float32): 1e-4}  # half precision: 3e-2
 BATCH, HEADS, KV_HEADS, OTHER_KEYS = 2, 8, 2, 24
 
@@ -53,7 +56,9 @@ def block_cases(device: str) -> list[BlockCase]:
              for mode in ("causal", "rect")] + [BlockCase("cuda_flash", torch.bfloat16, "causal", head_dim=128)]
     efficient = [BlockCase("cuda_efficient", dtype, mode) for dtype in (torch.float32, torch.bfloat16)
                  for mode in ("causal", "rect", "masked")]
-    return flash + efficient
+    cudnn = [BlockCase("cuda_cudnn", dtype, mode) for dtype in (torch.bfloat16, torch.float16)
+             for mode in ("causal", "rect")] + [BlockCase("cuda_cudnn", torch.bfloat16, "causal", head_dim=128)]
+    return flash + efficient + cudnn
 
 
 def _allowed(case: BlockCase, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,12 +223,12 @@ def test_efficient_wrapper_pads_masks_to_16_and_lse_rows_to_32_on_meta_tensors()
 
 
 def test_block_cases_cover_every_cuda_kernel_class_and_mode():
-    """The cuda variant's plan, checked where it cannot run: both CUDA classes, flash in half precision only, masks
-    only on the efficient kernel, fp32 and bf16, every mode."""
+    """The cuda variant's plan, checked where it cannot run: every CUDA class, flash and cuDNN in half precision
+    only, masks only on the efficient kernel, fp32 and bf16, every mode."""
     cases = block_cases("cuda")
-    assert {c.kernel for c in cases} == {"cuda_flash", "cuda_efficient"}
+    assert {c.kernel for c in cases} == {"cuda_flash", "cuda_efficient", "cuda_cudnn"}
     assert all(c.dtype in (torch.bfloat16, torch.float16) and c.mode != "masked" for c in cases
-               if c.kernel == "cuda_flash")
+               if c.kernel in ("cuda_flash", "cuda_cudnn"))
     efficient = {(c.dtype, c.mode) for c in cases if c.kernel == "cuda_efficient"}
     assert efficient == {(d, m) for d in (torch.float32, torch.bfloat16) for m in ("causal", "rect", "masked")}
     assert all(c.lengths[1] % 16 for c in cases if c.mode == "masked")
