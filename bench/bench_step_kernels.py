@@ -1,0 +1,278 @@
+"""Where a one-GPU step's time goes, counted on a CPU: the aten ops (≈ kernel launches) and the bytes they touch in
+ONE optimizer step of our trainer and of the plain transformers loop (bench/transformers_peer.py), same Llama shape.
+
+    python bench/bench_step_kernels.py [--seq-len 8192] [--layers 8] [--json PATH]
+
+Why: on an H100 our one-GPU step at 8K tokens is slower than the plain transformers loop (issue 36). Timing needs
+the GPU; counting does not. Both steps run on fake tensors (torch's FakeTensorMode: shapes and dtypes, no storage,
+no kernels), so the whole step (forward, backward, gradient clipping, optimizer step, zero_grad) runs in seconds on
+a CPU, and a TorchDispatchMode sees every aten op it dispatches. Fake tensors take no time: these are counts, not
+timings. More ops means more launches and more passes over memory, not a measured slowdown.
+
+What a count means: one aten op reaching the dispatcher is one or more device kernels on a GPU (a GEMM one cuBLAS
+launch, a _foreach op one launch per chunk of tensors, fused AdamW a few multi-tensor launches). Ops that launch
+nothing (views, detach, allocations, prim/profiler records, reading a CPU scalar) go to the "no kernel" bucket, so
+"total kernels" is the rest. "MiB moved" sums the bytes of each op's tensor inputs and outputs: a rough bound on its
+memory traffic (a view counts its whole tensor; an in-place op counts it as input and as output).
+
+The device is fake CPU, not fake CUDA. On a CPU-only torch build a fake CUDA forward runs (with
+training/planning/cuda_path_probe.py's no-op device guard) but no backward does: the C++ autograd engine sees CUDA
+streams on the graph's nodes and asks for the accelerator (GraphTask::stash_current_streams), and fails with
+"Cannot access accelerator device when none is available", for a plain nn.Linear as much as for our model; FSDP2
+also asks torch.cuda for its device and streams. What differs on the CPU: SDPA is
+_scaled_dot_product_flash_attention_for_cpu (one op each way per block, as flash is on a GPU), autocast is the CPU's
+(bf16 for linear/matmul, as on CUDA), and the transformers side passes clip_grad_norm_(foreach=True), which is what
+foreach=None picks on a GPU for real tensors (the check is `type(grad) is Tensor`, which a fake tensor is not).
+
+Our step is the trainer's own machinery, exactly as training/planning/memory_probe.py runs it: the real model on
+meta, the real composer (parallelisms.parallelize.parallelize) under a fake process group of world 1, then
+training.step.micro_step + clip_grad_norm_ + build_optimizer's AdamW. Both sides make their optimizer state with a
+first, uncounted step, as every training step after the first has it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+
+MIB = 2**20
+DEVICE = "cpu"  # fake CPU tensors: why not fake CUDA, see the module docstring
+KINDS = ("gemm", "attention", "copy/cast", "optimizer", "collective", "elementwise/other", "no kernel")
+NO_KERNEL_OPS = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+                 "lift_fresh", "_local_scalar_dense", "resize_", "set_", "record_stream"}
+GEMM_OPS = {"mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "linear", "_grouped_mm", "_scaled_mm",
+            "addmv", "mv", "dot"}
+COPY_OPS = {"_to_copy", "copy_", "clone", "contiguous", "copy", "_copy_from", "_copy_from_and_resize",
+            "to", "lift_fresh_copy"}
+
+
+def kind_of(func) -> str:
+    """The bucket of one aten op (an OpOverload): by its packet name and namespace."""
+    ns = getattr(func, "namespace", "")
+    name = getattr(func, "_opname", None) or str(func).split("::")[-1].split(".")[0]
+    if ns in ("prim", "profiler") or name in NO_KERNEL_OPS or getattr(func, "is_view", False):
+        return "no kernel"
+    if ns in ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"):
+        return "collective"
+    if name in GEMM_OPS:
+        return "gemm"
+    if "scaled_dot_product" in name or "flash" in name or "efficient_attention" in name or "cudnn_attention" in name:
+        return "attention"
+    if name.startswith("_foreach_") or name.startswith("_fused_adam"):
+        return "optimizer"
+    if name in COPY_OPS:
+        return "copy/cast"
+    return "elementwise/other"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.numel() * t.element_size()
+    except Exception:  # noqa: BLE001 - a tensor subclass without sizes
+        return 0
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts every aten op and the bytes of its tensor inputs + outputs, per op and per kind (KINDS)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+        self.bytes = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat = tree_flatten((args, kwargs))[0] + tree_flatten(out)[0]
+        self.ops[func] += 1
+        self.bytes[func] += sum(_nbytes(x) for x in flat if isinstance(x, torch.Tensor))
+        return out
+
+    def by_kind(self) -> dict:
+        ops = dict.fromkeys(KINDS, 0)
+        moved = dict.fromkeys(KINDS, 0)
+        for func, n in self.ops.items():
+            k = kind_of(func)
+            ops[k] += n
+            moved[k] += self.bytes[func]
+        return {"ops": ops, "bytes": moved, "total_ops": sum(self.ops.values()),
+                "total_bytes": sum(self.bytes.values()), "per_op": {str(f): n for f, n in self.ops.items()}}
+
+
+def our_config(dim: int, layers: int, n_heads: int, n_kv_heads: int, vocab: int, seq: int,
+               overrides: list[str] | None = None):
+    from config.recipe import load_config
+
+    return load_config(os.path.join(ROOT, "recipes", "debug.toml"), [
+        "--model.dim", str(dim), "--model.n_layers", str(layers), "--model.n_heads", str(n_heads),
+        "--model.n_kv_heads", str(n_kv_heads), "--model.vocab_size", str(vocab),
+        "--training.seq_len", str(seq), "--training.local_batch_size", "1", "--training.dtype", "bfloat16",
+        "--parallelism.dp_shard", "1", "--parallelism.cp", "1", "--activation_checkpoint.mode", "none",
+        *(overrides or [])])
+
+
+def count_ours(cfg) -> dict:
+    """One optimizer step of our trainer at world 1, as memory_probe._measure_step builds and runs it, on fake
+    CUDA tensors. The optimizer state is created by a first (uncounted) step, as in training."""
+    import sys as _sys
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from training.planning.memory_probe import _forget_dtensor_caches
+
+    hook = _sys.excepthook
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        return _count_ours(cfg)
+    finally:
+        dist.destroy_process_group()
+        _sys.excepthook = hook
+        _forget_dtensor_caches()
+
+
+def _count_ours(cfg) -> dict:
+    from models.llama import Llama, recipe_model_config
+    from parallelisms.context_parallel import CommStats
+    from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.parallelize import parallelize, uses_loss_parallel
+    from training import step
+    from training.build import build_optimizer
+    from training.planning.memory_probe import _sharding_propagation_in_its_own_fake_mode
+    from training.step import StepSetup, clip_grad_norm_
+
+    if True:  # noqa: SIM108 - the block as memory_probe._measure_step writes it
+        p, t = cfg.parallelism, cfg.training
+        dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, 1, where=cfg.recipe_path)
+        mcfg = recipe_model_config(cfg)
+        mesh = dims.build_mesh(DEVICE)
+        with torch.device("meta"):
+            model = Llama(mcfg)
+        model = parallelize(model, mesh, cfg)
+        setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
+                          stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
+        shape = (t.local_batch_size, t.seq_len)
+        with FakeTensorMode(allow_non_fake_inputs=True), _sharding_propagation_in_its_own_fake_mode():
+            model.to_empty(device=DEVICE)
+            params = list(model.parameters())
+            optimizer, _ = build_optimizer(cfg, [model])
+            for param in params:
+                param.grad = torch.zeros_like(param)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            batch = {"input_ids": torch.zeros(shape, dtype=torch.long, device=DEVICE),
+                     "labels": torch.zeros(shape, dtype=torch.long, device=DEVICE),
+                     "position_ids": torch.arange(t.seq_len, device=DEVICE).expand(shape).clone(),
+                     "document_ids": torch.zeros(shape, dtype=torch.long, device=DEVICE)}
+            counter = KernelCounter()
+            with counter:
+                step.micro_step(setup, batch, t.local_batch_size * t.seq_len)
+                if t.max_norm > 0:
+                    clip_grad_norm_(params, t.max_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        result = counter.by_kind()
+        result["param_devices"] = sorted({str(q.device) for q in params})
+        result["param_dtypes"] = sorted({str(q.dtype) for q in params})
+        return result
+
+
+def count_transformers(dim: int, layers: int, n_heads: int, n_kv_heads: int, seq: int, vocab: int) -> dict:
+    """One step of bench/transformers_peer.py's loop on fake CUDA: fp32 weights, autocast bf16, loss from labels,
+    backward, clip_grad_norm_(1.0), AdamW(fused=True), zero_grad. Optimizer state made by an uncounted first step."""
+    from bench.transformers_peer import hf_llama
+
+    with torch.device("meta"):
+        model = hf_llama(dim, layers, n_heads, n_kv_heads, seq)
+    if model.config.vocab_size != vocab:
+        raise ValueError(f"the peer's vocab is {model.config.vocab_size}, ours {vocab}")
+    model.train()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device=DEVICE)
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(params, lr=3e-4, fused=True)
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens = torch.zeros((1, seq), dtype=torch.long, device=DEVICE)
+        counter = KernelCounter()
+        with counter:
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            # foreach=True: what None picks on a real GPU (it checks type(grad) is Tensor, and a fake is not)
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return counter.by_kind()
+
+
+def run(seq: int = 8192, layers: int = 8, dim: int = 2048, n_heads: int = 16, n_kv_heads: int = 8,
+        vocab: int = 2048, overrides: list[str] | None = None) -> dict:
+    """Both sides' counts at this shape; `overrides` are extra recipe overrides for our side only."""
+    from models.llama import recipe_model_config
+
+    cfg = our_config(dim, layers, n_heads, n_kv_heads, vocab, seq, overrides)
+    mcfg = recipe_model_config(cfg)
+    ours = count_ours(cfg)
+    theirs = count_transformers(dim, layers, n_heads, n_kv_heads, seq, vocab)
+    shape = {"dim": dim, "layers": layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "vocab": vocab,
+             "seq": seq, "ffn_hidden_dim": mcfg.ffn_hidden_dim,
+             "loss_chunk_tokens": cfg.training.loss_chunk_tokens}
+    return {"shape": shape, "ours": ours, "transformers": theirs}
+
+
+def table(result: dict, top: int = 10) -> str:
+    ours, theirs = result["ours"], result["transformers"]
+    rows = [f"{'kind':<18} | {'ops ours':>9} | {'ops transformers':>16} | {'MiB moved ours':>15} | "
+            f"{'MiB moved theirs':>16}"]
+    rows.append("-" * len(rows[0]))
+    for k in KINDS:
+        rows.append(f"{k:<18} | {ours['ops'][k]:>9} | {theirs['ops'][k]:>16} | {ours['bytes'][k] / MIB:>15.0f} | "
+                    f"{theirs['bytes'][k] / MIB:>16.0f}")
+    for side in (ours, theirs):
+        side["kernel_ops"] = side["total_ops"] - side["ops"]["no kernel"]
+    rows.append(f"{'total kernels':<18} | {ours['kernel_ops']:>9} | {theirs['kernel_ops']:>16} |")
+    rows.append(f"{'total':<18} | {ours['total_ops']:>9} | {theirs['total_ops']:>16} | "
+                f"{ours['total_bytes'] / MIB:>15.0f} | {theirs['total_bytes'] / MIB:>16.0f}")
+    names = set(ours["per_op"]) | set(theirs["per_op"])
+    names = {n for n in names if not n.startswith(("prim.", "profiler."))}
+    diff = sorted(names, key=lambda n: -abs(ours["per_op"].get(n, 0) - theirs["per_op"].get(n, 0)))[:top]
+    rows.append("")
+    rows.append(f"top {top} aten ops by count difference:")
+    rows.append(f"{'op':<52} | {'ours':>6} | {'theirs':>6}")
+    for n in diff:
+        rows.append(f"{n:<52} | {ours['per_op'].get(n, 0):>6} | {theirs['per_op'].get(n, 0):>6}")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--json", default=None, help="write the counts here")
+    a = parser.parse_args()
+    result = run(seq=a.seq_len, layers=a.layers)
+    print(f"shape: {result['shape']}")
+    print(f"ours: params on {result['ours']['param_devices']} as {result['ours']['param_dtypes']}")
+    print(table(result))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

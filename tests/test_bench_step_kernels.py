@@ -1,0 +1,56 @@
+"""bench/bench_step_kernels.py counts both steps (ours and the transformers loop) at a tiny shape, its buckets add up,
+and its GEMM bucket equals a count derived by hand from the architecture, so a broken counter fails here.
+
+GEMMs of one step, by hand. Each block has 7 linear layers (q, k, v, o; w1/gate, w3/up, w2/down) and the model one
+output projection. Forward: one GEMM per linear. Backward: two per linear, the input gradient and the weight
+gradient; none is skipped, not even the first block's q/k/v input gradient, since the embedding table trains and
+needs it. So a step is 3 * (7 * layers + 1) GEMMs. Our trainer computes the loss `loss_chunk_tokens` tokens at a
+time (models/chunked_loss.py), which runs the output projection once per chunk: 3 * (7 * layers + chunks).
+Attention is one fused SDPA op per block forward and one backward: 2 * layers.
+"""
+import math
+
+import pytest
+
+from bench import bench_step_kernels as bench
+
+DIM, LAYERS, SEQ = 256, 2, 512
+
+
+def hand_gemms(layers: int, output_chunks: int = 1) -> int:
+    return 3 * (7 * layers + output_chunks)
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return bench.run(seq=SEQ, layers=LAYERS, dim=DIM, n_heads=16, n_kv_heads=8,
+                     overrides=["--training.loss_chunk_tokens", "128"])
+
+
+def test_both_sides_run_and_buckets_add_up(counts):
+    for side in ("ours", "transformers"):
+        c = counts[side]
+        assert c["total_ops"] > 0 and c["total_bytes"] > 0
+        assert set(c["ops"]) == set(bench.KINDS)
+        assert sum(c["ops"].values()) == c["total_ops"] == sum(c["per_op"].values())
+        assert sum(c["bytes"].values()) == c["total_bytes"]
+    assert "kind" in bench.table(counts)
+
+
+def test_gemm_counts_match_the_architecture(counts):
+    chunks = math.ceil(SEQ / counts["shape"]["loss_chunk_tokens"])
+    assert chunks == 4
+    assert counts["transformers"]["ops"]["gemm"] == hand_gemms(LAYERS)
+    assert counts["ours"]["ops"]["gemm"] == hand_gemms(LAYERS, chunks)
+
+
+def test_attention_is_one_fused_op_each_way_per_block(counts):
+    for side in ("ours", "transformers"):
+        assert counts[side]["ops"]["attention"] == 2 * LAYERS
+
+
+def test_optimizer_paths(counts):
+    """Ours: build_optimizer's foreach AdamW; the peer: fused AdamW, one op for every parameter."""
+    assert counts["transformers"]["per_op"].get("aten._fused_adamw_.default") == 1
+    assert "aten._fused_adamw_.default" not in counts["ours"]["per_op"]
+    assert counts["ours"]["ops"]["optimizer"] > counts["transformers"]["ops"]["optimizer"]
