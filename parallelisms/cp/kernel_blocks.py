@@ -9,7 +9,7 @@ routed back into the ring by the context-parallel mode):
   whose log-sum-exp is padded to a multiple of 32 rows, and whose backward reads `out` in the (B, L, H, D) memory of
   its own forward output (`sdpa_output_layout`). GQA: flash takes K/V unexpanded (native); the efficient kernel gets
   them expanded. With `prefer="cudnn"` (kernel_for) half-precision mask-free blocks go to cuDNN's fused attention
-  instead (kernel_cudnn.py: GQA native, its own LSE layout). Schemas, layouts and strides are checked on meta / fake
+  instead (CudnnBlock below: GQA native, its own LSE layout). Schemas, layouts and strides are checked on meta / fake
   CUDA tensors in the CPU tiers; the numbers on a GPU by `./run_tests.sh --gpu`.
 Blocks with `is_causal=True` always have Lq == Lk, so top-left (CPU) and bottom-right (CUDA flash) alignment agree.
 Every kernel returns lse as float32 (B, H, Lq). The CP variants never pass a mask: document masking is computed as
@@ -25,8 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from config.errors import Refusal
-from parallelisms.cp.kernel_cudnn import CudnnBlock, cudnn_serves
-from parallelisms.cp.rows import sdpa_output_layout
 
 aten = torch.ops.aten
 
@@ -43,6 +41,13 @@ class CpuFlashBlock:
                  mask: torch.Tensor | None):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+
+
+def sdpa_output_layout(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) over (B, L, H, D) memory: how the fused CUDA kernels write their output, and how the efficient
+    backward READS it (its kernel derives out's row stride as num_heads * head_dim, whatever strides the tensor
+    claims). The ring hands backward a merged output in (B, H, L, D) memory, sliced by rows: re-lay it out."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -107,6 +112,101 @@ class CudaEfficientBlock:
         return dq, _fold_heads(dk, n_kv), _fold_heads(dv, n_kv)
 
 
+# ---- cuDNN fused attention (kernel_for(..., prefer="cudnn")) ----
+# One attention block on cuDNN's fused attention (`aten._scaled_dot_product_cudnn_attention` + `_backward`): on Hopper
+# it runs about twice as fast as the FlashAttention-2 kernels behind `CudaFlashBlock`; like them it is called as the
+# aten primitive (the module docstring says why not `F.scaled_dot_product_attention`).
+#
+# Facts this block relies on, re-checked. Python side in torch 2.13.0+cpu and torch 2.11.0+cu130; CUDA side in aten/src/ATen/native/cudnn/MHA.cpp and transformers/cuda/sdp_utils.cpp of
+# a stored recent PyTorch snapshot (not pinned to the v2.11.0 / v2.13 tags: re-check on a GPU, see the last line).
+# - Schemas are identical in 2.11 and 2.13 (compared at run time): forward `(query, key, value, attn_bias?,
+#   compute_log_sumexp, dropout_p=0., is_causal=False, return_debug_mask=False, *, scale=None) -> (output, logsumexp,
+#   cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_attn_mask)`; backward `(grad_out, query, key,
+#   value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+#   is_causal, *, scale=None) -> (dq, dk, dv)`. `attn_bias` / `cum_seq_*` are non-optional Tensors in the backward
+#   schema, but None goes through as an undefined tensor (the dense path; the forward returns None for cum_seq_*).
+# - LSE: float32 (B, Hq, Lq, 1), contiguous. Meta kernels: torch/_meta_registrations.py:6219-6260 (2.13) and
+#   :5893-5934 (2.11). MHA.cpp run_cudnn_SDP_fprop: `at::empty({b, h, s_q, 1}, ...kFloat)` (with the experimental
+#   TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 it is (B, Lq, H, 1) memory instead: not supported here). Natural log: torch's
+#   own context parallel merges this LSE with the same natural-log formula as flash's
+#   (torch/distributed/tensor/experimental/_context_parallel/_attention.py:151-187 in 2.13, cuDNN note at :154).
+#   `lse_for_merge` / `lse_for_cudnn` are the one place converting to and from the merge's (B, H, Lq).
+# - Output: allocated in the stride order of `query` (meta `alloc_with_matching_layout`, 2.13 :6197-6216, 2.11
+#   :5874-5890; MHA.cpp the same); dq/dk/dv are `empty_like(query/key/value)` (meta backward, 2.13 :6600-6625, 2.11
+#   :6243-6269).
+# - Causal: the dense path asks cuDNN for a TOP-LEFT causal mask (MHA.cpp: `is_causal ? CausalMask::TOP_LEFT`),
+#   flash aligns bottom-right. The ring's causal blocks are squares (Lq == Lk), where the two agree: asserted below.
+# - dtypes: fp16 / bf16 only (MHA.cpp builds the graph with io type HALF or BFLOAT16). No mask here: the ring never
+#   passes one, and cuDNN's bias path is left to the efficient kernel.
+# - Head dim: a multiple of 8 and at most 128 (sdp_utils.cpp check_cudnn_tensor_shapes; 256 only on SM 9.0 with
+#   cuDNN >= 9.10, which `kernel_for` cannot see, so it stays at 128).
+# - GQA: native. The dense graph describes K and V by their own sizes and strides (MHA.cpp build_graph:
+#   `K_->set_dim(k.sizes())`), and dK / dV come back with K/V's heads, so K/V are never expanded. The cuDNN backend
+#   has taken K/V head counts that divide Q's since before 2.11 (pytorch/pytorch#139586, #150337).
+# - Strides: the graphs are cached by the sizes and strides of q, k, v, out, grad_out and the LSE (MHA.cpp MHAParams),
+#   and cuDNN < 9.5.1 needs grad_out laid out exactly like out (MHA.cpp run_cudnn_SDP_bprop). So the backward always
+#   gets out AND grad_out in (B, H, L, D) over (B, L, H, D) memory (`sdpa_output_layout`, the layout the forward writes
+#   for the trainer's (B, L, H, D) projections) and the LSE as contiguous float32 (B, H, Lq, 1): one graph per block
+#   shape, no silent re-layout inside the op.
+# The numbers of the real kernel (GQA and causal included) are checked on a GPU by tests/gpu/test_gpu_block_kernels.py
+# (`./run_tests.sh --gpu`); this box has none.
+
+CUDNN_DTYPES = (torch.float16, torch.bfloat16)
+CUDNN_MAX_HEAD_DIM = 128  # 256 needs SM 9.0 and cuDNN >= 9.10; the kernel choice sees neither
+
+
+def cudnn_serves(dtype: torch.dtype, head_dim: int, needs_mask: bool) -> bool:
+    """Whether the cuDNN block takes this case: half precision, no mask, head dim a multiple of 8 up to 128."""
+    return dtype in CUDNN_DTYPES and not needs_mask and head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM
+
+
+def lse_for_merge(lse: torch.Tensor) -> torch.Tensor:
+    """cuDNN's float32 (B, H, Lq, 1) log-sum-exp as the merge's float32 (B, H, Lq) (a view)."""
+    assert lse.dim() == 4 and lse.size(-1) == 1, f"cuDNN LSE should be (B, H, Lq, 1), got {tuple(lse.shape)}"
+    return lse.squeeze(-1)
+
+
+def lse_for_cudnn(lse: torch.Tensor) -> torch.Tensor:
+    """The merge's (B, H, Lq) log-sum-exp (possibly a row slice) as the contiguous float32 (B, H, Lq, 1) the
+    backward graph was built for."""
+    return lse.to(torch.float32).contiguous().unsqueeze(-1)
+
+
+def _cudnn_forward(q, k, v, is_causal: bool, scale: float | None):
+    """The aten forward call, module-level so the CPU tests can stand a float64 reference in for it."""
+    return aten._scaled_dot_product_cudnn_attention.default(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, seed, offset, is_causal: bool, scale: float | None):
+    """The aten backward call (dense path: no bias, no cumulative lengths), module-level like `_cudnn_forward`."""
+    return aten._scaled_dot_product_cudnn_attention_backward.default(
+        dout, q, k, v, out, lse, seed, offset, None, None, None, q.size(2), k.size(2), 0.0, is_causal, scale=scale)
+
+
+class CudnnBlock:
+    """fp16/bf16, no mask, GQA native. aux keeps the forward's philox seed and offset, which the backward schema
+    asks for (dropout is 0, so they are placeholders)."""
+    name = "cuda_cudnn"
+
+    @staticmethod
+    def _check(q, k, is_causal, mask):
+        assert mask is None, "the cuDNN block takes no mask; the efficient kernel handles masked blocks"
+        assert not is_causal or q.size(2) == k.size(2), (
+            "cuDNN's causal mask is top-left, flash's bottom-right: they agree only on square blocks")
+
+    def forward(self, q, k, v, *, is_causal, scale, mask):
+        self._check(q, k, is_causal, mask)
+        out, lse, _cum_q, _cum_k, _max_q, _max_k, seed, offset, _ = _cudnn_forward(q, k, v, is_causal, scale)
+        return out, lse_for_merge(lse), (seed, offset)
+
+    def backward(self, dout, q, k, v, out, lse, aux, *, is_causal, scale, mask):
+        self._check(q, k, is_causal, mask)
+        seed, offset = aux
+        dq, dk, dv = _cudnn_backward(sdpa_output_layout(dout), q, k, v, sdpa_output_layout(out), lse_for_cudnn(lse),
+                                     seed, offset, is_causal, scale)
+        return dq, dk, dv
+
+
 FLASH_MAX_HEAD_DIM = 256  # CUDA flash attention has kernels up to this head dim
 
 
@@ -115,7 +215,7 @@ KERNEL_PREFERENCES = ("flash", "cudnn")
 
 def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, needs_mask: bool, *, prefer: str = "flash"):
     """CPU flash on CPU; on CUDA flash for half precision without a mask (head dim a multiple of 8, at most 256),
-    else memory-efficient. `prefer="cudnn"` takes cuDNN's fused attention (kernel_cudnn.py, about twice flash's speed
+    else memory-efficient. `prefer="cudnn"` takes cuDNN's fused attention (CudnnBlock, about twice flash's speed
     on Hopper) wherever it serves the case, and the same choice as "flash" elsewhere."""
     if prefer not in KERNEL_PREFERENCES:
         raise Refusal(f"attention kernel preference {prefer!r} is none of {KERNEL_PREFERENCES}")

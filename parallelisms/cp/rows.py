@@ -15,13 +15,6 @@ def unpack_kv(buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torc
     return buf[:n].view(k.shape), buf[n:].view(v.shape)
 
 
-def sdpa_output_layout(t: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, D) over (B, L, H, D) memory: how the fused CUDA kernels write their output, and how the efficient
-    backward READS it (its kernel derives out's row stride as num_heads * head_dim, whatever strides the tensor
-    claims). The ring hands backward a merged output in (B, H, L, D) memory, sliced by rows: re-lay it out."""
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
-
-
 def flat_rows(x: torch.Tensor) -> torch.Tensor:
     """(B, H, L, D) -> (B * L, H * D): one row per token (a view when x is a (B, L, H, D) projection seen as
     (B, H, L, D))."""

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from parallelisms.cp.kernel_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock
-from parallelisms.cp.kernel_cudnn import CudnnBlock
+from parallelisms.cp.kernel_blocks import CudnnBlock
 from tests.gpu.devices import FAST_CPU, require
 
 KERNELS = {"cpu_flash": CpuFlashBlock, "cuda_flash": CudaFlashBlock, "cuda_efficient": CudaEfficientBlock,

@@ -1,4 +1,4 @@
-"""The cuDNN block kernel (parallelisms/cp/kernel_cudnn.py) on a CPU-only box.
+"""The cuDNN block kernel (parallelisms/cp/kernel_blocks.py) on a CPU-only box.
 
 1. On fake CUDA tensors the block calls the cuDNN aten ops (and no other attention op) with K/V unexpanded, and its
    outputs have the shapes, dtypes and strides the ring expects (the ops' meta kernels shape them).
@@ -17,10 +17,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from config import Refusal
-from parallelisms.cp import kernel_cudnn
+from parallelisms.cp import kernel_blocks
 from parallelisms.cp.accumulators import LseAccumulator, lse_for_backward
-from parallelisms.cp.kernel_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock, kernel_for
-from parallelisms.cp.kernel_cudnn import CudnnBlock
+from parallelisms.cp.kernel_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock, CudnnBlock, kernel_for
 from parallelisms.cp.plan_piece import FULL, Piece
 from tests.parallelisms.attention_reference import relative_error
 
@@ -91,13 +90,13 @@ def test_lse_conversions_round_trip_and_lay_row_slices_out_contiguously():
     """The merge's lse reaches the backward as a row slice of (B, H, L); cuDNN's graph wants it contiguous
     (B, H, Lq, 1) float32, the layout its forward wrote."""
     cudnn_lse = torch.randn(2, 4, 10, 1)
-    merged = kernel_cudnn.lse_for_merge(cudnn_lse)
-    assert merged.shape == (2, 4, 10) and torch.equal(kernel_cudnn.lse_for_cudnn(merged), cudnn_lse)
+    merged = kernel_blocks.lse_for_merge(cudnn_lse)
+    assert merged.shape == (2, 4, 10) and torch.equal(kernel_blocks.lse_for_cudnn(merged), cudnn_lse)
     rows = torch.randn(2, 4, 30)[:, :, 10:20]
-    back = kernel_cudnn.lse_for_cudnn(rows)
+    back = kernel_blocks.lse_for_cudnn(rows)
     assert back.shape == (2, 4, 10, 1) and back.is_contiguous() and torch.equal(back.squeeze(-1), rows)
     with pytest.raises(AssertionError, match="B, H, Lq, 1"):
-        kernel_cudnn.lse_for_merge(torch.randn(2, 4, 10))
+        kernel_blocks.lse_for_merge(torch.randn(2, 4, 10))
 
 
 # ---- numbers, with a float64 stand-in for the two aten calls ----------------------------------------------------
@@ -145,8 +144,8 @@ def standin_backward(dout, q, k, v, out, lse, seed, offset, is_causal, scale):
 
 @pytest.fixture
 def standin(monkeypatch):
-    monkeypatch.setattr(kernel_cudnn, "_cudnn_forward", standin_forward)
-    monkeypatch.setattr(kernel_cudnn, "_cudnn_backward", standin_backward)
+    monkeypatch.setattr(kernel_blocks, "_cudnn_forward", standin_forward)
+    monkeypatch.setattr(kernel_blocks, "_cudnn_backward", standin_backward)
 
 
 @pytest.mark.parametrize("case", ["causal-ring-step", "rect-blocks"])
