@@ -33,7 +33,7 @@ from parallelisms.stage_meshes import add_hybrid_subgroups  # noqa: E402
 from training import step  # noqa: E402
 from training.build import stage_ulysses_degree  # noqa: E402
 from training.planning.memory_breakdown import BreakdownMode, format_breakdown  # noqa: E402
-from training.planning.memory_probe import _fake_batch, _forget_dtensor_caches, _sharding_propagation_in_its_own_fake_mode  # noqa: E402,E501
+from training.planning.memory_probe import fake_batch, _forget_dtensor_caches, _sharding_propagation_in_its_own_fake_mode  # noqa: E402,E501
 from training.ramp import resolve_stages  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def breakdown(cfg, world: int) -> BreakdownMode:
                                stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
         with FakeTensorMode(allow_non_fake_inputs=True), _sharding_propagation_in_its_own_fake_mode():
             model.to_empty(device="cpu")
-            batch = _fake_batch(cfg)
+            batch = fake_batch(cfg)
             modules = ModTracker()
             with modules, BreakdownMode(modules) as mode:
                 step.micro_step(setup, batch, t.global_batch_rows(dims.dp) * t.seq_len)

@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
 MIB = 2**20
-DEVICE = "cpu"  # fake CPU tensors: why not fake CUDA, see the module docstring
+DEVICE = "cpu"  # fake CPU tensors (the transformers side; ours is memory_probe.fake_rank's): why, see the docstring
 KINDS = ("gemm", "attention", "copy/cast", "optimizer", "collective", "elementwise/other", "no kernel")
 NO_KERNEL_OPS = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
                  "lift_fresh", "_local_scalar_dense", "resize_", "set_", "record_stream"}
@@ -123,73 +123,29 @@ def our_config(dim: int, layers: int, n_heads: int, n_kv_heads: int, vocab: int,
 
 
 def count_ours(cfg) -> dict:
-    """One optimizer step of our trainer at world 1, as memory_probe._measure_step builds and runs it, on fake
-    CUDA tensors. The optimizer state is created by a first (uncounted) step, as in training."""
-    import sys as _sys
-
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from training.planning.memory_probe import _forget_dtensor_caches
-
-    hook = _sys.excepthook
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    try:
-        return _count_ours(cfg)
-    finally:
-        dist.destroy_process_group()
-        _sys.excepthook = hook
-        _forget_dtensor_caches()
-
-
-def _count_ours(cfg) -> dict:
-    from models.llama import Llama, recipe_model_config
-    from parallelisms.context_parallel import CommStats
-    from parallelisms.parallel_dims import ParallelDims
-    from parallelisms.parallelize import parallelize, uses_loss_parallel
+    """One optimizer step of our trainer at world 1, built and run as the dry run's memory probe does
+    (training/planning/memory_probe.fake_rank: the real composer on a fake process group, optimizer state made by a
+    first, uncounted step), on fake CPU tensors."""
     from training import step
-    from training.build import build_optimizer
-    from training.planning.memory_probe import _sharding_propagation_in_its_own_fake_mode
-    from training.step import StepSetup, clip_grad_norm_
+    from training.planning.memory_probe import fake_batch, fake_rank
+    from training.step import clip_grad_norm_
 
-    if True:  # noqa: SIM108 - the block as memory_probe._measure_step writes it
-        p, t = cfg.parallelism, cfg.training
-        dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, 1, where=cfg.recipe_path)
-        mcfg = recipe_model_config(cfg)
-        mesh = dims.build_mesh(DEVICE)
-        with torch.device("meta"):
-            model = Llama(mcfg)
-        model = parallelize(model, mesh, cfg)
-        setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
-                          stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
-        shape = (t.local_batch_size, t.seq_len)
-        with FakeTensorMode(allow_non_fake_inputs=True), _sharding_propagation_in_its_own_fake_mode():
-            model.to_empty(device=DEVICE)
-            params = list(model.parameters())
-            optimizer, _ = build_optimizer(cfg, [model])
-            for param in params:
-                param.grad = torch.zeros_like(param)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            batch = {"input_ids": torch.zeros(shape, dtype=torch.long, device=DEVICE),
-                     "labels": torch.zeros(shape, dtype=torch.long, device=DEVICE),
-                     "position_ids": torch.arange(t.seq_len, device=DEVICE).expand(shape).clone(),
-                     "document_ids": torch.zeros(shape, dtype=torch.long, device=DEVICE)}
-            counter = KernelCounter()
-            with counter:
-                step.micro_step(setup, batch, t.local_batch_size * t.seq_len)
-                if t.max_norm > 0:
-                    clip_grad_norm_(params, t.max_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+    with fake_rank(cfg, world_size=1) as fake:
+        counter = KernelCounter()
+        with counter:
+            step.micro_step(fake.setup, fake_batch(cfg), fake.global_tokens)
+            if cfg.training.max_norm > 0:
+                clip_grad_norm_(fake.params, cfg.training.max_norm)
+            fake.optimizer.step()
+            fake.optimizer.zero_grad(set_to_none=True)
         result = counter.by_kind()
-        result["param_devices"] = sorted({str(q.device) for q in params})
-        result["param_dtypes"] = sorted({str(q.dtype) for q in params})
+        result["param_devices"] = sorted({str(q.device) for q in fake.params})
+        result["param_dtypes"] = sorted({str(q.dtype) for q in fake.params})
         return result
 
 
 def count_transformers(dim: int, layers: int, n_heads: int, n_kv_heads: int, seq: int, vocab: int) -> dict:
-    """One step of bench/transformers_peer.py's loop on fake CUDA: fp32 weights, autocast bf16, loss from labels,
+    """One step of bench/transformers_peer.py's loop on fake CPU tensors: fp32 weights, autocast bf16, loss from labels,
     backward, clip_grad_norm_(1.0), AdamW(fused=True), zero_grad. Optimizer state made by an uncounted first step."""
     from bench.transformers_peer import hf_llama
 

@@ -147,7 +147,7 @@ def _sharding_propagation_in_its_own_fake_mode():
         _sharding_prop.detect_fake_mode = saved
 
 
-def _fake_batch(cfg: Config) -> dict:
+def fake_batch(cfg: Config) -> dict:
     t = cfg.training
     shape = (t.local_batch_size, t.seq_len)
     return {"input_ids": torch.zeros(shape, dtype=torch.long), "labels": torch.zeros(shape, dtype=torch.long),
@@ -155,75 +155,104 @@ def _fake_batch(cfg: Config) -> dict:
             "document_ids": torch.zeros(shape, dtype=torch.long)}
 
 
-def _measure_step(cfg: Config, world_size: int) -> RankMemory:
-    """Runs on an initialised (fake) process group; builds, parallelizes and steps the model under fake tensors.
+@dataclass
+class FakeRank:
+    """One rank's model, optimizer and step setup on fake tensors, as a training rank holds them after its first
+    optimizer step (AdamW's state exists)."""
+    cfg: Config
+    model_config: object
+    """The model's ModelConfig (models/llama.py), as recipe_model_config made it."""
+    model: torch.nn.Module
+    params: list
+    optimizer: torch.optim.Optimizer
+    setup: StepSetup
+    global_tokens: int
+    """Tokens of the global batch: the loss normaliser micro_step takes."""
+    accum_steps: int
+    """Micro-steps per optimizer step on this rank."""
+
+
+@contextlib.contextmanager
+def fake_rank(cfg: Config, world_size: int, rank: int = 0):
+    """Rank `rank` of a fake process group of `world_size` (collectives return at once, in one process) with the
+    recipe's real model built on the meta device, given to the real composer (TP, activation checkpointing, FSDP2) and
+    materialised as fake tensors (shapes and dtypes, no storage); yields a `FakeRank` inside the fake mode.
 
     The micro-step is the trainer's own (training/step.py), without document masking: document ids are data, and
     fake tensors hold none (a masked ring skips blocks, so causal attention is the upper bound). The documents CP
     layout is measured as its row of one document, zigzag's layout: the same S / P tokens per rank."""
-    p, t = cfg.parallelism, cfg.training
-    dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
-    mcfg = recipe_model_config(cfg)
-    mesh = dims.build_mesh("cpu")
-    add_hybrid_subgroups(mesh, stage_ulysses_degree(cfg, mcfg, mesh, "cpu"))  # as the trainer makes them at setup
-    with torch.device("meta"):
-        model = Llama(mcfg)
-    model = parallelize(model, mesh, cfg)
-    global_tokens = t.global_batch_rows(dims.dp) * t.seq_len
-    if p.cp_load_balancer == DOCUMENTS:  # no ids to plan from: its one-document row, which is zigzag's layout
-        p = dataclasses.replace(p, cp_load_balancer="zigzag")
-    setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
-                      stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
-    with FakeTensorMode(allow_non_fake_inputs=True), _sharding_propagation_in_its_own_fake_mode():
-        model.to_empty(device="cpu")  # without FSDP the dtype is float32 (bf16 always goes through FSDP)
-        params = list(model.parameters())
-        optimizer, _ = build_optimizer(cfg, [model])
-        # Create AdamW's state (and warm DTensor's sharding caches) before measuring: in training it exists from the
-        # first step on, so every later step peaks with it in memory.
-        for param in params:
-            param.grad = torch.zeros_like(param)
-        clip_grad_norm_(params, t.max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sent_before = 0
-        if t.grad_accum_steps(dims.dp) > 1:
-            # With accumulation every micro-step after the first runs on top of existing gradients: run one first,
-            # then measure the next (the memory tracker follows one forward/backward at a time).
-            step.micro_step(setup, _fake_batch(cfg), global_tokens)
-            sent_before = setup.stats.bytes_sent
-        offloader = getattr(model, "activation_offloader", None)  # host copies: byte counts, not device tensors
-        if offloader is not None:
-            offloader.reset_peak()
-        with _tracker(model, optimizer) as tracker:
-            step.micro_step(setup, _fake_batch(cfg), global_tokens)
-            peak_forward_backward = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
-        with _tracker(model, optimizer) as tracker:
-            clip_grad_norm_(params, t.max_norm)
-            optimizer.step()
-            state = _by_kind(tracker.get_tracker_snapshot("current"))
-            optimizer.zero_grad(set_to_none=True)
-            peak_optimizer_step = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
-        peak_eval = measure_eval_peak(cfg, setup, lambda: _tracker(model, optimizer))
-    ring = setup.stats.bytes_sent - sent_before
-    return RankMemory(state["params"], state["grads"], state["optimizer"], peak_forward_backward,
-                      peak_optimizer_step, float(ring) if p.cp > 1 else None, (mcfg.n_layers,),
-                      float(offloader.peak_host_bytes) if offloader is not None else 0.0, peak_eval)
-
-
-def measure_rank(cfg: Config, world_size: int, rank: int = 0) -> RankMemory:
-    """One rank of a fake process group of `world_size`, measured at the recipe's full depth."""
-    # Lazy: torch's internal testing package (it registers the "fake" backend) is needed by the dry run only, and
+    # Lazy: torch's internal testing package (it registers the "fake" backend) is needed by the probes only, and
     # this module is imported by every training rank through train.py.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     excepthook = sys.excepthook  # init_process_group wraps it in a "[rankN]: " prefixer: once per probe otherwise
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        return _measure_step(cfg, world_size)
+        p, t = cfg.parallelism, cfg.training
+        dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
+        mcfg = recipe_model_config(cfg)
+        mesh = dims.build_mesh("cpu")
+        add_hybrid_subgroups(mesh, stage_ulysses_degree(cfg, mcfg, mesh, "cpu"))  # as the trainer makes them at setup
+        with torch.device("meta"):
+            model = Llama(mcfg)
+        model = parallelize(model, mesh, cfg)
+        if p.cp_load_balancer == DOCUMENTS:  # no ids to plan from: its one-document row, which is zigzag's layout
+            p = dataclasses.replace(p, cp_load_balancer="zigzag")
+        setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
+                          stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
+        with FakeTensorMode(allow_non_fake_inputs=True), _sharding_propagation_in_its_own_fake_mode():
+            model.to_empty(device="cpu")  # without FSDP the dtype is float32 (bf16 always goes through FSDP)
+            params = list(model.parameters())
+            optimizer, _ = build_optimizer(cfg, [model])
+            # Create AdamW's state (and warm DTensor's sharding caches) before measuring: in training it exists from
+            # the first step on, so every later step peaks with it in memory.
+            for param in params:
+                param.grad = torch.zeros_like(param)
+            clip_grad_norm_(params, t.max_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            yield FakeRank(cfg, mcfg, model, params, optimizer, setup, t.global_batch_rows(dims.dp) * t.seq_len,
+                           t.grad_accum_steps(dims.dp))
     finally:
         dist.destroy_process_group()
         sys.excepthook = excepthook
         _forget_dtensor_caches()
+
+
+def _measure_step(fake: FakeRank) -> RankMemory:
+    """One optimizer step of `fake` (inside `fake_rank`) under torch's memory trackers."""
+    cfg, model, params, optimizer, setup = fake.cfg, fake.model, fake.params, fake.optimizer, fake.setup
+    t = cfg.training
+    sent_before = 0
+    if fake.accum_steps > 1:
+        # With accumulation every micro-step after the first runs on top of existing gradients: run one first,
+        # then measure the next (the memory tracker follows one forward/backward at a time).
+        step.micro_step(setup, fake_batch(cfg), fake.global_tokens)
+        sent_before = setup.stats.bytes_sent
+    offloader = getattr(model, "activation_offloader", None)  # host copies: byte counts, not device tensors
+    if offloader is not None:
+        offloader.reset_peak()
+    with _tracker(model, optimizer) as tracker:
+        step.micro_step(setup, fake_batch(cfg), fake.global_tokens)
+        peak_forward_backward = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
+    with _tracker(model, optimizer) as tracker:
+        clip_grad_norm_(params, t.max_norm)
+        optimizer.step()
+        state = _by_kind(tracker.get_tracker_snapshot("current"))
+        optimizer.zero_grad(set_to_none=True)
+        peak_optimizer_step = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
+    peak_eval = measure_eval_peak(cfg, setup, lambda: _tracker(model, optimizer))
+    ring = setup.stats.bytes_sent - sent_before
+    return RankMemory(state["params"], state["grads"], state["optimizer"], peak_forward_backward,
+                      peak_optimizer_step, float(ring) if cfg.parallelism.cp > 1 else None,
+                      (fake.model_config.n_layers,),
+                      float(offloader.peak_host_bytes) if offloader is not None else 0.0, peak_eval)
+
+
+def measure_rank(cfg: Config, world_size: int, rank: int = 0) -> RankMemory:
+    """One rank of a fake process group of `world_size`, measured at the recipe's full depth."""
+    with fake_rank(cfg, world_size, rank) as fake:
+        return _measure_step(fake)
 
 
 def _forget_dtensor_caches() -> None:
