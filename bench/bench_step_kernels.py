@@ -1,7 +1,7 @@
 """Where a one-GPU step's time goes, counted on a CPU: the aten ops (≈ kernel launches) and the bytes they touch in
 ONE optimizer step of our trainer and of the plain transformers loop (bench/transformers_peer.py), same Llama shape.
 
-    python bench/bench_step_kernels.py [--seq-len 8192] [--layers 8] [--json PATH]
+    python bench/bench_step_kernels.py [--seq-len 8192] [--layers 8] [--json PATH] [--markdown]
 
 Why: on an H100 our one-GPU step at 8K tokens is slower than the plain transformers loop (issue 36). Timing needs
 the GPU; counting does not. Both steps run on fake tensors (torch's FakeTensorMode: shapes and dtypes, no storage,
@@ -27,7 +27,9 @@ foreach=None picks on a GPU for real tensors (the check is `type(grad) is Tensor
 Our step is the trainer's own machinery, exactly as training/planning/memory_probe.py runs it: the real model on
 meta, the real composer (parallelisms.parallelize.parallelize) under a fake process group of world 1, then
 training.step.micro_step + clip_grad_norm_ + build_optimizer's AdamW. Both sides make their optimizer state with a
-first, uncounted step, as every training step after the first has it.
+first, uncounted step, as every training step after the first has it. At world 1 in bf16 that is what a one-GPU run
+does since issue 36: float32 parameters under torch.autocast (no FSDP2 on a mesh of one) and fused AdamW (the fake
+rank stands for a CUDA rank). `--markdown` prints the table of docs/gpu_step.md.
 """
 from __future__ import annotations
 
@@ -214,16 +216,32 @@ def table(result: dict, top: int = 10) -> str:
     return "\n".join(rows)
 
 
+def markdown(result: dict) -> str:
+    """The docs' table (docs/gpu_step.md): ops and MiB moved per kind, both sides, and the kernel totals."""
+    ours, theirs = result["ours"], result["transformers"]
+    rows = ["| kind | ops ours | ops transformers | MiB moved ours | MiB moved transformers |", "|---|---|---|---|---|"]
+    for k in KINDS:
+        rows.append(f"| {k} | {ours['ops'][k]:,} | {theirs['ops'][k]:,} | {ours['bytes'][k] / MIB:,.0f} | "
+                    f"{theirs['bytes'][k] / MIB:,.0f} |")
+    kernels = [side["total_ops"] - side["ops"]["no kernel"] for side in (ours, theirs)]
+    rows.append(f"| **total kernels** | **{kernels[0]:,}** | **{kernels[1]:,}** | | |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--json", default=None, help="write the counts here")
+    parser.add_argument("--markdown", action="store_true", help="print the docs' table (docs/gpu_step.md) instead")
     a = parser.parse_args()
     result = run(seq=a.seq_len, layers=a.layers)
-    print(f"shape: {result['shape']}")
-    print(f"ours: params on {result['ours']['param_devices']} as {result['ours']['param_dtypes']}")
-    print(table(result))
+    if a.markdown:
+        print(markdown(result))
+    else:
+        print(f"shape: {result['shape']}")
+        print(f"ours: params on {result['ours']['param_devices']} as {result['ours']['param_dtypes']}")
+        print(table(result))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -31,8 +31,12 @@ def default_recipe() -> str:
 
 
 def _nearest(word: str, options, cutoff: float = 0.5) -> str:
-    match = difflib.get_close_matches(word, list(options), n=1, cutoff=cutoff)
+    options = [str(o).lower() if isinstance(o, bool) else o for o in options]  # true/false as a recipe writes them
+    match = difflib.get_close_matches(str(word), options, n=1, cutoff=cutoff)
     return f" Did you mean '{match[0]}'?" if match else f" Valid: {', '.join(options)}."
+
+
+_BOOL_WORDS = ("true", "1", "yes", "on", "false", "0", "no", "off")
 
 
 def _field_types(section: str) -> dict[str, type]:
@@ -44,6 +48,13 @@ def _field_types(section: str) -> dict[str, type]:
 def _convert(value, kind, where: str, from_text: bool):
     """Turns a TOML value or a command-line string into the field's type, or says what was expected."""
     if typing.get_origin(kind) is typing.Literal:  # a choice: read as text, checked against CHOICES by the caller
+        if True in typing.get_args(kind):  # true / false / a word ("auto"): booleans read as bool fields are
+            if isinstance(value, bool) or (from_text and str(value).lower() in _BOOL_WORDS):
+                return _convert(value, bool, where, from_text)
+            if not isinstance(value, str):
+                raise RecipeError(f"{where}: expected true, false or a word "
+                                  f"({', '.join(repr(c) for c in typing.get_args(kind) if isinstance(c, str))}), "
+                                  f"got {value!r}. Fix the value.")
         kind = str
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, "a list")
     if typing.get_origin(kind) is list:
@@ -52,7 +63,7 @@ def _convert(value, kind, where: str, from_text: bool):
         if kind is bool:
             if isinstance(value, bool):
                 return value
-            if from_text and str(value).lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            if from_text and str(value).lower() in _BOOL_WORDS:
                 return str(value).lower() in ("true", "1", "yes", "on")
             raise ValueError
         if kind is int:
@@ -109,7 +120,9 @@ def _set(cfg: Config, section: str, key: str, value, origin: str, from_text: boo
     converted = _convert(value, types[key], where, from_text)
     choices = CHOICES.get((section, key))
     if choices and converted not in choices:
-        raise RecipeError(f"{where} = {converted!r} is not one of {', '.join(choices)}.{_nearest(converted, choices)}")
+        raise RecipeError(f"{where} = {converted!r} is not one of "
+                          f"{', '.join(str(c).lower() if isinstance(c, bool) else c for c in choices)}."
+                          f"{_nearest(converted, choices)}")
     setattr(getattr(cfg, section), key, converted)
 
 

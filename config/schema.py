@@ -31,6 +31,7 @@ DeviceKind = Literal["auto", "cuda", "cpu"]
 AcceleratorName = Literal["h100-sxm", "h100-sxm-500w", "h200", "a100-80gb", "a100-40gb"]
 TieMode = Literal["auto", "tied", "untied"]
 RopeScaling = Literal["auto", "llama3", "yarn"]
+CompileSetting = Literal["auto", True, False]
 
 
 MIN_SEQ_LEN = 2
@@ -144,17 +145,23 @@ class TrainingConfig:
     """Sequences per optimizer step over all data-parallel ranks; a multiple of local_batch_size x dp gives gradient
     accumulation. -1 = local_batch_size x dp (no accumulation)."""
     dtype: Dtype = "float32"
-    """Parameter/compute dtype: float32 or bfloat16 (bf16 parameters keep fp32 gradient reduction under FSDP)."""
+    """Parameter/compute dtype: float32 or bfloat16 (bf16: FSDP2 mixed precision, fp32 master weights and gradient
+    reduction; on one device fp32 parameters with the forward under torch.autocast in bf16)."""
     max_norm: float = 1.0
     """Gradient clipping by the global norm over all shards; <= 0 switches clipping off."""
-    compile: bool = False
-    """torch.compile each attention and feed-forward submodule."""
+    compile: CompileSetting = "auto"
+    """torch.compile each attention and feed-forward submodule: true, false, or "auto" (on for CUDA, off on CPU,
+    where inductor's C++ build costs more than it saves on the test models)."""
     tokens_per_step: int = 0
     """Global tokens per optimizer step kept constant across [[ramp]] stages (the global batch becomes
     tokens_per_step / seq_len rows); 0 = use local/global_batch_size as given."""
     loss_chunk_tokens: int = 2048
     """The output projection and the loss computed this many tokens at a time, gradients included
     (models/chunked_loss.py), so the (tokens x vocab) logits never exist whole; 0 = project all tokens at once."""
+
+    def compiles(self, device_type: str = "cuda") -> bool:
+        """`compile` resolved for a run on `device_type` ("auto": on for CUDA only)."""
+        return device_type == "cuda" if self.compile == "auto" else bool(self.compile)
 
     def global_batch_rows(self, dp: int) -> int:
         """Rows per optimizer step over all data-parallel ranks."""

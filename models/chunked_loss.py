@@ -18,16 +18,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from models.autocast import to_autocast_dtype
+
 IGNORE_INDEX = -100  # what `F.cross_entropy` ignores by default, and what the data marks unlabelled tokens with
 
 
-def _chunk_loss_and_grad(h, weight, labels, vocab_start: int, group, with_grad: bool):
-    """One chunk: (summed loss, float32 gradient of the logits or None). h (n, D), weight (V_local, D), labels (n,)."""
-    logits = (h @ weight.t()).float()  # (n, V_local)
+def _label_masks(labels, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, ...]:
+    """Per token, computed once for all chunks (each chunk takes its rows, views): (labelled, labelled and held by
+    this rank's vocabulary rows, the local label as a gather / scatter index (n, 1), minus the latter mask as float32
+    (n, 1): the one-hot's values)."""
     valid = labels != IGNORE_INDEX
     local_label = labels - vocab_start
-    mine = valid & (local_label >= 0) & (local_label < weight.size(0))
-    index = local_label.clamp(0, weight.size(0) - 1)[:, None]
+    mine = valid & (local_label >= 0) & (local_label < local_vocab)
+    index = local_label.clamp(0, local_vocab - 1)[:, None]
+    return valid, mine, index, -mine[:, None].to(torch.float32)
+
+
+def _chunk_loss_and_grad(h, weight, masks, group, with_grad: bool):
+    """One chunk: (summed loss, float32 gradient of the logits or None). h (n, D), weight (V_local, D), masks the
+    chunk's rows of `_label_masks`."""
+    valid, mine, index, minus_mine = masks
+    logits = (h @ weight.t()).float()  # (n, V_local)
     target = logits.gather(1, index).squeeze(1) * mine  # the label's logit where this rank holds it, else 0
     row_max = logits.amax(dim=1)
     if group is not None:
@@ -46,7 +57,7 @@ def _chunk_loss_and_grad(h, weight, labels, vocab_start: int, group, with_grad: 
     if not with_grad:
         return loss, None
     probs /= sum_exp[:, None]  # softmax
-    probs.scatter_add_(1, index, -mine[:, None].to(probs.dtype))  # minus one-hot; no data-dependent shapes
+    probs.scatter_add_(1, index, minus_mine)  # minus one-hot; no data-dependent shapes
     probs *= valid[:, None]
     return loss, probs
 
@@ -58,9 +69,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if with_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
+        masks = _label_masks(labels, vocab_start, weight.size(0))
         for start in range(0, n, chunk_tokens):
-            h, y = hidden[start:start + chunk_tokens], labels[start:start + chunk_tokens]
-            chunk_loss, grad_logits = _chunk_loss_and_grad(h, weight, y, vocab_start, group, with_grad)
+            h, rows = hidden[start:start + chunk_tokens], slice(start, start + chunk_tokens)
+            chunk_loss, grad_logits = _chunk_loss_and_grad(h, weight, [m[rows] for m in masks], group, with_grad)
             loss += chunk_loss
             if with_grad:
                 g = grad_logits.to(hidden.dtype)
@@ -126,6 +138,7 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
     sparse_labels: project and score only the tokens whose label is not `ignore_index` (a passkey row labels 5 of
     its tokens), for the same result; selecting them costs one host sync, so it is for data known to be sparse."""
     flat_hidden, weight, flat_labels, vocab_start, group = flat_operands(hidden, weight, labels, chunk_tokens)
+    flat_hidden, weight = to_autocast_dtype(flat_hidden, weight)  # its out= GEMM and backward ignore autocast
     if sparse_labels:  # TP ranks hold the same labels, so they select the same rows and their collectives match
         labelled = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
         flat_hidden, flat_labels = flat_hidden.index_select(0, labelled), flat_labels.index_select(0, labelled)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from models.autocast import to_autocast_dtype
 from models.chunked_loss import chunked_linear_cross_entropy
 from models.chunked_scores import chunked_token_scores
 from models.rope import RotaryEmbedding, apply_rotary
@@ -50,11 +51,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Under autocast (one-device bf16, issue 36) the weight in bf16, as FSDP2's bf16 weights were: a bf16 output
+        # (autocast leaves this product alone), cast once here, not once per GEMM that reads it.
+        (weight,) = to_autocast_dtype(self.weight)
         if self.tile_tokens:  # same numbers, float32 temporaries one tile at a time (models/tiled_norm.py)
-            return tiled_rms_norm(x, self.weight, self.eps, self.tile_tokens)
+            return tiled_rms_norm(x, weight, self.eps, self.tile_tokens)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return normed.type_as(x) * weight
 
 
 class Attention(nn.Module):

@@ -135,35 +135,48 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
+def _rotate_tile(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: torch.Tensor,
+                 backward: bool) -> torch.Tensor:
+    """`_rotate`'s numbers, bit for bit, in fewer kernels (no per-lane products, no stack): pairs * cos + the swapped
+    pairs * sin * (-1, 1), i.e. (e c + (-(o s)), o c + e s) = (e c - o s, e s + o c), exact since a product with +-1
+    is exact and IEEE's a + (-b) = a - b and a + b = b + a. The backward rotates by the opposite angle, the same with
+    value=-1: (g_e c + g_o s, g_o c - g_e s). `sign` is (-1, 1)."""
+    pairs = x.to(torch.float32)
+    pairs = pairs.reshape(*pairs.shape[:-1], -1, 2)  # not unflatten: dynamo cannot trace it under a mode
+    swapped = pairs.flip(-1) * sin.unsqueeze(-1)
+    out = (pairs * cos.unsqueeze(-1)).addcmul_(swapped, sign, value=-1 if backward else 1)
+    return out.flatten(-2).to(x.dtype)
+
+
 class _TiledRotary(torch.autograd.Function):
-    """The rotation over tiles of tokens, saving only cos and sin: the rotation is linear, so its backward is the
-    rotation by the opposite angle and needs nothing of x. Autograd through `_rotate` would keep the float32 copy of
-    x and make float32 products of the whole shard (~48 KiB per token for an 8B model's q and k: the largest transient
-    at 512K tokens per rank once the ring runs in head groups, docs/frontier.md). Exact: every element is computed
-    with the same float32 operations as autograd's forward and backward of `_rotate`."""
+    """The rotation over tiles of tokens, saving only cos and sin (and the 2-element sign): the rotation is linear, so
+    its backward is the rotation by the opposite angle and needs nothing of x. Autograd through `_rotate` would keep
+    the float32 copy of x and make float32 products of the whole shard (~48 KiB per token for an 8B model's q and k:
+    the largest transient at 512K tokens per rank once the ring runs in head groups, docs/frontier.md). Exact: every
+    element is the same float32 value as autograd's forward and backward of `_rotate` (`_rotate_tile`). One tile (the
+    whole shard fits `ROTARY_TILE_ELEMENTS`) is returned as computed, without a copy into a preallocated output."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, tile_tokens: int):
-        out = torch.empty_like(x)
-        for start in range(0, x.size(1), tile_tokens):
-            rows = slice(start, start + tile_tokens)
-            out[:, rows] = _rotate(x[:, rows], cos[:, rows], sin[:, rows])
-        ctx.save_for_backward(cos, sin)
+        sign = torch.arange(-1.0, 2.0, 2.0, device=x.device)  # (-1, 1): one kernel, no host-to-device copy
+        ctx.save_for_backward(cos, sin, sign)
         ctx.tile_tokens = tile_tokens
-        return out
+        return _tiled(x, cos, sin, sign, tile_tokens, backward=False)
 
     @staticmethod
     def backward(ctx, grad_out):
-        cos, sin = ctx.saved_tensors
-        grad_x = torch.empty_like(grad_out)
-        for start in range(0, grad_out.size(1), ctx.tile_tokens):
-            rows = slice(start, start + ctx.tile_tokens)
-            g = grad_out[:, rows].to(torch.float32)
-            g = g.reshape(*g.shape[:-1], -1, 2)
-            g_even, g_odd, c, s = g[..., 0], g[..., 1], cos[:, rows], sin[:, rows]
-            grad = torch.stack((g_even * c + g_odd * s, g_odd * c - g_even * s), dim=-1)
-            grad_x[:, rows] = grad.flatten(-2).to(grad_out.dtype)
-        return grad_x, None, None, None
+        cos, sin, sign = ctx.saved_tensors
+        return _tiled(grad_out, cos, sin, sign, ctx.tile_tokens, backward=True), None, None, None
+
+
+def _tiled(x, cos, sin, sign, tile_tokens: int, backward: bool) -> torch.Tensor:
+    if tile_tokens >= x.size(1):
+        return _rotate_tile(x, cos, sin, sign, backward)
+    out = torch.empty_like(x)
+    for start in range(0, x.size(1), tile_tokens):
+        rows = slice(start, start + tile_tokens)
+        out[:, rows] = _rotate_tile(x[:, rows], cos[:, rows], sin[:, rows], sign, backward)
+    return out
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from models.autocast import to_autocast_dtype
+
 
 def _tile_forward(x, w1, w3, w2):
     gate, up = x @ w1.t(), x @ w3.t()
@@ -67,6 +69,7 @@ def tiled_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.
             raise ValueError("tiled_swiglu under tensor parallelism needs its input as a DTensor on the TP mesh")
         x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
         w1, w3, w2 = w1.to_local(), w3.to_local(), w2.to_local()
+    x, w1, w3, w2 = to_autocast_dtype(x, w1, w3, w2)  # its backward ignores autocast
     shape = x.shape
     out = _TiledSwiGLU.apply(x.reshape(-1, shape[-1]), w1, w3, w2, tile_tokens).view(*shape[:-1], -1)
     if mesh is not None:  # each rank holds a partial sum over its slice of the hidden dim: reduce-scatter tokens

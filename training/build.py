@@ -101,12 +101,18 @@ def build_model(cfg: Config, model_cfg: LlamaConfig, mesh: TrainingMesh, device:
     return BuiltModel(pipeline.modules, pipeline)
 
 
-def build_optimizer(cfg: Config, parts: list[nn.Module]):
-    """(AdamW over every parameter this rank holds, its learning-rate schedule)."""
+def build_optimizer(cfg: Config, parts: list[nn.Module], device_type: str | None = None):
+    """(AdamW over every parameter this rank holds, its learning-rate schedule).
+
+    Fused AdamW (one multi-tensor kernel for the whole update, DTensor shards included) when the parameters live on
+    CUDA, `device_type` overriding where they are (the dry run's fake rank stands for a GPU rank on fake CPU
+    tensors); foreach elsewhere: the CPU's fused kernel differs from foreach by an ulp, and the CPU tests' loss
+    references were made with foreach."""
     o, s = cfg.optimizer, cfg.lr_scheduler
     params = [p for part in parts for p in part.parameters()]
+    fused = all(p.device.type == "cuda" for p in params) if device_type is None else device_type == "cuda"
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay, foreach=True)
+                                  weight_decay=o.weight_decay, **({"fused": True} if fused else {"foreach": True}))
     return optimizer, build_lr_scheduler(optimizer, s.warmup_steps, cfg.training.steps, s.decay_type, s.min_lr_ratio)
 
 

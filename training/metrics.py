@@ -91,8 +91,9 @@ class StepMetrics:
     per-rank peak, and the bytes CP attention and FSDP sent per step."""
 
     def __init__(self, comm: Collectives, comm_stats: CommStats, device: Device, peak_flops: float, peak_source: str,
-                 step: int):
+                 step: int, attention_kernel: str = "flash"):
         self.comm, self.comm_stats, self.device = comm, comm_stats, device
+        self.attention_kernel = attention_kernel  # the CP attention's kernel family (cp/kernel_blocks.py)
         self.peak_flops, self.peak_source = peak_flops, peak_source
         self._cp_bytes_at = (comm_stats.bytes_sent, step)  # (bytes sent, step) when last logged
 
@@ -132,7 +133,8 @@ class StepMetrics:
             "stage": max(0, stage.index), "tokens_seen": tokens_seen, "memory": memory,
             "step_time": step_time, "data_time": data_time, "step_time_fastest_rank": -fastest,
             "cp_comm_bytes": cp_bytes, "fsdp_comm_bytes": fsdp_bytes, "cp_attention_calls": self.comm_stats.calls,
-            **({"compile": compile_counters()} if t.compile else {})}
+            "attention_kernel": self.attention_kernel,
+            **({"compile": compile_counters()} if t.compiles(self.device.type) else {})}
 
 
 def visible_pairs(position_ids: torch.Tensor) -> torch.Tensor:

@@ -65,4 +65,4 @@ def test_float32_temporaries_span_one_tile_and_only_cos_and_sin_are_kept():
     with _LargestFloat32() as plain:
         _rotate(x, cos, sin).backward(grad)
     assert plain.largest == x.numel() and tiled.largest == 1024
-    assert [t.shape for t in kept] == [cos.shape, sin.shape]
+    assert [t.shape for t in kept] == [cos.shape, sin.shape, (2,)]  # and the rotation's (-1, 1) sign

@@ -114,7 +114,7 @@ def bf16_reference():
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 240)
-@pytest.mark.parametrize("name", ["dp_shard2 x cp2", "cp2 x tp2"])
+@pytest.mark.parametrize("name", ["1 rank", "dp_shard2 x cp2", "cp2 x tp2"])  # 1 rank: autocast, no FSDP2
 def test_bf16_mesh_matches_single_process_mixed_precision(reference, bf16_reference, name):
     degrees = MESHES[name]
     records = trainer_run(degrees, STEPS, SEQ_LEN, extra=FEATURES, dtype="bfloat16", timeout=RUN_TIMEOUT)

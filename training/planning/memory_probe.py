@@ -201,9 +201,9 @@ def fake_rank(cfg: Config, world_size: int, rank: int = 0):
         setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
                           stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
         with FakeTensorMode(allow_non_fake_inputs=True), _sharding_propagation_in_its_own_fake_mode():
-            model.to_empty(device="cpu")  # without FSDP the dtype is float32 (bf16 always goes through FSDP)
+            model.to_empty(device="cpu")  # without FSDP float32 (one-device bf16 is autocast)
             params = list(model.parameters())
-            optimizer, _ = build_optimizer(cfg, [model])
+            optimizer, _ = build_optimizer(cfg, [model], device_type="cuda")  # as on the GPU it plans for
             # Create AdamW's state (and warm DTensor's sharding caches) before measuring: in training it exists from
             # the first step on, so every later step peaks with it in memory.
             for param in params:
