@@ -26,7 +26,7 @@ from config.recipe import default_recipe, load_config, to_toml  # noqa: E402
 from data.sources import build_run_tokenizer, check_sources, open_stores, prepare_data  # noqa: E402
 from models.llama import recipe_model_config  # noqa: E402
 from training.checkpoint import preflight_checkpoint  # noqa: E402
-from training.planning.device_check import check_gpus  # noqa: E402
+from training.planning.device_check import check_attention_kernel, check_gpus  # noqa: E402
 from training.planning.preflight import preflight_stages, required_ranks  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
 
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare_data(cfg, model_cfg.vocab_size)
             return 0
         check_gpus(cfg, world)  # a GPU-sized recipe without GPUs stops here, in one line
+        check_attention_kernel(cfg)  # and so does an attention kernel this machine cannot run
         check_sources(cfg)  # data paths (after the GPU check: on a laptop the GPU count is the news)
         preflight_checkpoint(cfg, model_cfg)
         if "--check" in flags:

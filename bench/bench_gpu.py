@@ -1,5 +1,6 @@
 """One GPU: our trainer vs its peers on the same Llama shape, sequence length and batch (tok/s, peak memory and MFU
-side by side in one run), and ring attention at CP=1 vs plain SDPA (fwd+bwd time).
+side by side in one run), and the attention kernels: each family the CP layer can pick, ring attention at CP=1 and
+plain SDPA (fwd+bwd time at --seq and 64K, plain causal and packed documents; bench/bench_attention_kernels.py).
 
     python bench/bench_gpu.py [--short] [--rounds 3] [--steps 10] [--seq 8192] [--batch 1] [--dim 2048]
                               [--n-layers 8] [--n-heads 16] [--n-kv-heads 8] [--torchtitan-attention flex|varlen]
@@ -47,7 +48,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -251,51 +251,16 @@ def _cell(value: float, spec: str) -> str:
     return "-" if value != value else format(value, spec)  # NaN: the system does not report it
 
 
-def _timed(call, grad, device: torch.device) -> float:
-    """Seconds of one fwd+bwd (CUDA events on a GPU)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call().backward(grad)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3
-    begin = time.perf_counter()
-    call().backward(grad)
-    return time.perf_counter() - begin
-
-
-def ring_vs_sdpa(args, device: torch.device) -> None:
-    """Causal bf16 fwd+bwd of one attention call: ring_attention on a 1-rank group vs F.scaled_dot_product_attention,
-    interleaved rep by rep, fastest of --reps each."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from parallelisms.context_parallel import ring_attention
-    from tests.distributed import free_port
+def attention_kernels(args, device: torch.device) -> None:
+    """bench/bench_attention_kernels.py on the bench shape's heads: every kernel family the CP layer can pick, ring at
+    CP=1 and SDPA, at --seq and 64K, plain causal and packed documents."""
+    from bench.bench_attention_kernels import parse, run
 
     cfg = _model_config(args)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", world_size=1, rank=0,
-                            init_method=f"tcp://127.0.0.1:{free_port()}",
-                            device_id=device if device.type == "cuda" else None)
-    gen = torch.Generator(device=device).manual_seed(0)
-    shape = (args.batch, cfg.n_heads, args.seq, cfg.head_dim)
-    kv_shape = (args.batch, cfg.num_kv_heads, args.seq, cfg.head_dim)
-    q = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(kv_shape, generator=gen, device=device, dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(2))
-    grad = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
-    calls = {"ring at CP=1": lambda: ring_attention(q, k, v, dist.group.WORLD, is_causal=True),
-             "SDPA": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)}
-    best = {name: float("inf") for name in calls}
-    for _ in range(args.reps):
-        for name, call in calls.items():
-            best[name] = min(best[name], _timed(call, grad, device))
-            q.grad = k.grad = v.grad = None
-    dist.destroy_process_group()
-    ring, sdpa = best["ring at CP=1"], best["SDPA"]
-    print(f"\nring at CP=1 / SDPA, causal fwd+bwd, bf16, q {tuple(shape)}, {cfg.num_kv_heads} K/V heads: "
-          f"{ring * 1e3:.2f} ms / {sdpa * 1e3:.2f} ms = {ring / sdpa:.3f} (fastest of {args.reps} each)", flush=True)
+    seqs = ",".join(str(s) for s in dict.fromkeys([args.seq, 65536]))
+    kernel_args = parse(["--seqs", seqs, "--reps", str(args.reps), "--heads", str(cfg.n_heads), "--kv-heads",
+                         str(cfg.num_kv_heads), "--head-dim", str(cfg.head_dim)])
+    print("\n" + "\n".join(run(kernel_args, device)), flush=True)
 
 
 def main() -> int:
@@ -310,7 +275,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped from each run's median")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each side; the best is kept")
     parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--reps", type=int, default=10, help="ring vs SDPA repetitions")
+    parser.add_argument("--reps", type=int, default=10, help="attention kernel repetitions")
     parser.add_argument("--torchtitan-attention", choices=("flex", "varlen"), default="flex")
     parser.add_argument("--only", choices=("trainers", "ring"), default=None)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per training run")
@@ -325,7 +290,7 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; command: "
           f"{' '.join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}", flush=True)
     if args.only in (None, "ring"):
-        ring_vs_sdpa(args, torch.device("cuda", 0))
+        attention_kernels(args, torch.device("cuda", 0))
     if args.only in (None, "trainers"):
         compare_trainers(args)
     return 0

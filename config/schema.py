@@ -20,6 +20,7 @@ OptimizerName = Literal["AdamW"]
 DecayType = Literal["linear", "cosine", "constant"]
 LoadBalancer = Literal["zigzag", "striped", "contiguous", "documents"]
 CpImpl = Literal["ring", "allgather", "ulysses", "hybrid", "auto"]
+AttentionKernel = Literal["auto", "cudnn", "flash", "fa3", "fa4"]
 ReshardPolicy = Literal["default", "always", "never"]
 SingleStageSchedule = Literal["GPipe", "1F1B"]
 MultiStageSchedule = Literal["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]
@@ -217,6 +218,13 @@ class ParallelismConfig:
     cp_impl: CpImpl = "ring"
     """CP attention: ring | allgather (one K/V all-gather) | ulysses (all-to-all over heads) | hybrid (Ulysses in-node,
     ring across nodes) | auto (chosen from heads, degree and topology, and logged). All exact; docs/cp_variants.md."""
+    attention_kernel: AttentionKernel = "auto"
+    """The CP attention's kernels (parallelisms/cp/kernel_blocks.py): auto (cuDNN's fused attention on CUDA compute
+    capability 9.0+, about 2x FlashAttention-2 on Hopper; FlashAttention-2 on older GPUs; the flash-CPU op on CPU) |
+    cudnn | flash (torch's FlashAttention-2) | fa3 | fa4 (torch's flash ops switched to FlashAttention-3/4, which
+    must be installed: the flash_attn_interface / flash-attn-4 packages). Packed documents use the flash ops' varlen
+    calls whatever the choice (cuDNN's varlen backward fails in torch 2.11). Without CP and document masking the
+    model's own SDPA call runs, and torch picks its kernel."""
     attention_head_groups: int = 0
     """CP attention runs its K/V heads in at most this many groups, one after another: its float32 gradient
     accumulators, K/V in flight and kernel temporaries then span one group (exact: attention is per head). 0 = by

@@ -24,6 +24,7 @@ from parallelisms.cp.attention import ring_attention
 from parallelisms.cp.choice import CP_IMPLS, CPAttention, check_cp_impl
 from parallelisms.cp.counters import CommStats, UnsupportedAttentionError
 from parallelisms.cp.groups import resolve_group
+from parallelisms.cp.kernel_blocks import ATTENTION_KERNELS
 from parallelisms.cp.layouts import (AUTO, DOCUMENTS, LOAD_BALANCERS, RING, ZIGZAG, check_load_balancer,
                                      check_sequence_length)
 from parallelisms.cp.plan_layout import DocumentLayout
@@ -31,7 +32,8 @@ from parallelisms.cp.plan_pieces import DocumentShards
 from parallelisms.cp.plan_sharding import local_positions, shard_sequence, unshard_sequence
 
 __all__ = ["shard_sequence", "unshard_sequence", "ring_attention", "context_parallel", "CommStats",
-           "UnsupportedAttentionError", "LOAD_BALANCERS", "CP_IMPLS", "check_sequence_length", "local_positions"]
+           "UnsupportedAttentionError", "LOAD_BALANCERS", "CP_IMPLS", "ATTENTION_KERNELS", "check_sequence_length",
+           "local_positions"]
 
 
 class SdpaToContextParallel(TorchFunctionMode):
@@ -40,9 +42,9 @@ class SdpaToContextParallel(TorchFunctionMode):
 
     def __init__(self, group: dist.ProcessGroup, load_balancer: str, local_lengths: set[int],
                  documents: DocumentShards | None, stats: CommStats | None, variant: CPAttention | None = None,
-                 head_groups: int = 0):
+                 head_groups: int = 0, kernel: str = "auto"):
         super().__init__()
-        self.head_groups = head_groups
+        self.head_groups, self.kernel = head_groups, kernel
         self.group, self.load_balancer = group, load_balancer
         self.local_lengths, self.documents, self.stats = local_lengths, documents, stats
         self.variant = variant  # None: the ring
@@ -79,7 +81,7 @@ class SdpaToContextParallel(TorchFunctionMode):
             return self.variant(query, key, value, is_causal=is_causal, scale=scale)
         return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale,
                               load_balancer=self.load_balancer, stats=self.stats, head_groups=self.head_groups,
-                              _documents=self.documents)
+                              kernel=self.kernel, _documents=self.documents)
 
 
 def _check_buffers(buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int], document_ids) -> None:
@@ -152,7 +154,8 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
                      no_restore_buffers: Sequence[torch.Tensor] | None = None, load_balancer: str = ZIGZAG,
                      document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
                      cp_impl: str = RING, ulysses_degree: int | None = None,
-                     cp_subgroups: dict | None = None, plan=None, head_groups: int = 0) -> Iterator[None]:
+                     cp_subgroups: dict | None = None, plan=None, head_groups: int = 0,
+                     attention_kernel: str = "auto") -> Iterator[None]:
     """Shards `buffers` in place along `buffer_seq_dims` and routes SDPA to the ring until exit.
 
     cp_mesh: a 1-D DeviceMesh or ProcessGroup (size 1 is valid and runs the same path). Buffers are restored on exit
@@ -168,10 +171,15 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     it; then nothing here plans or reads a device tensor back. Without it the layout is planned here, on the host.
     `head_groups`: each attention call runs its K/V heads in at most this many groups, one after another, so its
     float32 accumulators and K/V in flight span one group (0 = by size: cp/autograd.py; the result is the same).
+    `attention_kernel`: the attention kernels' family, one of ATTENTION_KERNELS: "auto" (cuDNN's fused attention on
+    CUDA SM 9.0+, FlashAttention-2 on older GPUs, the flash-CPU op on CPU), "cudnn", "flash", "fa3" / "fa4" (torch's
+    flash ops once `torch.nn.attention.activate_flash_attention_impl` switched them; cp/kernel_blocks.py).
     """
     group = resolve_group(cp_mesh)
     check_load_balancer(load_balancer)
     check_cp_impl(cp_impl)
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise Refusal(f"context_parallel: attention_kernel {attention_kernel!r} is none of {ATTENTION_KERNELS}")
     _check_buffers(buffers, buffer_seq_dims, document_ids)
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     for buf, dim in zip(buffers, buffer_seq_dims):
@@ -183,7 +191,7 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     if cp_impl != RING:
         full_ids = None if document_ids is None else document_ids.detach().clone()
         variant = CPAttention(cp_impl, group, load_balancer, full_ids, documents, stats, ulysses_degree, cp_subgroups,
-                              head_groups)
+                              head_groups, attention_kernel)
     def shard(buf: torch.Tensor, dim: int) -> torch.Tensor:
         if plan is not None and load_balancer == DOCUMENTS:
             return _shard_by_plan(buf, dim, plan)
@@ -194,7 +202,8 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     originals = _shard_in_place(buffers, buffer_seq_dims, no_restore_buffers, shard)
     local_lengths = {buf.size(dim) for buf, dim in zip(buffers, buffer_seq_dims)}
     try:
-        with SdpaToContextParallel(group, load_balancer, local_lengths, documents, stats, variant, head_groups):
+        with SdpaToContextParallel(group, load_balancer, local_lengths, documents, stats, variant, head_groups,
+                                   attention_kernel):
             yield
     finally:
         with torch.no_grad():

@@ -18,6 +18,8 @@ from tests.trainer_runs import read_metrics, run_train
     (["--parallelism.cp", "3", "--parallelism.dp_shard", "1", "--parallelism.cp_impl", "ulysses",
       "--training.seq_len", "516"], None, 'cp_impl = "ulysses" with cp 3'),
     (["--parallelism.cp_impl", "ulyses"], None, "parallelism.cp_impl"),
+    (["--parallelism.attention_kernel", "cudnn"], None, 'parallelism.attention_kernel = "cudnn" cannot run here'),
+    (["--parallelism.attention_kernel", "fa4"], None, "runs on CUDA GPUs and this run is on cpu"),
 ])
 def test_bad_input_is_one_line(args, nproc, expect):
     result = run_train(*args, nproc=nproc, timeout=60)
@@ -40,6 +42,8 @@ def test_two_rank_run_writes_metrics_and_tensorboard(tmp_path, monkeypatch):
                 "memory"}
     assert contract <= set(records[0])
     assert records[0]["global_batch_size"] == 4 and records[0]["seq_len"] == 128
+    assert records[0]["attention_kernel"] == "flash"  # "auto" on CPU: the flash-CPU op
+    assert "attention kernel flash" in result.stdout
     assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 for r in records)
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(out, "tb")))
     assert "step     3/3" in result.stdout

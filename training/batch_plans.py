@@ -50,6 +50,8 @@ class CpPlanning:
     cp_size: int
     cp_rank: int
     cp_impl: str
+    varlen: bool = False
+    """Also plan the CUDA varlen calls' indices (a CUDA run: they then travel with the batch, kernel_varlen.py)."""
 
 
 class StepPlanner:
@@ -76,7 +78,7 @@ class StepPlanner:
             batch = {name: torch.from_numpy(np.ascontiguousarray(v)) for name, v in values.items()}
             if self.cp is not None:
                 batch["plan"] = BatchPlan.build(values["document_ids"], self.cp.cp_size, self.cp.cp_rank,
-                                                self.cp.cp_impl)
+                                                self.cp.cp_impl, varlen=self.cp.varlen)
             batches.append(batch)
         return {"micro_batches": batches, "whole_rows": whole_rows}
 

@@ -7,7 +7,6 @@ planner's measurement too instead of leaving it measuring a copy.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from config.schema import ParallelismConfig
 from parallelisms.comm import all_reduce_
 from parallelisms.context_parallel import CommStats, context_parallel
+from parallelisms.cp.kernel_blocks import sdpa_priority
 from parallelisms.parallel_dims import TrainingMesh
 from parallelisms.pipeline_parallel import Pipeline
 from training.loss import loss_context, token_loss_sum
@@ -52,16 +52,18 @@ class StepSetup:
 
 def cp_context(setup: StepSetup, batch: dict):
     """Shards the batch's sequence buffers over the CP ranks in place and routes attention to the CP variant until
-    exit (at cp = 1 too when document masking is on); nothing without context parallelism."""
+    exit (at cp = 1 too when document masking is on). Without context parallelism the model's SDPA calls run as
+    they are, with torch's backends ordered by `parallelism.attention_kernel` on CUDA (cuDNN first on Hopper)."""
     if not setup.shards_sequence:
-        return contextlib.nullcontext()
+        return sdpa_priority(setup.parallelism.attention_kernel, batch["input_ids"].device)
     names = SEQUENCE_BUFFERS + (("document_ids",) if setup.document_masking else ())
     p = setup.parallelism
     return context_parallel(
         setup.mesh.cp_mesh, buffers=[batch[n] for n in names], buffer_seq_dims=[1] * len(names),
         no_restore_buffers={batch[n] for n in names}, load_balancer=p.cp_load_balancer, cp_impl=p.cp_impl,
         document_ids=batch["document_ids"] if setup.document_masking else None, stats=setup.stats,
-        cp_subgroups=setup.mesh.cp_subgroups, plan=batch.get("plan"), head_groups=p.attention_head_groups)
+        cp_subgroups=setup.mesh.cp_subgroups, plan=batch.get("plan"), head_groups=p.attention_head_groups,
+        attention_kernel=p.attention_kernel)
 
 
 def move_batch(batch: dict, device: torch.device) -> dict:

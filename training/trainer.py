@@ -16,6 +16,7 @@ from data.sources import describe_chat_rows, labels_every_token, packing_efficie
 from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import uses_loss_parallel
 from parallelisms.stage_meshes import release_stage
+from parallelisms.cp.kernel_blocks import activate_flash_implementation
 from parallelisms.cp.layouts import DOCUMENTS
 from training import step
 from training.batch_plans import CpPlanning, step_loader
@@ -28,6 +29,7 @@ from training.hardware import peak_flops
 from training.evaluation.niah import run_niah_eval
 from training.loss import global_label_tokens
 from training.metrics import MetricsLogger, StepMetrics, visible_pairs
+from training.planning.device_check import attention_kernel_in_use
 from training.planning.preflight import preflight_stages
 from training.ramp import RampStage, model_build_config, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_
@@ -44,6 +46,8 @@ class Trainer:
         self.dist = init_distributed(cfg)
         self.device = self.dist.device
         self.rank = self.dist.rank
+        self.attention_kernel = attention_kernel_in_use(cfg, self.device.type)
+        activate_flash_implementation(self.attention_kernel)  # FA3/FA4: torch's flash ops switched, on every rank
         self.meshes = build_run_meshes(self.stages, self.device.type)  # every process group, made once, here
         self.mesh = self.meshes[0]
         torch.manual_seed(cfg.job.seed)
@@ -73,7 +77,7 @@ class Trainer:
         dist.barrier()  # every rank measures its peak at the same time, sharing the cores as in training
         self.peak_flops, self.peak_source = peak_flops(self.device, getattr(torch, cfg.training.dtype))
         self.metrics = StepMetrics(self.dist.comm, self.comm_stats, self.device, self.peak_flops, self.peak_source,
-                                   self.step)
+                                   self.step, self.attention_kernel)
         self.logger = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
                                     is_writer=self.rank == 0, start_step=self.step)
 
@@ -111,7 +115,7 @@ class Trainer:
                               cfg.training.seq_len)
         cp = None
         if self.setup.shards_sequence and self.setup.document_masking and p.cp_load_balancer == DOCUMENTS:
-            cp = CpPlanning(p.cp, self.mesh.cp_mesh.get_local_rank(), p.cp_impl)
+            cp = CpPlanning(p.cp, self.mesh.cp_mesh.get_local_rank(), p.cp_impl, varlen=self.device.type == "cuda")
         return step_loader(micro_loader, stage.grad_accum_steps, slots, self.mesh.dp_rank, cp,
                            num_workers=max(1, cfg.data.num_workers), pin_memory=self.device.type == "cuda")
 
@@ -228,7 +232,8 @@ class Trainer:
               f"{d.world_size} rank(s) "
               f"({self.device.type}/{self.device.backend}); mesh pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard "
               f"{d.dp_shard} x cp {d.cp} x tp {d.tp}; seq {s.cfg.training.seq_len}, global batch "
-              f"{s.global_batch_rows} ({s.grad_accum_steps} micro-step(s)), rope theta {m.rope_theta:g}"
+              f"{s.global_batch_rows} ({s.grad_accum_steps} micro-step(s)), attention kernel {self.attention_kernel}, rope "
+              f"theta {m.rope_theta:g}"
               f"{f' {m.rope_type} x{m.rope_scaling_factor:g}' if m.rope_scaling_factor else ''}, peak "
               f"{self.peak_flops / 1e9:.0f} GFLOP/s per rank ({self.peak_source})", flush=True)
         if self.stores:

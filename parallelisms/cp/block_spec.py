@@ -1,5 +1,5 @@
 """`BlockSpec`: what one CP attention call fixes for every block it computes (group, causality, scale, layout,
-documents, counters, head groups); its `pieces` are the mask-free kernel calls a rank makes against one source rank's K/V
+documents, counters, head groups, kernel family); its `pieces` are the mask-free kernel calls a rank makes against one source rank's K/V
 (plan_pieces.py: blocks cut by documents)."""
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ class BlockSpec:
     head_groups: int = 0
     """K/V head groups computed one after another (autograd.py); 0 = as many as keep a group's float32 dQ
     accumulator within `HEAD_GROUP_BYTES`."""
+    kernel: str = "flash"
+    """The kernel family of every block (kernel_blocks.CONCRETE_KERNELS: flash, cudnn, fa3, fa4), "auto" resolved."""
 
     def pieces(self, rank: int, src: int, size: int, local_len: int) -> list[Piece]:
         """The mask-free kernel calls `rank` makes against the K/V of rank `src` (cached per batch with documents)."""

@@ -143,8 +143,9 @@ class CPAttention:
     def __init__(self, cp_impl: str, group: dist.ProcessGroup, load_balancer: str,
                  full_document_ids: torch.Tensor | None, documents: DocumentShards | None,
                  stats: CommStats | None, ulysses_degree: int | None = None, subgroups: dict | None = None,
-                 head_groups: int = 0):
+                 head_groups: int = 0, kernel: str = "auto"):
         check_cp_impl(cp_impl)
+        self.kernel = kernel  # the block kernels' family (cp/kernel_blocks.py), passed to every variant
         self.head_groups = head_groups  # K/V head groups per call (cp/autograd.py; 0 = by size)
         self.subgroups = subgroups
         """{Ulysses degree: (Ulysses group, ring group)} made at setup; None: made on first use (world-sized CP only)."""
@@ -191,7 +192,7 @@ class CPAttention:
     def __call__(self, q, k, v, *, is_causal: bool, scale: float | None) -> torch.Tensor:
         choice = self._resolve(q, k)
         common = dict(is_causal=is_causal, scale=scale, load_balancer=self.load_balancer, stats=self.stats,
-                      head_groups=self.head_groups)
+                      head_groups=self.head_groups, kernel=self.kernel)
         return ROUTES[(choice.impl, layout_kind(self.load_balancer))](self, q, k, v, common)
 
 

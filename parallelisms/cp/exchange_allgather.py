@@ -108,7 +108,7 @@ def allgather_forward(q, k, v, spec: BlockSpec):
         for fused in plan_blocks(spec, rank, size, local_len, sources):
             k_blk, v_blk = fused.kv(blocks)  # already cut to the piece's batch and key rows
             piece = Piece(FULL, fused.piece.q_rows, FULL, fused.piece.is_causal)
-            out, lse, aux = block_forward(q[fused.piece.batch], k_blk, v_blk, piece, spec.scale)
+            out, lse, aux = block_forward(q[fused.piece.batch], k_blk, v_blk, piece, spec.scale, spec.kernel)
             auxes.append(aux)
             acc.merge(out, lse, fused.piece)
     if spec.stats is not None:
@@ -134,7 +134,7 @@ def allgather_backward(dout, q, k, v, out, lse, auxes, spec: BlockSpec):
             k_blk, v_blk = fused.kv(blocks)
             piece = Piece(FULL, fused.piece.q_rows, FULL, fused.piece.is_causal)
             gq, gk, gv = block_backward(dout[b], q[b], k_blk, v_blk, out[b], lse[b], next(aux_iter), piece,
-                                        spec.scale)
+                                        spec.scale, spec.kernel)
             dq.add(gq, b, fused.piece.q_rows)
             fused.scatter_grads(dkv, gk, gv, k, v)
     if size > 1:

@@ -91,7 +91,8 @@ def documents_ring_shards(documents: DocumentShards, ulysses_degree: int) -> Doc
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, ulysses_degree: int,
                      is_causal: bool = True, scale: float | None = None, load_balancer: str = ZIGZAG,
                      document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
-                     head_groups: int = 0, _plan: ExchangePlan | None = None, _documents: DocumentShards | None = None,
+                     head_groups: int = 0, kernel: str = "auto", _plan: ExchangePlan | None = None,
+                     _documents: DocumentShards | None = None,
                      _groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries (same inputs and layouts as `ring_attention`), Ulysses over
     `ulysses_degree` consecutive CP ranks and the ring over the rest. Hq must split over `ulysses_degree`.
@@ -114,5 +115,5 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=No
     k, v = replicate_kv(k, v, q.size(1), ulysses_degree)
     qh, kh, vh = exchange_seq_to_heads(plan, q, k, v, stats=stats)
     out = ring_attention(qh, kh, vh, ring_pg, is_causal=is_causal, scale=scale, load_balancer=load_balancer,
-                         stats=stats, head_groups=head_groups, _documents=docs)
+                         stats=stats, head_groups=head_groups, kernel=kernel, _documents=docs)
     return exchange_heads_to_seq(plan, out, stats=stats)[0]

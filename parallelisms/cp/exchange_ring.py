@@ -116,7 +116,7 @@ def _local_backward(dout, q, k, v, out, lse, aux_iter, spec: BlockSpec):
         add_kv_grads(backward_pieces(dout, q, k, v, out, lse, aux_iter, pieces, spec, dq), dk.data, dv.data)
         return tuple(g.finish().to(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
     for piece in pieces:
-        gq, gk, gv = block_backward(dout, q, k, v, out, lse, next(aux_iter), piece, spec.scale)
+        gq, gk, gv = block_backward(dout, q, k, v, out, lse, next(aux_iter), piece, spec.scale, spec.kernel)
         dq.add(gq, piece.batch, piece.q_rows)
         dk.add(gk, piece.batch, piece.kv_rows)
         dv.add(gv, piece.batch, piece.kv_rows)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from parallelisms.cp.attention import local_segment_attention
 from parallelisms.cp.checks import check_attention_inputs
@@ -27,6 +28,7 @@ from parallelisms.cp.counters import CommStats, UnsupportedAttentionError
 from parallelisms.cp.exchange_alltoall import (ExchangePlan, document_segments, exchange_heads_to_seq,
                                                exchange_seq_to_heads, global_order_plan, replicate_kv)
 from parallelisms.cp.groups import resolve_group
+from parallelisms.cp.kernel_blocks import kernel_family, sdpa_backends
 from parallelisms.cp.layouts import DOCUMENTS, ZIGZAG, check_load_balancer, check_sequence_length
 from parallelisms.cp.plan_pieces import DocumentShards
 from parallelisms.cp.plan_sharding import unshard_sequence
@@ -35,7 +37,7 @@ from parallelisms.cp.plan_sharding import unshard_sequence
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = True,
                       scale: float | None = None, load_balancer: str = ZIGZAG,
                       document_ids: torch.Tensor | None = None, stats: CommStats | None = None,
-                      head_groups: int = 0, _plan: ExchangePlan | None = None,
+                      head_groups: int = 0, kernel: str = "auto", _plan: ExchangePlan | None = None,
                       _documents: DocumentShards | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries (same inputs and layouts as `ring_attention`).
 
@@ -60,10 +62,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     k, v = replicate_kv(k, v, q.size(1), size)
     qh, kh, vh = exchange_seq_to_heads(plan, q, k, v, stats=stats)
     if docs is not None:
-        out = local_segment_attention(qh, kh, vh, docs, is_causal=is_causal, scale=scale, head_groups=head_groups)
-    else:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, scale=scale,
-                                             enable_gqa=kh.size(1) != qh.size(1))
+        out = local_segment_attention(qh, kh, vh, docs, is_causal=is_causal, scale=scale, head_groups=head_groups,
+                                      kernel=kernel)
+    else:  # one whole-sequence call: torch's SDPA, its backends ordered by the kernel family
+        with sdpa_kernel(sdpa_backends(kernel_family(kernel, qh)), set_priority=True):
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, scale=scale,
+                                                 enable_gqa=kh.size(1) != qh.size(1))
     if stats is not None:
         stats.calls += 1
     return exchange_heads_to_seq(plan, out, stats=stats)[0]

@@ -19,12 +19,14 @@ varlen calls (kernel_varlen.py); these per-piece kernels serve CPU, the efficien
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from config.errors import Refusal
+from config.schema import AttentionKernel, choices
 
 aten = torch.ops.aten
 
@@ -117,7 +119,8 @@ class CudaEfficientBlock:
 # it runs about twice as fast as the FlashAttention-2 kernels behind `CudaFlashBlock`; like them it is called as the
 # aten primitive (the module docstring says why not `F.scaled_dot_product_attention`).
 #
-# Facts this block relies on, re-checked. Python side in torch 2.13.0+cpu and torch 2.11.0+cu130; CUDA side in aten/src/ATen/native/cudnn/MHA.cpp and transformers/cuda/sdp_utils.cpp of
+# Facts this block relies on, re-checked. Python side in torch 2.13.0+cpu and torch 2.11.0+cu130; CUDA side in
+# aten/src/ATen/native/cudnn/MHA.cpp and transformers/cuda/sdp_utils.cpp of
 # a stored recent PyTorch snapshot (not pinned to the v2.11.0 / v2.13 tags: re-check on a GPU, see the last line).
 # - Schemas are identical in 2.11 and 2.13 (compared at run time): forward `(query, key, value, attn_bias?,
 #   compute_log_sumexp, dropout_p=0., is_causal=False, return_debug_mask=False, *, scale=None) -> (output, logsumexp,
@@ -185,22 +188,25 @@ def _cudnn_backward(dout, q, k, v, out, lse, seed, offset, is_causal: bool, scal
 
 class CudnnBlock:
     """fp16/bf16, no mask, GQA native. aux keeps the forward's philox seed and offset, which the backward schema
-    asks for (dropout is 0, so they are placeholders)."""
+    asks for (dropout is 0, so they are placeholders). A causal block with Lq != Lk (the all-gather's fused blocks:
+    a chunk against all earlier keys and its own diagonal) needs the bottom-right alignment cuDNN's dense path does
+    not offer: it goes to the flash block, forward and backward alike (the shapes decide, so both agree)."""
     name = "cuda_cudnn"
 
     @staticmethod
-    def _check(q, k, is_causal, mask):
+    def _flash_instead(q, k, is_causal, mask) -> bool:
         assert mask is None, "the cuDNN block takes no mask; the efficient kernel handles masked blocks"
-        assert not is_causal or q.size(2) == k.size(2), (
-            "cuDNN's causal mask is top-left, flash's bottom-right: they agree only on square blocks")
+        return is_causal and q.size(2) != k.size(2)
 
     def forward(self, q, k, v, *, is_causal, scale, mask):
-        self._check(q, k, is_causal, mask)
+        if self._flash_instead(q, k, is_causal, mask):
+            return CudaFlashBlock().forward(q, k, v, is_causal=is_causal, scale=scale, mask=mask)
         out, lse, _cum_q, _cum_k, _max_q, _max_k, seed, offset, _ = _cudnn_forward(q, k, v, is_causal, scale)
         return out, lse_for_merge(lse), (seed, offset)
 
     def backward(self, dout, q, k, v, out, lse, aux, *, is_causal, scale, mask):
-        self._check(q, k, is_causal, mask)
+        if self._flash_instead(q, k, is_causal, mask):
+            return CudaFlashBlock().backward(dout, q, k, v, out, lse, aux, is_causal=is_causal, scale=scale, mask=mask)
         seed, offset = aux
         dq, dk, dv = _cudnn_backward(sdpa_output_layout(dout), q, k, v, sdpa_output_layout(out), lse_for_cudnn(lse),
                                      seed, offset, is_causal, scale)
@@ -210,15 +216,117 @@ class CudnnBlock:
 FLASH_MAX_HEAD_DIM = 256  # CUDA flash attention has kernels up to this head dim
 
 
-KERNEL_PREFERENCES = ("flash", "cudnn")
+# ---- which kernel family a run uses (`[parallelism] attention_kernel`) ----
+# "flash" is torch's own flash ops (FlashAttention-2 on CUDA, the flash-CPU op on CPU). "fa3" / "fa4" run the same
+# ops after `torch.nn.attention.activate_flash_attention_impl("FA3"/"FA4")` re-registered their CUDA kernels
+# process-wide (torch/nn/attention/_fa3.py, _fa4.py in 2.11 and 2.13: FA3 from the `flash_attn_interface` module on
+# SM 9.0, FA4 from `flash_attn.cute.interface` on SM 9.0 / 10.0; same LSE layout as FA2), so the block and varlen
+# calls below do not change. "cudnn" sends dense half-precision blocks to CudnnBlock; packed documents stay on the
+# flash ops (the varlen calls), as cuDNN's varlen backward fails in torch 2.11 (illegal memory access; fixed after
+# 2.13's branch cut). cuDNN's fused attention needs SM 8.0+ (sdp_utils.cpp check_cudnn_hardware_support); "auto"
+# takes it from SM 9.0 (Hopper, where it is about twice FlashAttention-2's speed) and FA2 below that.
+ATTENTION_KERNELS = choices(AttentionKernel)
+"""What `[parallelism] attention_kernel` and the CP API's `attention_kernel=` accept: "auto" and the concrete ones."""
+CONCRETE_KERNELS = ("flash", "cudnn", "fa3", "fa4")
+FLASH_IMPLEMENTATIONS = {"fa3": ("FA3", "flash_attn_interface", (9,)),
+                         "fa4": ("FA4", "flash_attn.cute.interface", (9, 10))}
+"""kernel -> (torch's registry name, the Python module that provides it, the SM majors it runs on)."""
+CUDNN_MIN_CAPABILITY = (8, 0)
+AUTO_CUDNN_CAPABILITY = (9, 0)
+
+
+def concrete_kernel(asked: str, device_type: str, capability: tuple[int, int] | None) -> str:
+    """The kernel family `asked` means on this device: "auto" is cuDNN on CUDA SM 9.0+ and flash elsewhere (A100,
+    CPU, a fake CUDA device without a capability)."""
+    if asked != "auto":
+        return asked
+    if device_type == "cuda" and capability is not None and tuple(capability) >= AUTO_CUDNN_CAPABILITY:
+        return "cudnn"
+    return "flash"
+
+
+def kernel_problem(asked: str, device_type: str, capability: tuple[int, int] | None, cudnn_available: bool,
+                   module_found) -> str | None:
+    """Why this device cannot run the kernel family `asked` (None: it can). `module_found(name)` says whether a
+    Python module is installed (importlib.util.find_spec in the trainer)."""
+    if asked in ("auto", "flash"):
+        return None
+    if device_type != "cuda":
+        return f"{asked!r} runs on CUDA GPUs and this run is on {device_type}"
+    if asked == "cudnn":
+        if not cudnn_available:
+            return "this torch has no cuDNN"
+        if capability is not None and tuple(capability) < CUDNN_MIN_CAPABILITY:
+            return (f"cuDNN's fused attention needs compute capability 8.0+, this GPU has "
+                    f"{capability[0]}.{capability[1]}")
+        return None
+    registry_name, module, majors = FLASH_IMPLEMENTATIONS[asked]
+    if capability is not None and capability[0] not in majors:
+        return (f"{registry_name} runs on compute capability {' / '.join(f'{m}.0' for m in majors)}, this GPU has "
+                f"{capability[0]}.{capability[1]}")
+    if not module_found(module):
+        return f"{registry_name} needs the `{module}` module, which is not installed"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device `index`, read once per process."""
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def family_on(asked: str, device: torch.device) -> str:
+    """The concrete kernel family on `device` (`concrete_kernel` with that device's capability)."""
+    if asked != "auto" or device.type != "cuda" or not torch.cuda.is_available():  # fake CUDA: no capability
+        return concrete_kernel(asked, device.type, None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return concrete_kernel(asked, "cuda", _cuda_capability(index))
+
+
+def kernel_family(asked: str, q: torch.Tensor) -> str:
+    """The concrete kernel family of a call on `q`'s device."""
+    return family_on(asked, q.device)
+
+
+def sdpa_priority(asked: str, device: torch.device):
+    """A context running torch's own SDPA calls with the family's backend order (the model's attention when no CP
+    context routes it: cp = 1 without documents); nothing on CPU, where there is one kernel."""
+    import contextlib
+
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(sdpa_backends(family_on(asked, device)), set_priority=True)
+
+
+def sdpa_backends(kernel: str) -> list:
+    """torch SDPA's backends in the order the kernel family wants them (Ulysses' one whole-sequence call, which
+    torch's own dispatcher serves): cuDNN first for "cudnn", and not at all otherwise."""
+    from torch.nn.attention import SDPBackend
+
+    flash_first = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return [SDPBackend.CUDNN_ATTENTION, *flash_first] if kernel == "cudnn" else flash_first
+
+
+def activate_flash_implementation(kernel: str) -> None:
+    """Re-registers torch's CUDA flash ops with FA3/FA4 (process-wide, once per rank at setup) for "fa3"/"fa4"."""
+    if kernel in FLASH_IMPLEMENTATIONS:
+        import torch.nn.attention as attention
+
+        name = FLASH_IMPLEMENTATIONS[kernel][0]
+        if attention.current_flash_attention_impl() != name:
+            attention.activate_flash_attention_impl(name)
 
 
 def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, needs_mask: bool, *, prefer: str = "flash"):
     """CPU flash on CPU; on CUDA flash for half precision without a mask (head dim a multiple of 8, at most 256),
     else memory-efficient. `prefer="cudnn"` takes cuDNN's fused attention (CudnnBlock, about twice flash's speed
-    on Hopper) wherever it serves the case, and the same choice as "flash" elsewhere."""
-    if prefer not in KERNEL_PREFERENCES:
-        raise Refusal(f"attention kernel preference {prefer!r} is none of {KERNEL_PREFERENCES}")
+    on Hopper) wherever it serves the case, and the same choice as "flash" elsewhere; "fa3"/"fa4" are the flash
+    ops (re-registered by `activate_flash_implementation`)."""
+    if prefer not in CONCRETE_KERNELS:
+        raise Refusal(f"attention kernel {prefer!r} is none of {CONCRETE_KERNELS} (resolve 'auto' with "
+                      "concrete_kernel first)")
     if device_type == "cpu":
         return CpuFlashBlock()
     if device_type == "cuda":
@@ -231,5 +339,6 @@ def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, needs_mask: 
     raise Refusal(f"ring attention has no block kernel for device {device_type!r} (CPU and CUDA only)")
 
 
-def choose_block_kernel(q: torch.Tensor, needs_mask: bool):
-    return kernel_for(q.device.type, q.dtype, q.size(-1), needs_mask)
+def choose_block_kernel(q: torch.Tensor, needs_mask: bool, kernel: str = "flash"):
+    """The block kernel for `q`'s device, dtype and head dim under the run's concrete kernel family."""
+    return kernel_for(q.device.type, q.dtype, q.size(-1), needs_mask, prefer=kernel)

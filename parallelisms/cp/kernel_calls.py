@@ -20,7 +20,9 @@ if TYPE_CHECKING:  # annotations only: this floor imports no accumulator or spec
 
 
 def uses_varlen(q: torch.Tensor, pieces: list[Piece]) -> bool:
-    """CUDA flash (fp16/bf16, head dim it serves) and a block cut into single-row pieces (documents)."""
+    """CUDA flash (fp16/bf16, head dim it serves) and a block cut into single-row pieces (documents). Whatever the
+    kernel family, documents take the flash ops' varlen calls (FA2, or FA3/FA4 when activated): cuDNN's varlen
+    backward is broken in torch 2.11 (kernel_blocks.py)."""
     if not pieces or q.device.type != "cuda":
         return False
     if not isinstance(choose_block_kernel(q, needs_mask=False), CudaFlashBlock):
@@ -33,27 +35,32 @@ def rows_of(x: torch.Tensor, batch: slice, rows: slice) -> torch.Tensor:
     return x[batch, :, rows]
 
 
-def block_forward(q, k_blk, v_blk, piece: Piece, scale):
+def block_forward(q, k_blk, v_blk, piece: Piece, scale, kernel: str = "flash"):
     """(out, lse, kernel auxiliaries) of `piece`'s query rows against its K/V rows (no mask: pieces are full
-    rectangles or causal squares)."""
+    rectangles or causal squares), on the block kernel of the run's kernel family `kernel` (kernel_blocks.py)."""
     qs = rows_of(q, piece.batch, piece.q_rows)
     ks, vs = rows_of(k_blk, piece.batch, piece.kv_rows), rows_of(v_blk, piece.batch, piece.kv_rows)
-    kernel = choose_block_kernel(q, needs_mask=False)
-    return kernel.forward(qs, ks, vs, is_causal=piece.is_causal, scale=scale, mask=None)
+    block = choose_block_kernel(q, needs_mask=False, kernel=kernel)
+    return block.forward(qs, ks, vs, is_causal=piece.is_causal, scale=scale, mask=None)
 
 
-def block_backward(dout, q, k_blk, v_blk, out, lse, aux, piece: Piece, scale):
+def block_backward(dout, q, k_blk, v_blk, out, lse, aux, piece: Piece, scale, kernel: str = "flash"):
     """(dQ, dK, dV) of one piece against the FINAL out and lse (as `lse_for_backward` prepared it)."""
     b, rows, kv_rows = piece.batch, piece.q_rows, piece.kv_rows
-    kernel = choose_block_kernel(q, needs_mask=False)
-    return kernel.backward(rows_of(dout, b, rows), rows_of(q, b, rows), rows_of(k_blk, b, kv_rows),
+    block = choose_block_kernel(q, needs_mask=False, kernel=kernel)
+    return block.backward(rows_of(dout, b, rows), rows_of(q, b, rows), rows_of(k_blk, b, kv_rows),
                            rows_of(v_blk, b, kv_rows), rows_of(out, b, rows), lse[b, :, rows], aux,
                            is_causal=piece.is_causal, scale=scale, mask=None)
 
 
 def varlen_calls(spec: BlockSpec, pieces: list[Piece], device: torch.device):
-    """The varlen calls of one block's pieces, planned once per batch (cached with the document shards)."""
-    return spec.docs.cached(("varlen", id(pieces), str(device)), lambda: plan_calls(pieces, device))
+    """The varlen calls of one block's pieces: moved with the batch's plan when the data workers made one, else
+    planned here once per batch (cached with the document shards)."""
+    def build():
+        planned = spec.docs.planned_varlen_calls(pieces, device)
+        return planned if planned is not None else plan_calls(pieces, device)
+
+    return spec.docs.cached(("varlen", id(pieces), str(device)), build)
 
 
 def forward_pieces(q, k_blk, v_blk, pieces: list[Piece], spec: BlockSpec, acc: LseAccumulator,
@@ -64,7 +71,7 @@ def forward_pieces(q, k_blk, v_blk, pieces: list[Piece], spec: BlockSpec, acc: L
         forward_calls(q, k_blk, v_blk, varlen_calls(spec, pieces, q.device), spec.scale, acc, auxes)
         return
     for piece in pieces:
-        out, lse, aux = block_forward(q, k_blk, v_blk, piece, spec.scale)
+        out, lse, aux = block_forward(q, k_blk, v_blk, piece, spec.scale, spec.kernel)
         auxes.append(aux)
         acc.merge(out, lse, piece)
 
@@ -78,7 +85,7 @@ def backward_pieces(dout, q, k_blk, v_blk, out, lse, aux_iter, pieces: list[Piec
                               spec.scale, dq)
     kv_grads = []
     for piece in pieces:
-        gq, gk, gv = block_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), piece, spec.scale)
+        gq, gk, gv = block_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), piece, spec.scale, spec.kernel)
         dq.add(gq, piece.batch, piece.q_rows)
         kv_grads.append((piece, gk, gv))
     return kv_grads

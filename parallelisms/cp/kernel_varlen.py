@@ -18,7 +18,9 @@ and the backward wants that same (Hq, total_q) log-sum-exp and returns dK/dV in 
 
 Rows are addressed by (batch row, sequence row) index pairs on the device: one gather (`x.transpose(1, 2)[b, l]`) and
 one scatter (`index_put_`) per tensor, whatever the memory layout of the (B, H, L, D) tensor. The plan of a block
-(indices, offsets, longest sequences) is built once per batch on the host and cached with the document shards.
+(indices, offsets, longest sequences) is built once per batch on the host: in the data workers with the batch's plan
+(plan_host.RankPlan, moved with the batch in one non_blocking copy), else at the first layer; either way it is cached
+with the document shards.
 CPU has no varlen kernel: it keeps the per-piece calls (kernel_calls.block_forward / block_backward); kernel_calls.uses_varlen
 chooses.
 """
@@ -60,22 +62,48 @@ def _ranges(starts: list[int], ends: list[int]) -> np.ndarray:
     return np.arange(lengths.sum(), dtype=np.int64) + offsets
 
 
-def _sequences(pieces: list[Piece], causal: bool) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
-    """(batch row, q start, q end, key row ranges) per sequence: causal squares one each, full rectangles fused by
-    (batch row, query rows)."""
+def _sequences(rows: list[tuple], causal: bool) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
+    """(batch row, q start, q end, key row ranges) per sequence from piece rows (batch, q_start, q_end, kv_start,
+    kv_end, causal): causal squares one each, full rectangles fused by (batch row, query rows)."""
     fused: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-    for p in pieces:
-        if p.is_causal != causal:
+    for b, qa, qb, ka, kb, is_causal in rows:
+        if bool(is_causal) != causal:
             continue
-        key = (p.batch.start, p.q_rows.start, p.q_rows.stop)
+        key = (b, qa, qb)
         if causal:
-            fused[key] = [(p.kv_rows.start, p.kv_rows.stop)]
+            fused[key] = [(ka, kb)]
         else:
-            fused.setdefault(key, []).append((p.kv_rows.start, p.kv_rows.stop))
+            fused.setdefault(key, []).append((ka, kb))
     return [(b, qa, qb, keys) for (b, qa, qb), keys in fused.items()]
 
 
-def _call(seqs, causal: bool, device) -> VarlenCall:
+@dataclass(frozen=True)
+class HostCall:
+    """One varlen call's indices on the host: made per batch where the plan is made (the data workers, with
+    plan_host.RankPlan, which moves them with the batch), or at the first layer without a plan."""
+    is_causal: bool
+    q_batch: np.ndarray  # (total_q,) int64, as the other three index arrays
+    q_rows: np.ndarray
+    k_batch: np.ndarray
+    k_rows: np.ndarray
+    cum_q: np.ndarray  # (n + 1,) int32
+    cum_k: np.ndarray
+    max_q: int
+    max_k: int
+
+    @property
+    def index_parts(self) -> tuple[np.ndarray, ...]:
+        """The four int64 index arrays, in VarlenCall's order."""
+        return self.q_batch, self.q_rows, self.k_batch, self.k_rows
+
+    def on_device(self, index_views, cum_views) -> "VarlenCall":
+        """The call over device tensors holding `index_parts` and (cum_q, cum_k), already moved."""
+        qb, qr, kb, kr = index_views
+        return VarlenCall(self.is_causal, qb, qr, kb, kr, *cum_views, self.max_q, self.max_k,
+                          (self.q_batch, self.q_rows))
+
+
+def _host_call(seqs, causal: bool) -> HostCall:
     q_len = [qb - qa for _, qa, qb, _ in seqs]
     k_len = [sum(e - s for s, e in keys) for *_, keys in seqs]
     q_rows = _ranges([qa for _, qa, _, _ in seqs], [qb for _, _, qb, _ in seqs])
@@ -83,23 +111,36 @@ def _call(seqs, causal: bool, device) -> VarlenCall:
     k_rows = _ranges([s for s, _ in k_ranges], [e for _, e in k_ranges])
     q_batch = np.repeat(np.asarray([b for b, *_ in seqs], dtype=np.int64), q_len)
     k_batch = np.repeat(np.asarray([b for b, *_ in seqs], dtype=np.int64), k_len)
-    cum = [np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (q_len, k_len)]
-    host = np.stack([q_batch, q_rows, k_batch, k_rows]) if q_batch.size == k_batch.size else None
-    if host is not None:  # one host-to-device copy for the four index arrays when they have one length
-        qb, qr, kb, kr = torch.from_numpy(host).to(device)
-    else:
-        qb, qr, kb, kr = (torch.from_numpy(a).to(device) for a in (q_batch, q_rows, k_batch, k_rows))
-    cum_q, cum_k = (torch.from_numpy(c).to(device) for c in cum)
-    return VarlenCall(causal, qb, qr, kb, kr, cum_q, cum_k, max(q_len), max(k_len), (q_batch, q_rows))
+    cum_q, cum_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (q_len, k_len))
+    return HostCall(causal, q_batch, q_rows, k_batch, k_rows, cum_q, cum_k,
+                    max(q_len), max(k_len))
+
+
+def host_calls(rows: list[tuple]) -> list[HostCall]:
+    """At most two calls (causal squares, then fused full rectangles) of one block's single-row pieces, given as
+    rows (batch, q_start, q_end, kv_start, kv_end, causal)."""
+    calls = []
+    for causal in (True, False):
+        seqs = _sequences(rows, causal)
+        if seqs:
+            calls.append(_host_call(seqs, causal))
+    return calls
+
+
+def piece_rows(pieces: list[Piece]) -> list[tuple]:
+    return [(p.batch.start, p.q_rows.start, p.q_rows.stop, p.kv_rows.start, p.kv_rows.stop, p.is_causal)
+            for p in pieces]
 
 
 def plan_calls(pieces: list[Piece], device) -> list[VarlenCall]:
-    """At most two calls (causal squares, then fused full rectangles) for one block's single-row pieces."""
+    """The calls of one block's pieces planned here, at the first layer (no batch plan): their indices copied to
+    `device` now, one copy for the four index arrays and one per offset array."""
     calls = []
-    for causal in (True, False):
-        seqs = _sequences(pieces, causal)
-        if seqs:
-            calls.append(_call(seqs, causal, device))
+    for host in host_calls(piece_rows(pieces)):
+        index = torch.from_numpy(np.stack(host.index_parts)).to(device) if host.q_batch.size == host.k_batch.size \
+            else [torch.from_numpy(a).to(device) for a in host.index_parts]
+        calls.append(host.on_device(tuple(index), tuple(torch.from_numpy(c).to(device)
+                                                         for c in (host.cum_q, host.cum_k))))
     return calls
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from parallelisms.cp.kernel_varlen import HostCall, host_calls
 from parallelisms.cp.plan_layout import plan_row
 
 PIECE_COLUMNS = ("batch", "q_start", "q_end", "kv_start", "kv_end", "causal")
@@ -115,10 +116,15 @@ class RankPlan:
     """send_rows[dst]: flat rows of this rank's K/V that dst reads (empty for dst == rank)."""
     pair_rows: np.ndarray
     """(R, R) int64: rows rank r reads of rank s's K/V (0 on the diagonal): which shifts carry anything."""
+    varlen: list[list[HostCall]] = field(default_factory=list)
+    """varlen[src]: the CUDA varlen calls of pieces[src] (kernel_varlen.py), their indices moved with the rows."""
     device_rows: dict = field(default_factory=dict)
+    device_calls: dict = field(default_factory=dict)
+    """{device: varlen calls per source on that device}, set by `to`: the first layer copies nothing to the GPU."""
 
     @classmethod
-    def build(cls, ids: np.ndarray, positions: np.ndarray, rank: int) -> "RankPlan":
+    def build(cls, ids: np.ndarray, positions: np.ndarray, rank: int, varlen: bool = True) -> "RankPlan":
+        """`varlen`: also plan the CUDA varlen calls of every source's pieces (a CPU run has no use for them)."""
         ranks, _, local_len = ids.shape
         seg = Segments.of(ids, positions)
         read = readers(seg, ranks, True)
@@ -131,30 +137,65 @@ class RankPlan:
         recv = [rows_of(seg, np.flatnonzero(read[rank] & (seg.rank == s)), local_len) for s in range(ranks)]
         send = [rows_of(seg, np.flatnonzero(read[d] & mine), local_len) for d in range(ranks)]
         pieces = [pieces_between(seg, rank, s, True) for s in range(ranks)]
-        return cls(ranks, rank, pieces, recv, send, pair_rows)
+        calls = [host_calls(p.tolist()) for p in pieces] if varlen else []
+        return cls(ranks, rank, pieces, recv, send, pair_rows, calls)
+
+    def _int64_parts(self) -> list[np.ndarray]:
+        return self.recv_rows + self.send_rows + [a for calls in self.varlen for c in calls for a in c.index_parts]
+
+    def _int32_parts(self) -> list[np.ndarray]:
+        return [a for calls in self.varlen for c in calls for a in (c.cum_q, c.cum_k)]
 
     @property
     def flat_rows(self) -> torch.Tensor:
-        """Every receive then send row list in one int64 tensor (made once, in the worker; pinned with the batch)."""
+        """Every receive then send row list, then the varlen calls' indices, in one int64 tensor (made once, in the
+        worker; pinned with the batch)."""
         if "flat" not in self.device_rows:
-            parts = self.recv_rows + self.send_rows
-            self.device_rows["flat"] = torch.from_numpy(np.concatenate(parts).astype(np.int64))
+            self.device_rows["flat"] = torch.from_numpy(np.concatenate(self._int64_parts()).astype(np.int64))
         return self.device_rows["flat"]
+
+    @property
+    def flat_offsets(self) -> torch.Tensor:
+        """The varlen calls' int32 sequence offsets in one tensor (made once, in the worker; pinned with the batch)."""
+        if "flat32" not in self.device_rows:
+            parts = self._int32_parts()
+            self.device_rows["flat32"] = torch.from_numpy(
+                np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, dtype=np.int32))
+        return self.device_rows["flat32"]
 
     def pin_memory(self) -> "RankPlan":
         self.device_rows["flat"] = self.flat_rows.pin_memory()
+        self.device_rows["flat32"] = self.flat_offsets.pin_memory()
         return self
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "RankPlan":
-        """The exchange rows as device tensors, in one host-to-device copy (views into it afterwards)."""
+        """The exchange rows and the varlen calls' indices as device tensors, in two host-to-device copies (views
+        into them afterwards)."""
         moved = self.flat_rows.to(device, non_blocking=non_blocking)
-        views, at = [], 0
-        for part in self.recv_rows + self.send_rows:
-            views.append(moved[at:at + part.size])
-            at += part.size
-        plan = RankPlan(self.ranks, self.rank, self.pieces, self.recv_rows, self.send_rows, self.pair_rows)
-        plan.device_rows[str(torch.device(device))] = (views[:self.ranks], views[self.ranks:])
+        moved32 = self.flat_offsets.to(device, non_blocking=non_blocking)
+        views64, views32 = _views(moved, self._int64_parts()), _views(moved32, self._int32_parts())
+        plan = RankPlan(self.ranks, self.rank, self.pieces, self.recv_rows, self.send_rows, self.pair_rows,
+                        self.varlen)
+        key = str(moved.device)
+        plan.device_rows[key] = (views64[:self.ranks], views64[self.ranks:2 * self.ranks])
+        calls, at, at32 = [], 2 * self.ranks, 0
+        for host in self.varlen:
+            calls.append([])
+            for call in host:
+                calls[-1].append(call.on_device(tuple(views64[at:at + 4]), tuple(views32[at32:at32 + 2])))
+                at, at32 = at + 4, at32 + 2
+        if self.varlen:
+            plan.device_calls[key] = calls
         return plan
+
+
+def _views(flat: torch.Tensor, parts: list[np.ndarray]) -> list[torch.Tensor]:
+    """Consecutive views of `flat`, one per part, with the parts' sizes."""
+    views, at = [], 0
+    for part in parts:
+        views.append(flat[at:at + part.size])
+        at += part.size
+    return views
 
 
 @dataclass
@@ -173,19 +214,22 @@ class BatchPlan:
     """This rank's (B, S / P) positions on the run's device (set by `to`)."""
 
     @classmethod
-    def build(cls, document_ids: np.ndarray, cp_size: int, cp_rank: int, cp_impl: str = "ring") -> "BatchPlan":
-        """From (B, S) numpy ids: the layout (plan_layout.plan_row per row) and the variant's rank plan."""
+    def build(cls, document_ids: np.ndarray, cp_size: int, cp_rank: int, cp_impl: str = "ring",
+              varlen: bool = True) -> "BatchPlan":
+        """From (B, S) numpy ids: the layout (plan_layout.plan_row per row) and the variant's rank plan (with the
+        CUDA varlen calls' indices when `varlen`)."""
         positions = np.stack([plan_row(row, cp_size) for row in document_ids], axis=1)
         ids = np.take_along_axis(document_ids[None], positions, axis=2)
         plan = cls(torch.from_numpy(positions), torch.from_numpy(ids), cp_rank)
         if cp_impl in ("ring", "allgather", "auto"):
-            plan.ring = RankPlan.build(ids, positions, cp_rank)
+            plan.ring = RankPlan.build(ids, positions, cp_rank, varlen)
         elif cp_impl == "ulysses":
             concat = lambda x: np.concatenate(list(x), axis=1)[None]  # noqa: E731 (rank order, one shard)
-            plan.ulysses = RankPlan.build(concat(ids), concat(positions), 0)
+            plan.ulysses = RankPlan.build(concat(ids), concat(positions), 0, varlen)
         for rank_plan in (plan.ring, plan.ulysses):
             if rank_plan is not None:
                 rank_plan.flat_rows  # noqa: B018 (made here, in the worker, not on the training thread)
+                rank_plan.flat_offsets  # noqa: B018
         return plan
 
     def pin_memory(self) -> "BatchPlan":

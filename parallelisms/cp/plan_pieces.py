@@ -201,9 +201,17 @@ class DocumentShards:
         if key not in self._pieces and self._planned(rank, src, is_causal) and rank == self.rank_plan.rank:
             self._pieces[key] = [Piece(slice(b, b + 1), slice(q0, q1), slice(k0, k1), bool(c))
                                  for b, q0, q1, k0, k1, c in self.rank_plan.pieces[src].tolist()]
+            self._pieces[("planned source", id(self._pieces[key]))] = src
         if key not in self._pieces:
             self._pieces[key] = segment_pieces(self.segments(rank), self.segments(src), rank == src, is_causal)
         return self._pieces[key]
+
+    def planned_varlen_calls(self, pieces: list[Piece], device: torch.device) -> list | None:
+        """The varlen calls of `pieces` moved to `device` with the batch's plan (plan_host.RankPlan.to), when these
+        are the plan's pieces; None otherwise (kernel_calls then plans them at the first layer)."""
+        src = self._pieces.get(("planned source", id(pieces)))
+        moved = self.rank_plan.device_calls.get(str(device)) if self.rank_plan is not None else None
+        return None if src is None or moved is None else moved[src]
 
     def visible_rows(self, rank: int, src: int, is_causal: bool) -> torch.Tensor:
         """Flat (batch * L + row) indices, increasing, of `src`'s K/V rows that `rank`'s pieces read (int64, host)."""

@@ -27,11 +27,14 @@ class CpCase:
     kv_heads: int
     dtype: str
     documents: bool
+    kernel: str = "auto"
+    """The kernel family (parallelisms/cp/kernel_blocks.py): auto is cuDNN on Hopper for dense bf16 blocks."""
 
     def __str__(self) -> str:
         docs = "-docs" if self.documents else ""
+        kernel = "" if self.kernel == "auto" else f"-{self.kernel}"
         return (f"{self.variant}-{self.balancer}-{'causal' if self.is_causal else 'full'}-kv{self.kv_heads}-"
-                f"{self.dtype}{docs}")
+                f"{self.dtype}{docs}{kernel}")
 
 
 def tolerance(device_type: str, dtype: str) -> float:
@@ -44,7 +47,8 @@ def tolerance(device_type: str, dtype: str) -> float:
 
 def cp_cases(size: int, thorough: bool) -> list[CpCase]:
     """Every variant that runs at this degree (hybrid: 2 x 2 at CP=4). `thorough` (the GPU tier): each distinct
-    CUDA path of each variant once, in 5 cases: varlen flash (bf16, documents), dense flash causal and full (bf16),
+    CUDA path of each variant once, in 6 cases: varlen flash (bf16, documents), dense causal and full (bf16: cuDNN on
+    Hopper, flash elsewhere), dense causal again on FlashAttention-2 (kernel "flash"),
     the efficient kernel with documents and full (fp32), each layout the variant takes, GQA and plain heads, and for
     Ulysses every K/V head count (K/V replication below the degree). The full product of those options (112 cases at
     CP 2, 160 at CP 4) ran past the GPU tier's per-test limit; the CPU tiers cover the rest of it. Otherwise one
@@ -61,7 +65,8 @@ def cp_cases(size: int, thorough: bool) -> list[CpCase]:
                       CpCase(variant, b1, True, middle, "bfloat16", False),
                       CpCase(variant, b0, False, most, "bfloat16", False),
                       CpCase(variant, b1, True, fewest, "float32", True),
-                      CpCase(variant, b0, False, middle, "float32", False)]
+                      CpCase(variant, b0, False, middle, "float32", False),
+                      CpCase(variant, b1, True, middle, "bfloat16", False, kernel="flash")]  # FA2 where auto is cuDNN
         else:
             cases += [CpCase(variant, b0, True, fewest, "float32", True),
                       CpCase(variant, b1, False, most, "bfloat16", False)]
@@ -117,7 +122,8 @@ def run_cp_case(group, device: torch.device, case: CpCase, seed: int = 0) -> lis
 
     local = [shard(t).to(device).contiguous().requires_grad_() for t in (q, k, v)]
     out = attention_for(case.variant, group)(*local, group, is_causal=case.is_causal, load_balancer=case.balancer,
-                                      document_ids=None if docs is None else shard(docs, 1).to(device))
+                                      document_ids=None if docs is None else shard(docs, 1).to(device),
+                                      kernel=case.kernel)
     out.backward(shard(grad_out).to(device))
     assert out.dtype == q.dtype and out.device.type == device.type
     errors = []

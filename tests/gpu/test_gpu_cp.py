@@ -59,4 +59,6 @@ def test_cp_case_plans_cover_every_variant_and_path():
     assert {(c.dtype, c.documents, c.is_causal) for c in thorough} >= {("float32", True, True),
                                                                       ("bfloat16", False, False)}
     assert {c.variant for c in cp_cases(2, thorough=True)} == {"ring", "allgather", "ulysses"}
+    assert {(c.variant, c.kernel) for c in thorough if c.dtype == "bfloat16" and not c.documents} == {
+        (v, k) for v in VARIANTS for k in ("auto", "flash")}  # cuDNN and FlashAttention-2 on a Hopper GPU
     assert len(cp_cases(4, thorough=False)) == 2 * len(VARIANTS)

@@ -10,12 +10,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import parallelisms.cp.kernel_calls as cp_toolkit
 import parallelisms.cp.exchange_ring as ring_attention
 from parallelisms.cp.exchange_alltoall import concatenated_documents
+from parallelisms.cp.plan_host import BatchPlan
 from parallelisms.cp.plan_layout import DocumentLayout
 from parallelisms.cp.attention import local_segment_attention
+from parallelisms.cp.block_spec import BlockSpec
+from parallelisms.cp.exchange_ring_sparse import sparse_backward, sparse_forward
+from parallelisms.cp.layouts import DOCUMENTS
 from parallelisms.cp.plan_pieces import DocumentShards
 from parallelisms.cp.kernel_varlen import plan_calls
 from tests.parallelisms.attention_reference import relative_error
@@ -48,11 +53,18 @@ def _reference(q, k, v, ids, positions):
     return torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ v
 
 
-def test_varlen_blocks_are_exact_against_a_float64_per_document_reference(monkeypatch):
+@pytest.mark.parametrize("planned", [False, True], ids=["planned-at-first-layer", "moved-with-the-batch-plan"])
+def test_varlen_blocks_are_exact_against_a_float64_per_document_reference(monkeypatch, planned):
+    """planned: the varlen calls' indices come from the data workers' BatchPlan, moved with the batch."""
     row = _row(192, seed=1)
-    docs = _gathered_documents(row, cp=4)
+    if planned:
+        plan = BatchPlan.build(row.numpy(), 4, 0, "ulysses").to("cpu")
+        docs = concatenated_documents(DocumentShards.from_plan(plan))
+    else:
+        docs = _gathered_documents(row, cp=4)
     pieces = docs.layout_pieces(0, 0, True)
-    calls = plan_calls(pieces, torch.device("cpu"))
+    calls = docs.planned_varlen_calls(pieces, torch.device("cpu")) if planned else plan_calls(pieces, "cpu")
+    assert calls is not None
     assert [c.is_causal for c in calls] == [True, False]  # squares in one call, rectangles in the other
     assert any(len(set(zip(*[t.tolist() for t in (c.k_batch, c.k_rows)]))) < c.k_rows.numel() for c in calls)
     for name in ("uses_varlen",):  # CPU has no varlen kernel: route through the varlen code with the stand-in
@@ -111,6 +123,35 @@ def test_every_flash_call_fits_its_schema_on_fake_cuda(fake_cuda, impl):
     assert counter.attention_calls and counter.syncs == 0
     for func, args, kwargs, result in counter.attention_calls:
         _check_flash_call(func, args, kwargs, result, heads=8, kv_heads=2)
+
+
+@pytest.mark.parametrize("cp", [16, 64])
+def test_with_the_batch_plan_no_layer_copies_anything_to_the_gpu_at_1m_tokens(fake_cuda, cp):
+    """The data workers' plan carries the exchange rows and the varlen calls' indices (moved with the batch in
+    non_blocking copies), so neither the first layer of a micro-step nor a later one makes a host-to-device copy:
+    each pageable one would block the host until the GPU drained its queue. Without a plan the first layer plans
+    and copies (the counter sees those copies), later layers reuse its cache."""
+    ids = probe.web_like_row(1 << 20)
+    plan = BatchPlan.build(ids[None], cp, 0, "ring")
+    row = torch.from_numpy(ids)[None]
+    copies = {}
+    for planned in (True, False):
+        docs = None if planned else DocumentShards.from_layout(row, DocumentLayout.plan(row, cp))
+        if docs is not None:
+            docs.pair_rows(True)  # the host planning the layers would do (on real tensors: fake ones hold no values)
+        with probe.fake_group(cp, 0) as group, FakeTensorMode(allow_non_fake_inputs=True):
+            if planned:  # what step.move_batch does with the plan the data workers made
+                docs = DocumentShards.from_plan(plan.to(torch.device("cuda", 0), non_blocking=True))
+            q, k, v = probe._qkv(1, (1 << 20) // cp, 8, 2, 64, torch.bfloat16)
+            spec = BlockSpec(group, True, None, DOCUMENTS, docs, None, 0, "flash")
+            for layer in ("first", "later"):
+                counter = probe.LaunchCounter()
+                with counter:
+                    probe.run_layer(sparse_forward, sparse_backward, q, k, v, spec)
+                assert counter.attention > 0
+                copies[(planned, layer)] = counter.host_to_device
+    assert copies[(True, "first")] == copies[(True, "later")] == 0, copies
+    assert copies[(False, "first")] > 4 * cp and copies[(False, "later")] == 0, copies
 
 
 @pytest.mark.parametrize("cp", [16, 64])

@@ -42,3 +42,24 @@ def test_documents_stage_counts_launches_syncs_and_both_gqa_peaks():
     assert fields["peak_device_gib_per_rank_cuda_path"] >= 1.0
     assert fields["peak_device_gib_per_rank_cuda_path_gqa_expanded"] >= fields["peak_device_gib_per_rank_cuda_path"]
     assert numbers["attention_transient_gib_cuda_gqa_expanded"] > numbers["attention_transient_gib_cuda"]
+
+
+def test_hopper_stages_run_cudnn_and_a100_stages_flash_on_the_dense_layouts():
+    """The kernel the trainer would pick on the recipe's accelerator (auto: cuDNN from SM 9.0), counted on fake CUDA:
+    on H100/H200 the dense ring makes no FlashAttention-2 call, on A100 no cuDNN call; an explicit choice wins."""
+    base = ["--parallelism.cp", "4", "--parallelism.dp_shard", "1", "--training.seq_len", "4096",
+            "--training.dtype", "bfloat16", "--model.n_kv_heads", "2"]
+    cases = [("zigzag", "h100-sxm", "auto", "cudnn"), ("contiguous", "h200", "auto", "cudnn"),
+             ("zigzag", "a100-80gb", "auto", "flash"), ("contiguous", "a100-40gb", "auto", "flash"),
+             ("zigzag", "h100-sxm", "flash", "flash")]
+    for layout, accel, asked, expected in cases:
+        numbers, fields = _in_fresh_process(_stage_numbers, base + [
+            "--parallelism.cp_load_balancer", layout, "--hardware.accelerator", accel,
+            "--parallelism.attention_kernel", asked])
+        if "cuda_path" in numbers:
+            assert numbers["cuda_path"].startswith("not measured")
+            return
+        by_kernel = numbers["attention_calls_by_kernel"]
+        assert fields["attention_kernel"] == numbers["attention_kernel"] == expected, (layout, accel, numbers)
+        assert set(by_kernel) == {expected}, (layout, accel, by_kernel)
+        assert by_kernel[expected] == numbers["attention_kernel_calls_per_layer"] > 0

@@ -27,6 +27,13 @@ FA2_H100 = {
 non-causal ratio at the same length (the same tiles skipped); head dims without a row use the nearest one scaled by
 the backward's head-dim ratio (64 vs 128)."""
 
+CUDNN_VS_FA2_HOPPER = {"fwd": 0.96 / 0.48, "bwd": 2.37 / 1.42}
+"""cuDNN's fused attention (its sm90 wgmma kernels, what torch 2.11's SDPA runs on Hopper) against PyTorch's
+FlashAttention-2 on the same call, per phase: measured on one H100 80GB SXM at 700 W with torch 2.11 / CUDA 13, causal
+bf16, q (1, 16, 8192, 128) with 8 K/V heads (this project's issue 37): forward 0.48 vs 0.96 ms, backward 1.42 vs
+2.37 ms. Applied to the FlashAttention-2 table at every length and head dim (an assumption: one shape measured). A
+rates file measured on the device (issue 37) replaces it."""
+
 EFFICIENT_VS_FLASH = 0.5
 """The memory-efficient (cutlass, xFormers-derived) kernel, used for float32 attention (flash is fp16/bf16 only), at
 about half FlashAttention-2's rate: Dao 2023, "FlashAttention-2", arXiv 2307.08691, Fig. 4-5 (xFormers cutlass vs
@@ -85,6 +92,8 @@ class AcceleratorSpec:
     """NCCL-tests across nodes, one 400G (NDR) / 200G (HDR) NIC per GPU: 40-46 GB/s of 50 (NDR)."""
     pcie_fraction: tuple[float, float] = (0.75, 0.85)
     """CUDA bandwidthTest pinned host<->device: ~48-55 GB/s on PCIe Gen5 x16 (64 GB/s), ~24-27 on Gen4 (32)."""
+    compute_capability: tuple[int, int] = (9, 0)
+    """CUDA compute capability: picks the attention kernel the trainer would (parallelisms/cp/kernel_blocks.py)."""
     notes: str = field(default="", compare=False)
 
 
@@ -110,19 +119,26 @@ ACCELERATORS = {
     "a100-80gb": AcceleratorSpec(
         "a100-80gb", bf16_flops=312e12, hbm_bytes_per_s=2.039e12, nvlink_bytes_per_s=300e9, ib_bytes_per_s=25e9,
         pcie_bytes_per_s=32e9, memory_gib=80.0, host_memory_gib_per_node=1024.0, gemm_fraction=(0.74, 0.87),
-        flash_scale=0.312 / 0.989 * (0.73 / 0.374),
+        flash_scale=0.312 / 0.989 * (0.73 / 0.374), compute_capability=(8, 0),
         notes="A100 SXM4 80GB: 312 TFLOP/s bf16, HBM2e 2.04 TB/s, NVLink 3 600 GB/s both directions, HDR 200 "
         "Gb/s, PCIe Gen4. FlashAttention-2 reaches up to 73% of the A100's peak forward (Dao 2023, Fig. 4) vs "
         "37.4% (370 of 989) on the H100: the H100 table scaled by that ratio"),
     "a100-40gb": AcceleratorSpec(
         "a100-40gb", bf16_flops=312e12, hbm_bytes_per_s=1.555e12, nvlink_bytes_per_s=300e9, ib_bytes_per_s=25e9,
         pcie_bytes_per_s=32e9, memory_gib=40.0, host_memory_gib_per_node=1024.0, gemm_fraction=(0.74, 0.87),
-        flash_scale=0.312 / 0.989 * (0.73 / 0.374), notes="A100 SXM4 40GB: as the 80GB, HBM2 1.56 TB/s"),
+        flash_scale=0.312 / 0.989 * (0.73 / 0.374), compute_capability=(8, 0), notes="A100 SXM4 40GB: as the 80GB, HBM2 1.56 TB/s"),
 }
 
 
 def accelerator(name: str) -> AcceleratorSpec:
     return ACCELERATORS[name]
+
+
+def attention_rate(spec: AcceleratorSpec, kernel: str, phase: str, head_dim: int, causal: bool, length: float) -> float:
+    """FLOP/s of one call on the kernel family `kernel` (parallelisms/cp/kernel_blocks.py): FlashAttention-2's table,
+    times cuDNN's measured per-phase speed-up over it on Hopper for "cudnn"."""
+    rate = flash_rate(spec, phase, head_dim, causal, length)
+    return rate * CUDNN_VS_FA2_HOPPER[phase] if kernel == "cudnn" and spec.compute_capability >= (9, 0) else rate
 
 
 def flash_rate(spec: AcceleratorSpec, phase: str, head_dim: int, causal: bool, length: float) -> float:

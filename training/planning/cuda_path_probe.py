@@ -40,16 +40,21 @@ from parallelisms.cp.layouts import DOCUMENTS
 aten = torch.ops.aten
 WEB_LIKE = "web-like: document lengths lognormal(6.5, 1.0) tokens (median ~665), packed into one row"
 
-ATTENTION_OPS = {
-    aten._flash_attention_forward.default, aten._flash_attention_backward.default,
-    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_backward.default,
-    aten._efficient_attention_forward.default, aten._efficient_attention_backward.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_efficient_attention_backward.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_cudnn_attention_backward.default,
+KERNEL_OF_OP = {
+    aten._flash_attention_forward.default: "flash", aten._flash_attention_backward.default: "flash",
+    aten._scaled_dot_product_flash_attention.default: "flash",
+    aten._scaled_dot_product_flash_attention_backward.default: "flash",
+    aten._efficient_attention_forward.default: "efficient", aten._efficient_attention_backward.default: "efficient",
+    aten._scaled_dot_product_efficient_attention.default: "efficient",
+    aten._scaled_dot_product_efficient_attention_backward.default: "efficient",
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "cpu_flash",
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "cpu_flash",
+    aten._scaled_dot_product_cudnn_attention.default: "cudnn",
+    aten._scaled_dot_product_cudnn_attention_backward.default: "cudnn",
 }
+"""Every attention op the CP kernels call, by the kernel that runs it (flash: FlashAttention-2, or FA3/FA4 once
+activated; cudnn: cuDNN's fused attention)."""
+ATTENTION_OPS = set(KERNEL_OF_OP)
 
 
 GUARD_SOURCE = """#include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -88,7 +93,8 @@ class LaunchCounter(TorchDispatchMode):
 
     def __init__(self, record: bool = False):
         super().__init__()
-        self.ops = self.attention = self.syncs = 0
+        self.ops = self.attention = self.syncs = self.host_to_device = 0
+        self.by_kernel: dict[str, int] = {}  # attention calls per kernel (KERNEL_OF_OP)
         self.record = record
         self.attention_calls: list = []  # (op, args, kwargs, result) of every attention call when recording
 
@@ -97,9 +103,12 @@ class LaunchCounter(TorchDispatchMode):
         self.ops += 1
         if func is aten._local_scalar_dense.default or _device_to_host(func, args, kwargs):
             self.syncs += 1
+        if _host_to_device(func, args, kwargs):  # from pageable memory, each one waits for the queue to drain
+            self.host_to_device += 1
         result = func(*args, **kwargs)
         if func in ATTENTION_OPS:
             self.attention += 1
+            self.by_kernel[KERNEL_OF_OP[func]] = self.by_kernel.get(KERNEL_OF_OP[func], 0) + 1
             if self.record:
                 self.attention_calls.append((func, args, kwargs, result))
         return result
@@ -112,6 +121,15 @@ def _device_to_host(func, args, kwargs) -> bool:
     if func is aten.copy_.default:
         dst, src = args[0], args[1]
         return src.device.type == "cuda" and dst.device.type == "cpu"
+    return False
+
+
+def _host_to_device(func, args, kwargs) -> bool:
+    if func is aten._to_copy.default:
+        src, dst = args[0], kwargs.get("device")
+        return src.device.type == "cpu" and dst is not None and torch.device(dst).type == "cuda"
+    if func is aten.copy_.default:
+        return args[1].device.type == "cpu" and args[0].device.type == "cuda"
     return False
 
 
@@ -146,6 +164,8 @@ class LayerCounts:
     rank: int
     pieces: int
     """The mask-free pieces of the rank's layer (what the per-piece path would call, forward and again backward)."""
+    calls_by_kernel: dict | None = None
+    """The attention calls by kernel (flash, cudnn, efficient, cpu_flash)."""
 
 
 @contextlib.contextmanager
@@ -234,9 +254,10 @@ def run_layer(fwd, bwd, q, k, v, spec):
 
 def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtype=torch.bfloat16,
                   expand_gqa: bool = False, memory: bool = False, counter: LaunchCounter | None = None,
-                  head_groups: int = 0) -> LayerCounts:
+                  head_groups: int = 0, kernel: str = "flash") -> LayerCounts:
     """One layer's attention (forward + backward) of `rank` on fake CUDA tensors. `shape` = (batch, local length,
-    query heads, K/V heads, head dim) as this rank's attention sees them (Ulysses: the whole sequence, heads / P)."""
+    query heads, K/V heads, head dim) as this rank's attention sees them (Ulysses: the whole sequence, heads / P).
+    `kernel`: the kernel family the stage runs (cp/kernel_blocks.py, "auto" resolved)."""
     batch, length, heads, kv_heads, head_dim = shape
     cp = len(docs.per_rank)
     pieces = sum(len(docs.layout_pieces(rank, src, True)) for src in range(cp))
@@ -244,10 +265,10 @@ def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtyp
             FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = _qkv(batch, length, heads, kv_heads, head_dim, dtype)
         if impl == "ring":
-            spec, fwd, bwd = BlockSpec(group, True, None, DOCUMENTS, docs, None, head_groups), sparse_forward, \
-                sparse_backward
+            spec, fwd, bwd = BlockSpec(group, True, None, DOCUMENTS, docs, None, head_groups, kernel), \
+                sparse_forward, sparse_backward
         else:  # Ulysses / hybrid on documents: the ring's code at P = 1 over the gathered sequence
-            spec, fwd, bwd = BlockSpec(None, True, None, DOCUMENTS, docs, None, head_groups), ring_forward, \
+            spec, fwd, bwd = BlockSpec(None, True, None, DOCUMENTS, docs, None, head_groups, kernel), ring_forward, \
                 ring_backward
         tracker = MemTracker() if memory else contextlib.nullcontext()
         counter = counter or LaunchCounter()
@@ -256,7 +277,7 @@ def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtyp
                 (ExpandGqa() if expand_gqa else contextlib.nullcontext()):
             run_layer(fwd, bwd, q, k, v, spec)
         peak = total_bytes(tracker.get_tracker_snapshot("peak")) if memory else 0.0
-    return LayerCounts(counter.attention, counter.ops, counter.syncs, peak, rank, pieces)
+    return LayerCounts(counter.attention, counter.ops, counter.syncs, peak, rank, pieces, dict(counter.by_kernel))
 
 
 def total_bytes(snapshot: dict) -> float:

@@ -13,7 +13,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from parallelisms.cp.block_spec import BlockSpec
 from parallelisms.cp.exchange_ring import ring_backward, ring_forward
+from parallelisms.cp.kernel_blocks import concrete_kernel
 from parallelisms.cp.layouts import DOCUMENTS
+from training.planning.accelerators import accelerator
 from training.planning.cuda_path_probe import (ExpandGqa, FlashWorkspace, LaunchCounter, LayerCounts, fake_group,
                                       load_fake_cuda_guard, ring_counts, run_layer, total_bytes, ulysses_counts,
                                       web_like_row)
@@ -62,21 +64,31 @@ def _stage_shape(cfg, cp: int, tp: int, gathered: bool) -> tuple:
     return (1, cfg.training.seq_len // cp, heads, kv, m.head_dim)
 
 
-def _one_document_layer(cfg, cp: int, tp: int, device: str, expand_gqa: bool = False) -> LayerCounts:
-    """One layer's attention (forward + backward) on the row the dry run's step measures (one document, zigzag's
-    layout): the dense ring on fake `device` tensors, counted, with its transient peak (inputs excluded)."""
+def stage_kernel(cfg) -> str:
+    """The CP attention's kernel family on the recipe's accelerator ("auto": cuDNN from SM 9.0, i.e. H100/H200;
+    FlashAttention-2 on A100), as the trainer resolves it on the GPU itself."""
+    return concrete_kernel(cfg.parallelism.attention_kernel, "cuda",
+                           accelerator(cfg.hardware.accelerator).compute_capability)
+
+
+def _one_document_layer(cfg, cp: int, tp: int, device: str, expand_gqa: bool = False,
+                        kernel: str = "flash") -> LayerCounts:
+    """One layer's attention (forward + backward) on the row the dry run's step measures (one document, the recipe's
+    fixed layout, zigzag for the documents layout): the dense ring on fake `device` tensors, counted, with its
+    transient peak (inputs excluded)."""
     batch, length, heads, kv, head_dim = _stage_shape(cfg, cp, tp, gathered=False)
     dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
     with fake_group(cp, 0) as group, FakeTensorMode(allow_non_fake_inputs=True):
         make = lambda h: torch.empty(batch, length, h, head_dim, dtype=dtype, device=device).transpose(1, 2)  # noqa
         q, k, v = make(heads), make(kv), make(kv)
-        spec = BlockSpec(group if cp > 1 else None, True, None, "zigzag", None, None,
-                         cfg.parallelism.attention_head_groups)
+        layout = "zigzag" if cfg.parallelism.cp_load_balancer == DOCUMENTS else cfg.parallelism.cp_load_balancer
+        spec = BlockSpec(group if cp > 1 else None, True, None, layout, None, None,
+                         cfg.parallelism.attention_head_groups, kernel)
         with MemTracker() as tracker, FlashWorkspace(), LaunchCounter() as counter, \
                 (ExpandGqa() if expand_gqa else contextlib.nullcontext()):
             run_layer(ring_forward, ring_backward, q, k, v, spec)
             peak = total_bytes(tracker.get_tracker_snapshot("peak"))
-    return LayerCounts(counter.attention, counter.ops, counter.syncs, peak, 0, 0)
+    return LayerCounts(counter.attention, counter.ops, counter.syncs, peak, 0, 0, dict(counter.by_kernel))
 
 
 def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
@@ -91,23 +103,25 @@ def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
     dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
     gathered = p.cp_impl in ("ulysses", "hybrid") and cp > 1
     documents = cfg.data.document_masking and p.cp_load_balancer == DOCUMENTS
+    kernel = stage_kernel(cfg)
     counts = expanded_docs = None
     if documents and cp > 1:  # the documents row: counted, and its varlen transients measured both ways
         run = ulysses_counts if gathered else ring_counts
         shape = _stage_shape(cfg, cp, tp, gathered)
         groups = p.attention_head_groups
-        counts = run(ids, cp, shape, dtype=dtype, memory=True, head_groups=groups)
+        counts = run(ids, cp, shape, dtype=dtype, memory=True, head_groups=groups, kernel=kernel)
         expanded_docs = run(ids, cp, shape, dtype=dtype, memory=True, expand_gqa=True,
-                            head_groups=groups).transient_peak_bytes
+                            head_groups=groups, kernel=kernel).transient_peak_bytes
     cpu = _one_document_layer(cfg, cp, tp, "cpu").transient_peak_bytes
-    one_doc = _one_document_layer(cfg, cp, tp, "cuda")
-    expanded = _one_document_layer(cfg, cp, tp, "cuda", expand_gqa=True).transient_peak_bytes
+    one_doc = _one_document_layer(cfg, cp, tp, "cuda", kernel=kernel)
+    expanded = _one_document_layer(cfg, cp, tp, "cuda", expand_gqa=True, kernel=kernel).transient_peak_bytes
     unexpanded = one_doc.transient_peak_bytes
     if counts is None:  # one document per row as far as CP goes: the dense ring's (or one rank's) calls
         counts = one_doc
     else:
         unexpanded, expanded = max(unexpanded, counts.transient_peak_bytes), max(expanded, expanded_docs)
-    return {"attention_kernel_calls_per_layer": counts.attention_kernel_calls_per_layer,
+    return {"attention_kernel": kernel, "attention_calls_by_kernel": counts.calls_by_kernel,
+            "attention_kernel_calls_per_layer": counts.attention_kernel_calls_per_layer,
             "aten_ops_per_layer": counts.aten_ops_per_layer,
             "host_syncs_per_micro_step": counts.host_syncs_per_micro_step,
             "count_row": ("prepared stores" if lengths is not None else "web-like") if documents and cp > 1 else
@@ -127,15 +141,17 @@ def cuda_peak_gib(step_peak_gib: float, numbers: dict, expanded: bool = False) -
 
 def cuda_table(rows: list[tuple[str, float, dict]], usable_gib: float) -> str:
     """The dry run's second table: per stage (name, step peak GiB, stage_cuda_path's numbers)."""
-    head = ("stage", "attn calls/layer", "aten ops/layer", "host syncs/micro-step", "count row",
+    head = ("stage", "kernel", "attn calls/layer", "aten ops/layer", "host syncs/micro-step", "count row",
             "peak GiB CUDA (GQA unexpanded)", "peak GiB CUDA (GQA expanded, earlier path)", "fits")
     lines = [head]
     for name, peak, n in rows:
         if "attention_transient_gib_cuda" not in n:
-            lines.append((name, n.get("cuda_path", "?"), "", "", "", "", "", ""))
+            lines.append((name, n.get("cuda_path", "?"), "", "", "", "", "", "", ""))
             continue
         new, old = cuda_peak_gib(peak, n), cuda_peak_gib(peak, n, expanded=True)
-        lines.append((name, str(n["attention_kernel_calls_per_layer"]), str(n["aten_ops_per_layer"]),
+        calls = ", ".join(f"{kind} {count}" for kind, count in sorted(n["attention_calls_by_kernel"].items()))
+        lines.append((name, n["attention_kernel"], f"{n['attention_kernel_calls_per_layer']} ({calls})",
+                      str(n["aten_ops_per_layer"]),
                       str(n["host_syncs_per_micro_step"]), n["count_row"], f"{new:.2f}", f"{old:.2f}",
                       "yes" if new <= usable_gib else "NO"))
     widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
@@ -143,9 +159,11 @@ def cuda_table(rows: list[tuple[str, float, dict]], usable_gib: float) -> str:
 
 
 CUDA_PATH_STATEMENT = (
-    "  CUDA path, on fake CUDA tensors (training/planning/cuda_path_table.py): attn calls / aten ops = one layer's attention "
-    "forward + backward on the busiest CP rank; host syncs = device-to-host reads in the attention path per "
-    "micro-step; the peak is the step's measured peak plus what one layer's CUDA attention (varlen gathers, flash "
+    "  CUDA path, on fake CUDA tensors (training/planning/cuda_path_table.py): kernel = the CP attention's kernel "
+    "family on hardware.accelerator (parallelism.attention_kernel; auto = cudnn on H100/H200, flash = "
+    "FlashAttention-2 on A100; packed documents always take the flash ops' varlen calls); attn calls (by kernel) / "
+    "aten ops = one layer's attention forward + backward on the busiest CP rank; host syncs = device-to-host reads "
+    "in the attention path per micro-step; the peak is the step's measured peak plus what one layer's CUDA attention (varlen gathers, flash "
     "backward scratch, GQA dK/dV expanded inside the kernel) holds beyond the CPU kernels' (an upper bound); "
     "'earlier path' expands K/V for GQA before every flash call")
 
@@ -167,7 +185,8 @@ def print_cuda_path(cfg, results, usable_gib: float) -> None:
 
 def cuda_json(numbers: dict, step_peak_gib: float) -> dict:
     """dry_run.json's CUDA-path fields of one stage."""
-    out = {k: numbers[k] for k in ("attention_kernel_calls_per_layer", "aten_ops_per_layer",
+    out = {k: numbers[k] for k in ("attention_kernel", "attention_calls_by_kernel",
+                                   "attention_kernel_calls_per_layer", "aten_ops_per_layer",
                                    "host_syncs_per_micro_step", "count_row", "cuda_path") if k in numbers}
     if "attention_transient_gib_cuda" in numbers:
         out["peak_device_gib_per_rank_cuda_path"] = cuda_peak_gib(step_peak_gib, numbers)

@@ -1,5 +1,6 @@
 """Fail fast on a machine that cannot run the recipe: a GPU-sized recipe without GPUs is one line, not a stuck or
-swapping CPU job, and the line says how many GPUs it needs and how to check the plan here (--dry-run)."""
+swapping CPU job, and the line says how many GPUs it needs and how to check the plan here (--dry-run); so is an
+attention kernel the GPU cannot run (cuDNN below SM 8.0, FA3/FA4 not installed or on the wrong GPU)."""
 from __future__ import annotations
 
 import math
@@ -10,6 +11,7 @@ import torch
 from config import RecipeError
 from config.schema import Config
 from models.llama import recipe_model_config
+from parallelisms.cp.kernel_blocks import concrete_kernel, kernel_problem
 from training.planning.roofline import parameter_count
 
 GPU_SIZED_PARAMETERS = 1e9
@@ -39,3 +41,37 @@ def check_gpus(cfg: Config, world_size: int) -> None:
     raise RecipeError(f"{where}: this recipe needs {plan} and this machine has {have}. Check the plan here with "
                       f"./run_train.sh {where} --dry-run ; on a cluster: sbatch --nodes={nodes} slurm/train.sbatch "
                       f"{where}")
+
+
+def local_gpu() -> tuple[str, tuple[int, int] | None]:
+    """(device type, compute capability) of the device this process would train on (its first GPU, else the CPU)."""
+    if torch.cuda.is_available():
+        return "cuda", tuple(torch.cuda.get_device_capability(0))
+    return "cpu", None
+
+
+def check_attention_kernel(cfg: Config) -> None:
+    """Raises RecipeError when `[parallelism] attention_kernel` names a kernel this machine cannot run (checked
+    before torchrun, so no process group starts)."""
+    import importlib.util
+
+    asked = cfg.parallelism.attention_kernel
+    device_type, capability = local_gpu()
+    problem = kernel_problem(asked, device_type, capability, torch.backends.cudnn.is_available(),
+                             lambda module: _module_found(importlib.util.find_spec, module))
+    if problem:
+        raise RecipeError(f"{cfg.recipe_path}: parallelism.attention_kernel = \"{asked}\" cannot run here: {problem}. "
+                          f"Use \"auto\" (cuDNN on Hopper, FlashAttention-2 elsewhere) or \"flash\".")
+
+
+def _module_found(find_spec, module: str) -> bool:
+    try:
+        return find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent package
+        return False
+
+
+def attention_kernel_in_use(cfg: Config, device_type: str) -> str:
+    """The concrete kernel family this rank's CP attention runs ("auto" resolved on its own GPU)."""
+    capability = tuple(torch.cuda.get_device_capability()) if device_type == "cuda" else None
+    return concrete_kernel(cfg.parallelism.attention_kernel, device_type, capability)

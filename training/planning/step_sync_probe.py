@@ -155,7 +155,7 @@ def host_steps(cfg: Config, mesh, micro_loader, steps: int) -> list[dict]:
     shards = p.cp > 1 or cfg.data.document_masking
     cp = None
     if shards and cfg.data.document_masking and p.cp_load_balancer == DOCUMENTS:
-        cp = CpPlanning(p.cp, mesh.cp_mesh.get_local_rank(), p.cp_impl)
+        cp = CpPlanning(p.cp, mesh.cp_mesh.get_local_rank(), p.cp_impl, varlen=True)  # as on a GPU
     loader = step_loader(micro_loader, micro_steps, slots, mesh.dp_rank, cp, num_workers=max(1, cfg.data.num_workers),
                          pin_memory=False)
     iterator = iter(loader)

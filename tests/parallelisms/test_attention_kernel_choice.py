@@ -1,0 +1,205 @@
+"""The CP attention's kernel family (`[parallelism] attention_kernel`, parallelisms/cp/kernel_blocks.py) on a CPU-only
+box:
+- "auto" resolves by compute capability (cuDNN from SM 9.0, flash below and on CPU); an explicit choice the device
+  cannot run is refused with the reason;
+- on fake CUDA tensors with "cudnn", every cuDNN call of the dense ring (zigzag and contiguous: diagonal causal
+  squares, off-diagonal full blocks) and of the all-gather (fused blocks with Lq != Lk) has the arguments, strides,
+  dtypes and log-sum-exp layout that torch's meta kernels define, and the dense ring calls no FlashAttention-2 op;
+  the all-gather's causal Lq != Lk blocks and packed documents take the flash ops (bottom-right causal, varlen);
+- with "fa4" the trainer's activation goes through torch's registry, and the documents path calls only ops that
+  torch's own FA4 registration re-registers (a stand-in records what it would register instead of registering).
+The numbers of the real kernels: tests/gpu/test_gpu_block_kernels.py (`./run_tests.sh --gpu`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from parallelisms.cp.block_spec import BlockSpec
+from parallelisms.cp.exchange_allgather import allgather_backward, allgather_forward
+from parallelisms.cp.exchange_ring import ring_backward, ring_forward
+from parallelisms.cp.kernel_blocks import activate_flash_implementation, concrete_kernel, kernel_problem
+from parallelisms.cp.plan_layout import DocumentLayout
+from parallelisms.cp.plan_pieces import DocumentShards
+from training.planning import cuda_path_probe as probe
+
+aten = torch.ops.aten
+CUDNN_FORWARD = aten._scaled_dot_product_cudnn_attention.default
+CUDNN_BACKWARD = aten._scaled_dot_product_cudnn_attention_backward.default
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
+
+
+@pytest.fixture(scope="module")
+def fake_cuda():
+    why = probe.load_fake_cuda_guard()
+    if why:
+        pytest.skip(why)
+
+
+# ---- choice and refusals -----------------------------------------------------------------------------------------
+
+def test_auto_is_cudnn_from_hopper_and_flash_below_it_and_on_cpu():
+    assert concrete_kernel("auto", "cuda", (9, 0)) == "cudnn"  # H100 / H200
+    assert concrete_kernel("auto", "cuda", (10, 0)) == "cudnn"  # B200
+    assert concrete_kernel("auto", "cuda", (8, 0)) == "flash"  # A100
+    assert concrete_kernel("auto", "cuda", None) == "flash"  # fake CUDA: no capability to read
+    assert concrete_kernel("auto", "cpu", None) == "flash"
+    assert concrete_kernel("fa4", "cuda", (9, 0)) == "fa4" and concrete_kernel("cudnn", "cuda", (8, 0)) == "cudnn"
+
+
+def test_a_kernel_the_device_cannot_run_is_refused_with_the_reason():
+    def installed(*names):
+        return lambda module: module in names
+
+    def problem(asked, device="cuda", capability=(9, 0), cudnn=True, found=installed()):
+        return kernel_problem(asked, device, capability, cudnn, found)
+
+    assert problem("auto") is None and problem("flash", "cpu", None) is None
+    assert "runs on CUDA GPUs and this run is on cpu" in problem("cudnn", "cpu", None)
+    assert "no cuDNN" in problem("cudnn", cudnn=False)
+    assert "8.0+" in problem("cudnn", capability=(7, 5)) and problem("cudnn", capability=(8, 0)) is None
+    assert "FA3 runs on compute capability 9.0, this GPU has 8.0" in problem("fa3", capability=(8, 0))
+    assert "flash_attn_interface" in problem("fa3")
+    assert problem("fa3", found=installed("flash_attn_interface")) is None
+    assert "flash_attn.cute.interface" in problem("fa4", capability=(10, 0))
+    assert problem("fa4", capability=(10, 0), found=installed("flash_attn.cute.interface")) is None
+
+
+# ---- cuDNN calls on fake CUDA ------------------------------------------------------------------------------------
+
+def _layer_calls(exchange, layout: str, kernel: str, cp: int = 4, rank: int = 2, length: int = 64):
+    """Every attention call (op, args, kwargs, result) of one layer's forward + backward of `rank`, dense layout."""
+    forward, backward = exchange
+    counter = probe.LaunchCounter(record=True)
+    with probe.fake_group(cp, rank) as group, FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = probe._qkv(1, length, HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16)
+        spec = BlockSpec(group, True, None, layout, None, None, 0, kernel)
+        with counter:
+            probe.run_layer(forward, backward, q, k, v, spec)
+    return counter.attention_calls
+
+
+def _bound(func, args, kwargs) -> dict:
+    """The call's arguments by schema name, defaults filled in (dispatch drops trailing defaults)."""
+    named = {}
+    for i, arg in enumerate(func._schema.arguments):
+        named[arg.name] = args[i] if i < len(args) else kwargs.get(arg.name, arg.default_value)
+    return named
+
+
+def _order(t: torch.Tensor) -> list[int]:
+    """The dims from outermost to innermost in memory."""
+    return sorted(range(t.dim()), key=lambda d: -t.stride(d))
+
+
+def _check_cudnn_call(func, args, kwargs, result):
+    """The arguments, strides, dtypes and LSE layout of one cuDNN call, as torch's meta kernels define them."""
+    a = _bound(func, args, kwargs)
+    q, k, v, is_causal = a["query"], a["key"], a["value"], a["is_causal"]
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16 and all(x.stride(-1) == 1 for x in (q, k, v))
+    assert k.size(1) == v.size(1) == KV_HEADS and q.size(1) == HEADS  # GQA native, K/V never expanded
+    assert not is_causal or q.size(2) == k.size(2)  # top-left causal only where it equals bottom-right
+    assert a["dropout_p"] == 0.0 and a["attn_bias"] is None
+    if func is CUDNN_FORWARD:
+        out, lse = result[:2]
+        assert a["compute_log_sumexp"] is True
+        assert out.shape == q.shape and _order(out) == _order(q)  # written in the query's memory order
+        assert lse.shape == (*q.shape[:3], 1) and lse.dtype == torch.float32
+        return "causal" if is_causal else ("full" if q.size(2) == k.size(2) else "full, Lq != Lk")
+    assert func is CUDNN_BACKWARD, f"unexpected attention op {func}"
+    grad_out, out, lse = a["grad_out"], a["out"], a["logsumexp"]
+    assert grad_out.stride() == out.stride() and _order(out) == _order(q)  # one graph per shape: out, grad_out alike
+    assert lse.shape == (*q.shape[:3], 1) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert a["cum_seq_q"] is None and a["max_q"] == q.size(2) and a["max_k"] == k.size(2)
+    assert [g.shape for g in result] == [q.shape, k.shape, v.shape]
+    return "backward"
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_the_dense_ring_on_cudnn_calls_only_cudnn_ops_and_each_fits_its_schema(fake_cuda, layout):
+    calls = _layer_calls((ring_forward, ring_backward), layout, "cudnn")
+    kinds = [_check_cudnn_call(func, args, kwargs, result) for func, args, kwargs, result in calls]
+    off_diagonal = {"zigzag": "full, Lq != Lk", "contiguous": "full"}[layout]  # zigzag: half chunks vs blocks
+    assert {"causal", off_diagonal, "backward"} <= set(kinds), kinds  # the diagonal squares and the other blocks
+    assert kinds.count("backward") * 2 == len(kinds)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_flash_keeps_the_dense_ring_off_cudnn(fake_cuda, layout):
+    calls = _layer_calls((ring_forward, ring_backward), layout, "flash")
+    assert calls and {probe.KERNEL_OF_OP[func] for func, *_ in calls} == {"flash"}
+
+
+def test_the_allgather_on_cudnn_sends_its_causal_rectangles_to_flash(fake_cuda):
+    calls = _layer_calls((allgather_forward, allgather_backward), "zigzag", "cudnn")
+    cudnn = [_check_cudnn_call(func, args, kwargs, result) for func, args, kwargs, result in calls
+             if probe.KERNEL_OF_OP[func] == "cudnn"]
+    flash = [_bound(func, args, kwargs) for func, args, kwargs, _ in calls if probe.KERNEL_OF_OP[func] == "flash"]
+    assert "full, Lq != Lk" in cudnn, cudnn
+    for a in flash:  # only causal blocks whose queries and keys differ in length (bottom-right alignment)
+        assert a["is_causal"] and a["query"].size(2) != a["key"].size(2), a
+
+
+def _documents_row(seq: int = 512, cp: int = 4) -> DocumentShards:
+    row = torch.cat([torch.full((1, n), i) for i, n in enumerate([200, 37, 90, 5, 180])], dim=1)[:, :seq]
+    return DocumentShards.from_layout(row, DocumentLayout.plan(row, cp))
+
+
+def test_documents_take_the_flash_varlen_ops_whatever_the_family(fake_cuda):
+    for kernel in ("cudnn", "flash"):
+        counter = probe.LaunchCounter(record=True)
+        probe.measure_layer(_documents_row(), 1, "ring", (1, 128, HEADS, KV_HEADS, HEAD_DIM), counter=counter,
+                            kernel=kernel)
+        assert counter.by_kernel and set(counter.by_kernel) == {"flash"}, (kernel, counter.by_kernel)
+
+
+# ---- FA4: torch's flash ops, re-registered -----------------------------------------------------------------------
+
+def test_fa4_is_activated_through_torchs_registry_and_documents_call_only_the_ops_it_replaces(fake_cuda, monkeypatch):
+    """A stand-in for the flash-attn-4 package: torch's own FA4 registration runs, with its `Library` replaced by a
+    recorder, so the test learns which aten ops FA4 would take over (from torch's code) without registering any."""
+    from torch.nn import attention
+    from torch.nn.attention import _fa4, _registry
+
+    replaced: set[str] = set()
+
+    class RecordingLibrary:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def impl(self, name, fn, key=None, **kwargs):
+            replaced.add(name)
+
+    monkeypatch.setattr(_fa4, "Library", RecordingLibrary)
+    monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FA4", lambda: _fa4._FA4Handle(_fa4._fa4_register_kernels()))
+    try:
+        activate_flash_implementation("fa4")
+        assert attention.current_flash_attention_impl() == "FA4"
+        assert {"_flash_attention_forward", "_flash_attention_backward"} <= replaced
+        counter = probe.LaunchCounter(record=True)
+        probe.measure_layer(_documents_row(), 1, "ring", (1, 128, HEADS, KV_HEADS, HEAD_DIM), counter=counter,
+                            kernel="fa4")
+        called = {func._schema.name.split("::")[1] for func, *_ in counter.attention_calls}
+        assert called and called <= replaced, (called, replaced)
+    finally:
+        attention.restore_flash_attention_impl(_raise_warn=False)
+    assert attention.current_flash_attention_impl() is None
+
+
+# ---- without a CP context: the model's own SDPA call, backends ordered by the family ------------------------------
+
+def test_sdpa_runs_with_the_familys_backend_order_on_cuda_and_untouched_on_cpu():
+    from torch.nn.attention import SDPBackend
+
+    from parallelisms.cp.kernel_blocks import sdpa_priority
+
+    before = (torch._C._get_sdp_priority_order(), torch.backends.cuda.cudnn_sdp_enabled())
+    with sdpa_priority("cudnn", torch.device("cuda", 0)):
+        assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    with sdpa_priority("flash", torch.device("cuda", 0)):
+        assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.FLASH_ATTENTION)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    with sdpa_priority("cudnn", torch.device("cpu")):
+        assert (torch._C._get_sdp_priority_order(), torch.backends.cuda.cudnn_sdp_enabled()) == before
+    assert (torch._C._get_sdp_priority_order(), torch.backends.cuda.cudnn_sdp_enabled()) == before
