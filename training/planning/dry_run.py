@@ -14,6 +14,8 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from config import RecipeError
 from config.schema import Config
 from models.llama import recipe_model_config
@@ -23,6 +25,7 @@ from training.planning.eval_memory import eval_refusal, stage_eval_config
 from training.planning.cuda_path_table import cuda_json, print_cuda_path
 from training.planning.memory_probe import GIB, RankMemory, measure_memory
 from training.planning.preflight import preflight
+from training.planning.rates import load_rates, rates_source, rates_warnings
 from training.ramp import resolve_stages
 from training.planning.roofline import ROOFLINE_STATEMENT, Accelerator, Layout, parameter_count, step_cost
 from training.planning.step_model import PREDICTION_STATEMENT, accelerator_for, predict_step, workload_for
@@ -105,9 +108,12 @@ def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float |
     times["tokens_per_gpu_s"] = (t.local_batch_size * dims.dp * grad_accum * t.seq_len / times["overlap_s"]
                                  / dims.world_size)
     times["comm_gib"] = (cost.nvlink_bytes + cost.ib_bytes) / GIB
-    prediction = predict_step(workload_for(cfg, dims, gpus_per_node, cp_ring_bytes, offload_bytes), spec)
+    workload = workload_for(cfg, dims, gpus_per_node, cp_ring_bytes, offload_bytes)
+    rates = load_rates(cfg.hardware.accelerator)
+    prediction = predict_step(workload, spec, rates)
     times.update(predicted_s=prediction.step_s, predicted_band=list(prediction.band),
-                 predicted_tokens_per_gpu_s=prediction.tokens_per_sec_per_gpu, predicted_parts=prediction.parts)
+                 predicted_tokens_per_gpu_s=prediction.tokens_per_sec_per_gpu, predicted_parts=prediction.parts,
+                 rates_source=rates_source(rates, workload.attention_kernel))
     return times
 
 
@@ -166,6 +172,9 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
         f"  accelerator: {cfg.hardware.accelerator} (hardware.accelerator); host memory "
         f"{cfg.hardware.host_memory_gib:g} GiB per node (hardware.host_memory_gib)",
         f"  {PREDICTION_STATEMENT}",
+        f"  rates: {first.times['rates_source']}",
+        *[f"  {line}" for line in rates_warnings(load_rates(cfg.hardware.accelerator), cfg.hardware.accelerator,
+                                                 torch.__version__)],
         f"  {ROOFLINE_STATEMENT}",
     ]
     if cfg.activation_checkpoint.offload:
@@ -219,6 +228,7 @@ def write_json(cfg: Config, results: list[RowResult], usable_gib: float) -> str:
                "predicted_step_s_band": r.times["predicted_band"],
                "predicted_tokens_per_sec_per_gpu": r.times["predicted_tokens_per_gpu_s"],
                "roofline_step_s": r.times["overlap_s"], "accelerator": cfg.hardware.accelerator,
+               "rates_source": r.times["rates_source"],
                "host_gib_per_node": node_host_gib(r, cfg.hardware.gpus_per_node),
                "host_memory_gib_per_node": cfg.hardware.host_memory_gib, **cuda_json(r.cuda, r.peak_gib)}
               for r in results]

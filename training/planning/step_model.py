@@ -22,7 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.llama import LlamaConfig
-from training.planning.accelerators import EFFICIENT_VS_FLASH, AcceleratorSpec, flash_rate, ring_efficiency
+from training.planning.accelerators import (EFFICIENT_VS_FLASH, AcceleratorSpec, attention_rate, flash_rate,
+                                           ring_efficiency)
+from training.planning.rates import MeasuredRates
 from training.planning.roofline import Layout, fsdp_bytes_per_step, parameter_count, recomputed_block_fraction
 
 DOCUMENT_MIX = ((0.5, None), (0.5, 4096))
@@ -52,6 +54,8 @@ class Workload:
     """The ring's sends per micro-batch, measured by the dry run; None = estimated from the K/V sizes."""
     offload_bytes: float = 0.0
     """Host bytes per micro-batch (activation offload), each way over PCIe."""
+    attention_kernel: str = "flash"
+    """The kernel family the attention runs (`stage_attention_kernel`): "cudnn" is priced at cuDNN's rate."""
 
 
 @dataclass
@@ -67,9 +71,10 @@ class StepPrediction:
         return self.tokens_per_rank / self.step_s
 
 
-def predict_step(w: Workload, acc: AcceleratorSpec) -> StepPrediction:
-    """The step time at the middle of every source's spread, and the band from its ends."""
-    fast, mid, slow = (_step_parts(w, acc, where) for where in (1.0, 0.5, 0.0))
+def predict_step(w: Workload, acc: AcceleratorSpec, rates: MeasuredRates | None = None) -> StepPrediction:
+    """The step time at the middle of every source's spread, and the band from its ends. `rates`: the accelerator's
+    measured rates (training/planning/rates.py); a measured component has no spread."""
+    fast, mid, slow = (_step_parts(w, acc, where, rates) for where in (1.0, 0.5, 0.0))
     rows = w.local_batch_size * w.grad_accum
     tokens_per_rank = rows * w.seq_len / (w.layout.cp * w.layout.tp * w.layout.pp)  # per GPU
     return StepPrediction(sum(mid.values()), (sum(fast.values()), sum(slow.values())), mid, tokens_per_rank)
@@ -80,13 +85,15 @@ def _pick(pair: tuple[float, float], where: float) -> float:
     return low + where * (high - low)
 
 
-def _step_parts(w: Workload, acc: AcceleratorSpec, where: float) -> dict:
-    """Seconds per class for one step, every efficiency at `where` in its (low, high) spread (1 = fastest)."""
+def _step_parts(w: Workload, acc: AcceleratorSpec, where: float, rates: MeasuredRates | None = None) -> dict:
+    """Seconds per class for one step, every efficiency at `where` in its (low, high) spread (1 = fastest); a
+    component `rates` measured is priced at its measured rate."""
     m, lay = w.model, w.layout
     clock = _pick(acc.clock_fraction, where)
     dtype_factor = 2.0 if w.dtype == "float32" else 1.0
-    gemm_rate = acc.bf16_flops * _pick(acc.gemm_fraction, where) * clock / dtype_factor
-    hbm = acc.hbm_bytes_per_s * _pick(acc.hbm_fraction, where)
+    gemm_rate = (rates.gemm if rates is not None and rates.gemm else
+                 acc.bf16_flops * _pick(acc.gemm_fraction, where) * clock) / dtype_factor
+    hbm = rates.hbm if rates is not None and rates.hbm else acc.hbm_bytes_per_s * _pick(acc.hbm_fraction, where)
     tokens = w.local_batch_size * w.seq_len / lay.cp  # per micro-batch, before TP splits the work
     layers = m.n_layers / lay.pp
     block_recompute = recomputed_block_fraction(w.ac_mode, w.ac_every)
@@ -101,14 +108,15 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float) -> dict:
                                     + output_gemm * (3 + (1 if w.loss_chunk_tokens else 0)))
     parts = {"gemm": gemm_flops / gemm_rate * w.grad_accum}
     flash = clock * _pick(acc.flash_fraction, where)
-    parts["attention"] = _attention_s(w, acc, flash, dtype_factor, attn_recompute, where) * w.grad_accum
+    parts["attention"] = _attention_s(w, acc, flash, dtype_factor, attn_recompute, where, rates) * w.grad_accum
     eager = not w.compile
     per_token = elementwise_bytes_per_token(m, eager, w.dtype) * layers * (3 + elementwise_recompute)
     loss_bytes = m.vocab_size * (28 if eager else 12)
     parts["elementwise"] = tokens / lay.tp * (per_token + loss_bytes) / hbm * w.grad_accum
     parts["fsdp_copies"] = fsdp_copy_bytes(w) / hbm * w.grad_accum
     local_params = parameter_count(m) / (lay.pp * lay.tp * lay.dp_shard * lay.cp)
-    parts["optimizer"] = local_params * 32 / hbm  # AdamW + clipping: read p, g, m, v (fp32), write p, m, v
+    optimizer_rate = rates.optimizer if rates is not None and rates.optimizer else hbm
+    parts["optimizer"] = local_params * 32 / optimizer_rate  # AdamW + clipping: read p, g, m, v (fp32), write p, m, v
     compute = sum(parts.values())
     parts.update(_exposed_comm(w, acc, where, compute, parts["attention"]))
     return parts
@@ -158,7 +166,7 @@ def elementwise_bytes_per_token(m: LlamaConfig, eager: bool, dtype: str) -> floa
 
 
 def _attention_s(w: Workload, acc: AcceleratorSpec, clock: float, dtype_factor: float, recompute: float,
-                 where: float) -> float:
+                 where: float, rates: MeasuredRates | None = None) -> float:
     """One micro-batch's attention: forward (+ recomputed forward) and backward (2.5x: five GEMMs to two) FLOPs on
     the visible pairs, at FlashAttention-2's rate for one call's block length. Without CP one causal call; a CP ring
     at the rate of one causal call over the rank's block times the zigzag ring's measured efficiency
@@ -170,10 +178,16 @@ def _attention_s(w: Workload, acc: AcceleratorSpec, clock: float, dtype_factor: 
     length = w.attention_length or w.seq_len / lay.cp
     seconds = 0.0
     for phase, flops in (("fwd", fwd * (1 + recompute)), ("bwd", 2.5 * fwd)):
-        rate = flash_rate(acc, phase, m.head_dim, True, length) * clock
+        measured = rates.attention_rate(w.attention_kernel, phase) if rates is not None and dtype_factor == 1 else None
+        if measured is not None:  # the measured call, carried to this length and head dim by the table's shape
+            rate_at, length_at, head_dim_at = measured
+            rate = rate_at * (flash_rate(acc, phase, m.head_dim, True, length)
+                              / flash_rate(acc, phase, head_dim_at, True, length_at))
+        else:
+            rate = attention_rate(acc, w.attention_kernel, phase, m.head_dim, True, length) * clock
         if lay.cp > 1:
             rate *= _pick(ring_efficiency(phase, m.head_dim), where)
-        if dtype_factor > 1:
+        if dtype_factor > 1:  # float32: the memory-efficient kernel
             rate *= EFFICIENT_VS_FLASH
         seconds += flops / rate
     return seconds
@@ -253,8 +267,24 @@ def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None, off
         length = min(doc_length, t.seq_len / dims.cp)
     layout = Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node)
     return Workload(recipe_model_config(cfg), layout, t.seq_len, t.local_batch_size, t.grad_accum_steps(dims.dp),
-                    t.dtype, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every, t.compile,
-                    t.loss_chunk_tokens, p.reshard_after_forward, fraction, length, cp_ring_bytes, offload_bytes)
+                    t.dtype, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every, t.compiles("cuda"),
+                    t.loss_chunk_tokens, p.reshard_after_forward, fraction, length, cp_ring_bytes, offload_bytes,
+                    stage_attention_kernel(cfg))
+
+
+def stage_attention_kernel(cfg) -> str:
+    """The kernel family a stage's attention runs on the recipe's accelerator: float32 the memory-efficient kernel,
+    packed documents the flash varlen calls; otherwise `parallelism.attention_kernel` resolved by the accelerator's compute capability (auto:
+    cuDNN on H100/H200), which the trainer also hands to SDPA as its backend order when no CP context runs."""
+    from parallelisms.cp.kernel_blocks import concrete_kernel
+    from training.planning.accelerators import accelerator
+
+    if cfg.training.dtype == "float32":
+        return "efficient"  # flash and cuDNN are half precision only: the memory-efficient kernel
+    if cfg.data.document_masking:
+        return "flash"
+    return concrete_kernel(cfg.parallelism.attention_kernel, "cuda",
+                           accelerator(cfg.hardware.accelerator).compute_capability)
 
 
 def pairs_from_stores(cfg, seq_len: int) -> tuple[float, float] | None:

@@ -1,0 +1,113 @@
+"""Rates measured on the device: one JSON file per accelerator (training/planning/rates/<accelerator>.json, written by
+bench/bench_rates.py on that GPU), which the step model (training/planning/step_model.py) uses in place of the
+published figures of training/planning/accelerators.py, component by component.
+
+A file holds the device's name, torch and CUDA versions, the date, and a list of rates, each with the shape it was
+measured at:
+- `gemm`: bf16 GEMM FLOP/s of the linear layers (forward and backward GEMMs of a block at a stage's tokens);
+- `attention`: FLOP/s of one causal call of a kernel family (`kernel`: cudnn, flash, ...) per phase (fwd, bwd), at a
+  block length and head dim (FLOPs: forward 4 x visible pairs x heads x head dim, backward 2.5x that, the step
+  model's own count). At other lengths the rate follows the shape of the FlashAttention-2 table (accelerators.py);
+- `hbm`: achieved bytes/s of elementwise and copy kernels (read + write);
+- `optimizer`: bytes/s of the AdamW step (its bytes as the step model counts them).
+A rate the file lacks falls back to the published figure, and `rates_source` says which components are measured and
+which are published. A file measured under another torch, or on a device whose name does not match the
+accelerator's, is still used, with a warning line.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from config.errors import Refusal
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RATES_DIR = os.path.join(REPO, "training", "planning", "rates")
+COMPONENTS = ("gemm", "attention", "hbm", "optimizer")
+DEVICE_MARKERS = {"h100-sxm": "H100", "h100-sxm-500w": "H100", "h200": "H200", "a100-80gb": "A100",
+                  "a100-40gb": "A100"}
+"""What the device name of a rates file must contain for each accelerator."""
+
+
+@dataclass(frozen=True)
+class MeasuredRates:
+    path: str
+    accelerator: str
+    device_name: str
+    torch: str
+    cuda: str
+    date: str
+    gemm: float | None = None
+    hbm: float | None = None
+    optimizer: float | None = None
+    attention: dict = field(default_factory=dict)
+    """{(kernel, phase): (FLOP/s, block length, head dim)} of causal calls."""
+
+    def has(self, component: str, kernel: str | None = None) -> bool:
+        if component == "attention":
+            return any(k == kernel for k, _ in self.attention) if kernel else bool(self.attention)
+        return getattr(self, component) is not None
+
+    def attention_rate(self, kernel: str, phase: str) -> tuple[float, float, int] | None:
+        return self.attention.get((kernel, phase))
+
+
+def rates_path(accelerator: str, directory: str = RATES_DIR) -> str:
+    return os.path.join(directory, f"{accelerator}.json")
+
+
+def load_rates(accelerator: str, directory: str = RATES_DIR) -> MeasuredRates | None:
+    """The accelerator's rates file, or None when there is none. A malformed file is an error naming the file."""
+    path = rates_path(accelerator, directory)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        attention = {(r["kernel"], r["phase"]): (float(r["flops_per_s"]), float(r["length"]), int(r["head_dim"]))
+                     for r in data.get("attention", [])}
+        single = {name: float(data[name]["value"]) for name in ("gemm", "hbm", "optimizer") if name in data}
+        return MeasuredRates(path, data["accelerator"], data["device_name"], data["torch"], data.get("cuda", ""),
+                             data["date"], attention=attention, **single)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise Refusal(f"{path}: not a rates file ({type(e).__name__}: {e}); rewrite it with "
+                         f"python bench/bench_rates.py or delete it to use the published rates") from None
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def rates_warnings(rates: MeasuredRates | None, accelerator: str, torch_version: str) -> list[str]:
+    """Lines for a file measured elsewhere: another torch (major.minor) or a device name not of this accelerator."""
+    if rates is None:
+        return []
+    lines = []
+    if _minor(rates.torch) != _minor(torch_version):
+        lines.append(f"warning: {rates.path} was measured with torch {rates.torch}, this is torch {torch_version}: "
+                     f"kernel rates may differ; measure again with python bench/bench_rates.py on the GPU")
+    marker = DEVICE_MARKERS.get(accelerator)
+    if marker and marker not in rates.device_name or rates.accelerator != accelerator:
+        lines.append(f"warning: {rates.path} was measured on {rates.device_name!r} ({rates.accelerator}), not on "
+                     f"a {accelerator}: its rates are used as they are")
+    return lines
+
+
+def _shown(path: str) -> str:
+    """The file's path from the repository's root when it lies inside it."""
+    inside = os.path.abspath(path).startswith(REPO + os.sep)
+    return os.path.relpath(path, REPO) if inside else path
+
+
+def rates_source(rates: MeasuredRates | None, attention_kernel: str) -> str:
+    """Which rates price a stage: measured components (with the file) and published ones."""
+    if rates is None:
+        return "published (training/planning/accelerators.py: data sheets and kernel papers)"
+    measured = [c for c in COMPONENTS if rates.has(c, attention_kernel if c == "attention" else None)]
+    published = [c for c in COMPONENTS if c not in measured]
+    text = (f"measured on {rates.device_name} (torch {rates.torch}, {rates.date}; "
+            f"{_shown(rates.path)}): {', '.join(measured) or 'nothing'}")
+    if "attention" in measured:
+        text = text.replace("attention", f"attention ({attention_kernel})", 1)
+    return text + (f"; published: {', '.join(published)}" if published else "")
