@@ -15,14 +15,17 @@ nothing (views, detach, allocations, prim/profiler records, reading a CPU scalar
 "total kernels" is the rest. "MiB moved" sums the bytes of each op's tensor inputs and outputs: a rough bound on its
 memory traffic (a view counts its whole tensor; an in-place op counts it as input and as output).
 
-The device is fake CPU, not fake CUDA. On a CPU-only torch build a fake CUDA forward runs (with
-training/planning/cuda_path_probe.py's no-op device guard) but no backward does: the C++ autograd engine sees CUDA
-streams on the graph's nodes and asks for the accelerator (GraphTask::stash_current_streams), and fails with
-"Cannot access accelerator device when none is available", for a plain nn.Linear as much as for our model; FSDP2
-also asks torch.cuda for its device and streams. What differs on the CPU: SDPA is
-_scaled_dot_product_flash_attention_for_cpu (one op each way per block, as flash is on a GPU), autocast is the CPU's
-(bf16 for linear/matmul, as on CUDA), and the transformers side passes clip_grad_norm_(foreach=True), which is what
-foreach=None picks on a GPU for real tensors (the check is `type(grad) is Tensor`, which a fake tensor is not).
+The device is fake CUDA. A CPU-only torch build runs a fake CUDA forward with a no-op device guard, but its
+autograd engine asks for the accelerator's streams. So both steps run in a child process with
+training/planning/step_sync_probe.py's fake CUDA runtime preloaded (a device guard with no-op streams and events,
+CUDA hooks that report a device). Three things a CPU build cannot decide are set as an H100 would:
+- autocast on "cuda" is allowed in bf16 (torch asks torch.cuda.is_available() and is_bf16_supported());
+- SDPA calls go to the op its dispatcher picks on an H100 with torch 2.11, cuDNN's fused attention
+  (`_scaled_dot_product_cudnn_attention`, one op each way per block, K/V heads as given). On fake CUDA the CPU
+  build's dispatcher falls back to the math path;
+- the transformers side passes clip_grad_norm_(foreach=True), which is what foreach=None picks on a GPU for real
+  tensors (the check is `type(grad) is Tensor`, which a fake tensor is not).
+`--device cpu` counts on fake CPU tensors instead, in this process, with the CPU's own autocast and SDPA.
 
 Our step is the trainer's own machinery, exactly as training/planning/memory_probe.py runs it: the real model on
 meta, the real composer (parallelisms.parallelize.parallelize) under a fake process group of world 1, then
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -45,11 +49,12 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
 MIB = 2**20
-DEVICE = "cpu"  # fake CPU tensors (the transformers side; ours is memory_probe.fake_rank's): why, see the docstring
+CHILD_MARK = "BENCH_STEP_KERNELS_RESULT="
 KINDS = ("gemm", "attention", "copy/cast", "optimizer", "collective", "elementwise/other", "no kernel")
 NO_KERNEL_OPS = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
                  "lift_fresh", "_local_scalar_dense", "resize_", "set_", "record_stream"}
@@ -124,18 +129,18 @@ def our_config(dim: int, layers: int, n_heads: int, n_kv_heads: int, vocab: int,
         *(overrides or [])])
 
 
-def count_ours(cfg) -> dict:
+def count_ours(cfg, device: str) -> dict:
     """One optimizer step of our trainer at world 1, built and run as the dry run's memory probe does
     (training/planning/memory_probe.fake_rank: the real composer on a fake process group, optimizer state made by a
-    first, uncounted step), on fake CPU tensors."""
+    first, uncounted step), on fake `device` tensors."""
     from training import step
     from training.planning.memory_probe import fake_batch, fake_rank
     from training.step import clip_grad_norm_
 
-    with fake_rank(cfg, world_size=1) as fake:
+    with fake_rank(cfg, world_size=1, device=device) as fake:
         counter = KernelCounter()
         with counter:
-            step.micro_step(fake.setup, fake_batch(cfg), fake.global_tokens)
+            step.micro_step(fake.setup, fake_batch(cfg, device), fake.global_tokens)
             if cfg.training.max_norm > 0:
                 clip_grad_norm_(fake.params, cfg.training.max_norm)
             fake.optimizer.step()
@@ -146,8 +151,9 @@ def count_ours(cfg) -> dict:
         return result
 
 
-def count_transformers(dim: int, layers: int, n_heads: int, n_kv_heads: int, seq: int, vocab: int) -> dict:
-    """One step of bench/transformers_peer.py's loop on fake CPU tensors: fp32 weights, autocast bf16, loss from labels,
+def count_transformers(dim: int, layers: int, n_heads: int, n_kv_heads: int, seq: int, vocab: int,
+                       device: str) -> dict:
+    """One step of bench/transformers_peer.py's loop on fake `device` tensors: fp32 weights, autocast bf16, loss from labels,
     backward, clip_grad_norm_(1.0), AdamW(fused=True), zero_grad. Optimizer state made by an uncounted first step."""
     from bench.transformers_peer import hf_llama
 
@@ -157,17 +163,17 @@ def count_transformers(dim: int, layers: int, n_heads: int, n_kv_heads: int, seq
         raise ValueError(f"the peer's vocab is {model.config.vocab_size}, ours {vocab}")
     model.train()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device=DEVICE)
+        model.to_empty(device=device)
         params = list(model.parameters())
         optimizer = torch.optim.AdamW(params, lr=3e-4, fused=True)
         for param in params:
             param.grad = torch.zeros_like(param)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        tokens = torch.zeros((1, seq), dtype=torch.long, device=DEVICE)
+        tokens = torch.zeros((1, seq), dtype=torch.long, device=device)
         counter = KernelCounter()
         with counter:
-            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16):
                 loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
             # foreach=True: what None picks on a real GPU (it checks type(grad) is Tensor, and a fake is not)
@@ -177,19 +183,96 @@ def count_transformers(dim: int, layers: int, n_heads: int, n_kv_heads: int, seq
     return counter.by_kind()
 
 
+class SdpaAsOnHopper(TorchFunctionMode):
+    """SDPA calls as torch 2.11's dispatcher runs them on an H100: cuDNN's fused attention, one op each way (its
+    autograd formula is the backward op). Fake CUDA on a CPU build would take the math path instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v, *rest = args
+            mask = kwargs.get("attn_mask", rest[0] if rest else None)
+            if mask is None and kwargs.get("dropout_p", 0.0) == 0.0:
+                is_causal = kwargs.get("is_causal", rest[2] if len(rest) > 2 else False)
+                with_lse = q.requires_grad or k.requires_grad or v.requires_grad
+                return torch.ops.aten._scaled_dot_product_cudnn_attention(
+                    q, k, v, None, with_lse, 0.0, is_causal, False, scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def fake_h100():
+    """Autocast in bf16 on fake CUDA (torch asks the runtime, which a CPU build lacks), SDPA as on an H100, and the
+    transformers loop's rows seen as the single sequences they are (see `_as_on_real_tensors`)."""
+    from transformers import masking_utils
+
+    saved = (torch.cuda.amp.common.amp_definitely_not_available, torch.cuda.is_bf16_supported,
+             masking_utils.find_packed_sequence_indices)
+    torch.cuda.amp.common.amp_definitely_not_available = lambda: False
+    torch.cuda.is_bf16_supported = lambda *args, **kwargs: True
+    masking_utils.find_packed_sequence_indices = _as_on_real_tensors(saved[2])
+    from training.planning.step_sync_probe import _fsdp_streams_on_fake_cuda
+
+    try:
+        with SdpaAsOnHopper(), _fsdp_streams_on_fake_cuda():  # FSDP2's streams, where a recipe still uses it
+            yield
+    finally:
+        (torch.cuda.amp.common.amp_definitely_not_available, torch.cuda.is_bf16_supported,
+         masking_utils.find_packed_sequence_indices) = saved
+
+
+def _as_on_real_tensors(find_packed):
+    """transformers looks for packed sequences in the position ids (masking_utils.find_packed_sequence_indices) and,
+    finding none in real tensors, lets SDPA run with is_causal=True and no mask. It cannot read a fake tensor, so it
+    would build a dense (S, S) causal mask instead, which no GPU run of this loop does: its rows are one sequence
+    each (position ids 0..S-1), so the answer on real tensors is None."""
+    def find(position_ids):
+        from torch._subclasses.fake_tensor import is_fake
+
+        return None if is_fake(position_ids) else find_packed(position_ids)
+    return find
+
+
+def _fake_cuda_preloaded() -> bool:
+    return "fake_cuda_runtime" in os.environ.get("LD_PRELOAD", "")
+
+
 def run(seq: int = 8192, layers: int = 8, dim: int = 2048, n_heads: int = 16, n_kv_heads: int = 8,
-        vocab: int = 2048, overrides: list[str] | None = None) -> dict:
-    """Both sides' counts at this shape; `overrides` are extra recipe overrides for our side only."""
+        vocab: int = 2048, overrides: list[str] | None = None, device: str = "cuda") -> dict:
+    """Both sides' counts at this shape; `overrides` are extra recipe overrides for our side only. On "cuda" it
+    runs in a child process with the fake CUDA runtime preloaded (unless this one has it)."""
+    kwargs = dict(seq=seq, layers=layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab=vocab,
+                  overrides=overrides, device=device)
+    if device == "cuda" and not _fake_cuda_preloaded():
+        return _in_child(kwargs)
     from models.llama import recipe_model_config
 
     cfg = our_config(dim, layers, n_heads, n_kv_heads, vocab, seq, overrides)
     mcfg = recipe_model_config(cfg)
-    ours = count_ours(cfg)
-    theirs = count_transformers(dim, layers, n_heads, n_kv_heads, seq, vocab)
+    with fake_h100() if device == "cuda" else contextlib.nullcontext():
+        ours = count_ours(cfg, device)
+        theirs = count_transformers(dim, layers, n_heads, n_kv_heads, seq, vocab, device)
     shape = {"dim": dim, "layers": layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "vocab": vocab,
              "seq": seq, "ffn_hidden_dim": mcfg.ffn_hidden_dim,
-             "loss_chunk_tokens": cfg.training.loss_chunk_tokens}
+             "loss_chunk_tokens": cfg.training.loss_chunk_tokens, "device": f"fake {device}"}
     return {"shape": shape, "ours": ours, "transformers": theirs}
+
+
+def _in_child(kwargs: dict) -> dict:
+    """`run(**kwargs)` in a child process with the fake CUDA runtime preloaded; its result comes back as JSON."""
+    import subprocess
+
+    from training.planning.step_sync_probe import fake_cuda_env
+
+    code = ("import json, sys; from bench.bench_step_kernels import run, CHILD_MARK; "
+            "print(CHILD_MARK + json.dumps(run(**json.loads(sys.stdin.read()))))")
+    env = fake_cuda_env({**os.environ, "PYTHONPATH": ROOT})
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(kwargs), capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(CHILD_MARK)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"bench_step_kernels on fake CUDA failed: {done.stderr[-3000:]}")
+    return json.loads(lines[-1][len(CHILD_MARK):])
 
 
 def table(result: dict, top: int = 10) -> str:
@@ -234,8 +317,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--json", default=None, help="write the counts here")
     parser.add_argument("--markdown", action="store_true", help="print the docs' table (docs/gpu_step.md) instead")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="fake CUDA (default) or fake CPU")
     a = parser.parse_args()
-    result = run(seq=a.seq_len, layers=a.layers)
+    result = run(seq=a.seq_len, layers=a.layers, device=a.device)
     if a.markdown:
         print(markdown(result))
     else:

@@ -203,3 +203,33 @@ def test_sdpa_runs_with_the_familys_backend_order_on_cuda_and_untouched_on_cpu()
     with sdpa_priority("cudnn", torch.device("cpu")):
         assert (torch._C._get_sdp_priority_order(), torch.backends.cuda.cudnn_sdp_enabled()) == before
     assert (torch._C._get_sdp_priority_order(), torch.backends.cuda.cudnn_sdp_enabled()) == before
+
+
+def test_ulysses_whole_sequence_call_runs_sdpa_with_the_familys_backend_order(fake_cuda):
+    """Ulysses without documents makes one whole-sequence SDPA call after its all-to-all: torch's dispatcher picks
+    the kernel, with cuDNN first for "cudnn" and left out for "flash" (on fake CUDA a CPU build's dispatcher would
+    take the math path either way, so the order it is given is what can be checked here)."""
+    from torch.nn.attention import SDPBackend
+    from torch.overrides import TorchFunctionMode
+
+    from parallelisms.cp.exchange_ulysses import ulysses_attention
+
+    class SdpaCalls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                self.calls.append((torch._C._get_sdp_priority_order()[0], torch.backends.cuda.cudnn_sdp_enabled(),
+                                   args[0].size(1), args[1].size(1)))
+            return func(*args, **(kwargs or {}))
+
+    for kernel, first, cudnn_on in (("cudnn", SDPBackend.CUDNN_ATTENTION, True),
+                                    ("flash", SDPBackend.FLASH_ATTENTION, False)):
+        spy = SdpaCalls()
+        with probe.fake_group(2, 0) as group, FakeTensorMode(allow_non_fake_inputs=True):
+            q, k, v = probe._qkv(1, 32, 4, 2, 64, torch.bfloat16)
+            with spy:
+                ulysses_attention(q, k, v, group, is_causal=True, load_balancer="zigzag", kernel=kernel)
+        assert spy.calls == [(int(first), cudnn_on, 2, 1)], spy.calls  # heads / 2 per rank, K/V unexpanded

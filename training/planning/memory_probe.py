@@ -147,12 +147,13 @@ def _sharding_propagation_in_its_own_fake_mode():
         _sharding_prop.detect_fake_mode = saved
 
 
-def fake_batch(cfg: Config) -> dict:
+def fake_batch(cfg: Config, device: str = "cpu") -> dict:
     t = cfg.training
     shape = (t.local_batch_size, t.seq_len)
-    return {"input_ids": torch.zeros(shape, dtype=torch.long), "labels": torch.zeros(shape, dtype=torch.long),
-            "position_ids": torch.arange(t.seq_len).expand(shape).clone(),
-            "document_ids": torch.zeros(shape, dtype=torch.long)}
+    return {"input_ids": torch.zeros(shape, dtype=torch.long, device=device),
+            "labels": torch.zeros(shape, dtype=torch.long, device=device),
+            "position_ids": torch.arange(t.seq_len, device=device).expand(shape).clone(),
+            "document_ids": torch.zeros(shape, dtype=torch.long, device=device)}
 
 
 @dataclass
@@ -173,14 +174,16 @@ class FakeRank:
 
 
 @contextlib.contextmanager
-def fake_rank(cfg: Config, world_size: int, rank: int = 0):
+def fake_rank(cfg: Config, world_size: int, rank: int = 0, device: str = "cpu"):
     """Rank `rank` of a fake process group of `world_size` (collectives return at once, in one process) with the
     recipe's real model built on the meta device, given to the real composer (TP, activation checkpointing, FSDP2) and
     materialised as fake tensors (shapes and dtypes, no storage); yields a `FakeRank` inside the fake mode.
 
     The micro-step is the trainer's own (training/step.py), without document masking: document ids are data, and
     fake tensors hold none (a masked ring skips blocks, so causal attention is the upper bound). The documents CP
-    layout is measured as its row of one document, zigzag's layout: the same S / P tokens per rank."""
+    layout is measured as its row of one document, zigzag's layout: the same S / P tokens per rank. `device`: "cpu",
+    or "cuda" in a process with training/planning/step_sync_probe.py's fake CUDA runtime preloaded (world 1:
+    bench/bench_step_kernels.py)."""
     # Lazy: torch's internal testing package (it registers the "fake" backend) is needed by the probes only, and
     # this module is imported by every training rank through train.py.
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -191,17 +194,20 @@ def fake_rank(cfg: Config, world_size: int, rank: int = 0):
         p, t = cfg.parallelism, cfg.training
         dims = ParallelDims.resolve(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, world_size, where=cfg.recipe_path)
         mcfg = recipe_model_config(cfg)
-        mesh = dims.build_mesh("cpu")
-        add_hybrid_subgroups(mesh, stage_ulysses_degree(cfg, mcfg, mesh, "cpu"))  # as the trainer makes them at setup
+        mesh = dims.build_mesh(device)
+        add_hybrid_subgroups(mesh, stage_ulysses_degree(cfg, mcfg, mesh, device))  # as the trainer makes them at setup
         with torch.device("meta"):
             model = Llama(mcfg)
-        model = parallelize(model, mesh, cfg)
+        if device == "cpu":
+            model = parallelize(model, mesh, cfg)
         if p.cp_load_balancer == DOCUMENTS:  # no ids to plan from: its one-document row, which is zigzag's layout
             p = dataclasses.replace(p, cp_load_balancer="zigzag")
-        setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
-                          stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
         with FakeTensorMode(allow_non_fake_inputs=True), _sharding_propagation_in_its_own_fake_mode():
-            model.to_empty(device="cpu")  # without FSDP float32 (one-device bf16 is autocast)
+            if device != "cpu":  # in the mode: FSDP2 makes its (empty) buffers on the device
+                model = parallelize(model, mesh, cfg)
+            setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
+                              stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
+            model.to_empty(device=device)  # without FSDP float32 (one-device bf16 is autocast)
             params = list(model.parameters())
             optimizer, _ = build_optimizer(cfg, [model], device_type="cuda")  # as on the GPU it plans for
             # Create AdamW's state (and warm DTensor's sharding caches) before measuring: in training it exists from
