@@ -266,7 +266,9 @@ def _in_child(kwargs: dict) -> dict:
 
     code = ("import json, sys; from bench.bench_step_kernels import run, CHILD_MARK; "
             "print(CHILD_MARK + json.dumps(run(**json.loads(sys.stdin.read()))))")
-    env = fake_cuda_env({**os.environ, "PYTHONPATH": ROOT})
+    from harness.launch_env import child_env
+
+    env = fake_cuda_env(child_env())
     done = subprocess.run([sys.executable, "-c", code], input=json.dumps(kwargs), capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith(CHILD_MARK)]

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from harness.launch_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -11,7 +13,7 @@ def test_the_kernel_table_runs_on_cpu_and_names_every_call():
     result = subprocess.run([sys.executable, os.path.join("bench", "bench_attention_kernels.py"), "--seqs", "256,512",
                              "--reps", "1", "--heads", "4", "--kv-heads", "2", "--head-dim", "32"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+                            env=child_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     table = {line.split("  ")[0].strip(): line.split()[-4:] for line in lines

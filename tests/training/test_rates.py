@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from harness.launch_env import child_env
 from models.llama import model_config
 from training.planning.accelerators import ACCELERATORS
 from training.planning.rates import load_rates, rates_source, rates_warnings
@@ -111,7 +112,7 @@ def test_bench_rates_writes_what_load_rates_reads(tmp_path):
          "--dim", "64", "--ffn", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64",
          "--lengths", "64,128", "--copy-bytes", "65536", "--optimizer-params", "1000", "--reps", "1",
          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+        env=child_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     rates = load_rates("h100-sxm", str(tmp_path))
     assert rates.device_name == "cpu" and min(rates.gemm, rates.hbm, rates.optimizer) > 0
