@@ -85,12 +85,13 @@ def rates_warnings(rates: MeasuredRates | None, accelerator: str, torch_version:
         return []
     lines = []
     if _minor(rates.torch) != _minor(torch_version):
-        lines.append(f"warning: {rates.path} was measured with torch {rates.torch}, this is torch {torch_version}: "
-                     f"kernel rates may differ; measure again with python bench/bench_rates.py on the GPU")
+        lines.append(f"warning: {_shown(rates.path)} was measured with torch {rates.torch}, this is torch "
+                     f"{torch_version}: kernel rates may differ; measure again with python bench/bench_rates.py on the "
+                     f"GPU")
     marker = DEVICE_MARKERS.get(accelerator)
-    if marker and marker not in rates.device_name or rates.accelerator != accelerator:
-        lines.append(f"warning: {rates.path} was measured on {rates.device_name!r} ({rates.accelerator}), not on "
-                     f"a {accelerator}: its rates are used as they are")
+    if (marker and marker not in rates.device_name) or rates.accelerator != accelerator:
+        lines.append(f"warning: {_shown(rates.path)} was measured on {rates.device_name!r} ({rates.accelerator}), "
+                     f"not on a {accelerator}: its rates are used as they are")
     return lines
 
 

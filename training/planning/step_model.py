@@ -4,9 +4,12 @@ The roofline (training/planning/roofline.py) is a bound: every FLOP at the data-
 work at the rate published kernel benchmarks reach (training/planning/accelerators.py states each figure and its source):
 - large GEMMs (every linear layer, forward, backward = 2x forward, recomputation: op-level AC re-runs the
   even-numbered matmuls of a block) at the cuBLAS rate;
-- attention at FlashAttention-2's measured rate for its head dim and the length of one call, on the visible
-  query-key pairs (document masking: from a stated document mix); a CP ring at one causal call's rate over the
-  rank's block (S / cp) times the zigzag ring's measured efficiency against that call;
+- attention at the rate of the kernel the stage runs (`stage_attention_kernel`: cuDNN on H100/H200 at
+  FlashAttention-2's measured rate times cuDNN's measured speed-up, FlashAttention-2 on A100 and for packed
+  documents), for its head dim and the length of one call, on the visible query-key pairs (document masking: from a
+  stated document mix); a CP ring at one causal call's rate over the rank's block (S / cp) times the zigzag ring's
+  measured efficiency against that call; a rates file measured on the device (training/planning/rates.py) replaces
+  each published rate it holds;
 - memory-bound elementwise work (norms, RoPE, SwiGLU's gate, residual adds, casts, the loss's softmax, AdamW,
   FSDP2's copy-out of gathered parameters and copy-in of gradients) as bytes moved at the achieved HBM bandwidth,
   eager (one kernel per op) or fused under torch.compile; op-level AC re-runs all of a block's elementwise work;
@@ -240,7 +243,9 @@ def document_pair_fraction(seq_len: int, mix=DOCUMENT_MIX) -> tuple[float, float
 
 
 PREDICTION_STATEMENT = ("predicted: calibrated step time (training/planning/step_model.py): GEMMs at cuBLAS's measured "
-                        "rate, attention at FlashAttention-2's (a CP ring at the zigzag ring's measured share of it), "
+                        "rate, attention at its kernel's (cuDNN on H100/H200: FlashAttention-2's rate times cuDNN's "
+                        "measured speed-up; FlashAttention-2 on A100 and for packed documents; a CP ring at the zigzag "
+                        "ring's measured share of one call), "
                         "elementwise work at achieved HBM bandwidth, collectives at NCCL's bus bandwidth with FSDP "
                         "prefetch and the ring under attention; band = the sources' spread (docs/predictions.md)")
 
