@@ -36,6 +36,10 @@ __all__ = ["shard_sequence", "unshard_sequence", "ring_attention", "context_para
            "local_positions"]
 
 
+CP_EAGER_REASON = "context-parallel attention runs eagerly between compiled graphs"
+"""The one graph break a compiled CP run expects (dynamo's reason for it): parallelize.compile_surprises skips it."""
+
+
 class SdpaToContextParallel(TorchFunctionMode):
     """Sends `F.scaled_dot_product_attention` to the CP variant (the ring, or `variant`: all-gather, Ulysses,
     hybrid, auto) after checking the call is one it computes exactly; every other torch call passes through."""
@@ -57,7 +61,7 @@ class SdpaToContextParallel(TorchFunctionMode):
 
     # Under torch.compile the CP attention runs as one opaque eager call: dynamo would otherwise trace the ring's
     # point-to-point loop, break inside it and guard on its Python counters, recompiling at every call.
-    @torch.compiler.disable(reason="context-parallel attention runs eagerly between compiled graphs")
+    @torch.compiler.disable(reason=CP_EAGER_REASON)
     def _route(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
         if attn_mask is not None:

@@ -15,6 +15,7 @@ import torch
 
 from config.schema import Config
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.context_parallel import CP_EAGER_REASON
 from parallelisms.data_parallel import apply_fsdp
 from parallelisms.parallel_dims import TrainingMesh
 from parallelisms.tensor_parallel import apply_tp
@@ -84,6 +85,20 @@ def compile_counters() -> dict:
             "frames_failed": frames["total"] - frames["ok"], "unimplemented": sum(counters["unimplemented"].values()),
             "graph_breaks": {re.sub(r" at 0x[0-9a-f]+", "", " ".join(reason.split()))[:300]: n
                              for reason, n in counters["graph_break"].items()}}
+
+
+def compile_surprises(counters: dict) -> list[str]:
+    """What a compiled run should not do, one line each, from `compile_counters`: frames dynamo gave up on (they run
+    eagerly), unsupported constructs, and graph breaks other than the CP attention's (expected: it runs eagerly)."""
+    lines = []
+    if counters["frames_failed"]:
+        lines.append(f"{counters['frames_failed']} frame(s) not compiled (recompile limit or an unsupported construct; "
+                     "they run eagerly)")
+    if counters["unimplemented"]:
+        lines.append(f"{counters['unimplemented']} unsupported construct(s) met by dynamo")
+    lines += [f"graph break x{n}: {reason}" for reason, n in counters["graph_breaks"].items()
+              if CP_EAGER_REASON not in reason]
+    return lines
 
 
 def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torch.nn.Module:

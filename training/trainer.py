@@ -14,7 +14,7 @@ from config.schema import Config
 from data.placement import StepSlots
 from data.sources import describe_chat_rows, labels_every_token, packing_efficiency
 from parallelisms.context_parallel import CommStats
-from parallelisms.parallelize import uses_loss_parallel
+from parallelisms.parallelize import compile_counters, compile_surprises, uses_loss_parallel
 from parallelisms.stage_meshes import release_stage
 from parallelisms.cp.kernel_blocks import activate_flash_implementation
 from parallelisms.cp.layouts import DOCUMENTS
@@ -61,6 +61,10 @@ class Trainer:
                            if hasattr(part, "activation_offloader")]
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model_parts)
         self.comm_stats = CommStats()
+        self.compiled = cfg.training.compiles(self.device.type)
+        self.compile_first_step_s: float | None = None
+        """The first training step's time in this process when compiled (graphs built in it), in metrics.jsonl."""
+        self.compile_warned: set[str] = set()
         self.whole_row_steps = 0
         """Steps placed by work that fell back to whole-row moves (metrics.jsonl: placement_whole_row_steps)."""
         self.step_pairs: list[torch.Tensor] = []
@@ -170,6 +174,8 @@ class Trainer:
             loss, grad_norm = self.train_step(batches)
             self.step += 1
             step_time = time.perf_counter() - start
+            if self.compiled:
+                self._report_compile(step_time)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss became {loss} at step {self.step}; lower optimizer.lr or check data.")
             last = self.step == self.cfg.training.steps
@@ -183,6 +189,8 @@ class Trainer:
                     self.stage, self.step, loss=loss, lr=lr, grad_norm=grad_norm, step_time=step_time,
                     data_time=data_time, tokens_seen=tokens_seen(self.stages, self.step),
                     visible_pairs=torch.stack(self.step_pairs).tolist())
+                if "compile" in record:
+                    record["compile"]["first_step_s"] = self.compile_first_step_s
                 if self.stores:
                     record["source_tokens"] = source_tokens_seen(self.stages, self.step)
                     if efficiency := packing_efficiency(self.cfg, self.dataloader.packed):  # chat sources' rows
@@ -203,6 +211,20 @@ class Trainer:
         if self.cfg.eval.passkey:
             run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0,
                              self.dist.comm)
+
+    def _report_compile(self, step_time: float) -> None:
+        """Rank 0: the first step's time (when torch.compile builds the blocks' graphs) once, and a warning line for
+        every new reason dynamo broke a graph or gave up on a frame (parallelize.compile_surprises)."""
+        if self.compile_first_step_s is None:
+            self.compile_first_step_s = step_time
+            if self.rank == 0:
+                print(f"torch.compile: the first step took {step_time:.1f}s (the blocks' graphs compiled: "
+                      f"{compile_counters()['unique_graphs']})", flush=True)
+        for line in compile_surprises(compile_counters()):
+            if line not in self.compile_warned:
+                self.compile_warned.add(line)
+                if self.rank == 0:
+                    print(f"warning: torch.compile: {line}", flush=True)
 
     def _step_batches(self, data_iter) -> list[dict]:
         """This rank's micro-batches of the next optimizer step (placed by work and planned in the workers)."""

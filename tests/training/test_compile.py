@@ -86,6 +86,7 @@ def test_compiled_training_matches_the_single_process_run(reference, mesh):
     counters = records[-1]["compile"]
     assert counters["frames_failed"] == 0 and counters["unimplemented"] == 0, counters
     assert all(CP_BREAK in reason for reason in counters["graph_breaks"]), counters
+    assert counters["first_step_s"] > 0  # printed by rank 0 too: "torch.compile: the first step took ..."
     cp = MESHES[mesh].get("cp", 1)
     assert bool(counters["graph_breaks"]) == (cp > 1)
     n_layers = MODEL_CONFIGS["debug"].n_layers
