@@ -16,7 +16,6 @@ Without CUDA it runs the same code on the CPU (flash-CPU kernels only), for the 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -29,20 +28,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from parallelisms.context_parallel import ring_attention  # noqa: E402
-from parallelisms.cp.kernel_blocks import (CONCRETE_KERNELS, activate_flash_implementation, concrete_kernel,  # noqa: E402
-                                           kernel_for, kernel_problem)
+from parallelisms.cp.kernel_blocks import (activate_flash_implementation, concrete_kernel, kernel_for,  # noqa: E402
+                                           runnable_kernels)
 
 DOCUMENT_MIX = "web-like: lognormal(6.5, 1.0) tokens per document (median ~665)"
-
-
-def available_families(device: torch.device) -> list[str]:
-    """The kernel families this machine can run (on CPU all of them are the flash-CPU op: one is enough)."""
-    if device.type != "cuda":
-        return ["flash"]
-    capability = tuple(torch.cuda.get_device_capability(device))
-    found = lambda module: importlib.util.find_spec(module.split(".")[0]) is not None  # noqa: E731
-    return [k for k in CONCRETE_KERNELS
-            if kernel_problem(k, "cuda", capability, torch.backends.cudnn.is_available(), found) is None]
 
 
 def timed(call, device: torch.device) -> float:
@@ -119,7 +108,7 @@ def _run_family(activate: str | None, fn, device) -> float:
 
 def measure(args, device: torch.device) -> dict:
     """{(call, masking, seq): fastest seconds} over every available family and --seqs length."""
-    families = available_families(device)
+    families = runnable_kernels(device)
     best = {}
     for seq in args.seqs:
         calls = _calls(seq, args, device, families)

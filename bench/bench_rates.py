@@ -20,38 +20,24 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from parallelisms.cp.kernel_blocks import CONCRETE_KERNELS, activate_flash_implementation, kernel_for, kernel_problem  # noqa: E402,E501
+from bench.bench_attention_kernels import timed  # noqa: E402
+from parallelisms.cp.kernel_blocks import activate_flash_implementation, kernel_for, runnable_kernels  # noqa: E402
 from training.planning.rates import RATES_DIR, rates_path  # noqa: E402
 
 
 def fastest(call, device: torch.device, reps: int) -> float:
-    """Seconds of the fastest of `reps` calls after one warm-up (CUDA events on a GPU)."""
+    """Seconds of the fastest of `reps` calls after one warm-up (bench_attention_kernels.timed: CUDA events)."""
     call()
-    best = float("inf")
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            torch.cuda.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            call()
-            best = min(best, time.perf_counter() - begin)
-    return best
+    return min(timed(call, device) for _ in range(reps))
 
 
 def gemm_rate(args, device) -> dict:
@@ -70,15 +56,6 @@ def gemm_rate(args, device) -> dict:
             f"ffn {args.ffn}, {args.heads}/{args.kv_heads} heads of {hd}, bf16"}
 
 
-def families(device) -> list[str]:
-    if device.type != "cuda":
-        return ["flash"]
-    capability = tuple(torch.cuda.get_device_capability(device))
-    found = lambda module: importlib.util.find_spec(module.split(".")[0]) is not None  # noqa: E731
-    return [k for k in CONCRETE_KERNELS
-            if kernel_problem(k, "cuda", capability, torch.backends.cudnn.is_available(), found) is None]
-
-
 def attention_rates(args, device) -> list[dict]:
     from torch.nn import attention
 
@@ -88,7 +65,7 @@ def attention_rates(args, device) -> list[dict]:
                                      dtype=torch.bfloat16).transpose(1, 2)
         q, k, v, grad = make(args.heads), make(args.kv_heads), make(args.kv_heads), make(args.heads)
         forward_flops = 4.0 * length * (length + 1) / 2 * args.heads * args.head_dim
-        for family in families(device):
+        for family in runnable_kernels(device):
             activate_flash_implementation(family)
             try:
                 block = kernel_for(device.type, q.dtype, args.head_dim, False, prefer=family)

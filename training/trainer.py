@@ -16,7 +16,7 @@ from data.sources import describe_chat_rows, labels_every_token, packing_efficie
 from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import compile_counters, compile_surprises, uses_loss_parallel
 from parallelisms.stage_meshes import release_stage
-from parallelisms.cp.kernel_blocks import activate_flash_implementation
+from parallelisms.cp.kernel_blocks import activate_flash_implementation, family_on
 from parallelisms.cp.layouts import DOCUMENTS
 from training import step
 from training.batch_plans import CpPlanning, step_loader
@@ -29,7 +29,6 @@ from training.hardware import peak_flops
 from training.evaluation.niah import run_niah_eval
 from training.loss import global_label_tokens
 from training.metrics import MetricsLogger, StepMetrics, visible_pairs
-from training.planning.device_check import attention_kernel_in_use
 from training.planning.preflight import preflight_stages
 from training.ramp import RampStage, model_build_config, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_
@@ -46,7 +45,7 @@ class Trainer:
         self.dist = init_distributed(cfg)
         self.device = self.dist.device
         self.rank = self.dist.rank
-        self.attention_kernel = attention_kernel_in_use(cfg, self.device.type)
+        self.attention_kernel = family_on(cfg.parallelism.attention_kernel, self.device.torch_device)
         activate_flash_implementation(self.attention_kernel)  # FA3/FA4: torch's flash ops switched, on every rank
         self.meshes = build_run_meshes(self.stages, self.device.type)  # every process group, made once, here
         self.mesh = self.meshes[0]

@@ -309,6 +309,25 @@ def sdpa_backends(kernel: str) -> list:
     return [SDPBackend.CUDNN_ATTENTION, *flash_first] if kernel == "cudnn" else flash_first
 
 
+def module_installed(module: str) -> bool:
+    """Whether a Python module (dotted name) can be imported here, without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent package
+        return False
+
+
+def runnable_kernels(device: torch.device) -> list[str]:
+    """The concrete families this device can run (on CPU every family is the flash-CPU op: "flash" stands for it)."""
+    if device.type != "cuda":
+        return ["flash"]
+    capability = tuple(torch.cuda.get_device_capability(device))
+    return [k for k in CONCRETE_KERNELS
+            if kernel_problem(k, "cuda", capability, torch.backends.cudnn.is_available(), module_installed) is None]
+
+
 def activate_flash_implementation(kernel: str) -> None:
     """Re-registers torch's CUDA flash ops with FA3/FA4 (process-wide, once per rank at setup) for "fa3"/"fa4"."""
     if kernel in FLASH_IMPLEMENTATIONS:

@@ -134,6 +134,14 @@ def accelerator(name: str) -> AcceleratorSpec:
     return ACCELERATORS[name]
 
 
+def kernel_on(name: str, asked: str) -> str:
+    """The CP attention's kernel family `asked` resolves to on accelerator `name`, as the trainer resolves it on the
+    GPU itself (auto: cuDNN from SM 9.0, i.e. H100/H200; FlashAttention-2 on A100)."""
+    from parallelisms.cp.kernel_blocks import concrete_kernel
+
+    return concrete_kernel(asked, "cuda", ACCELERATORS[name].compute_capability)
+
+
 def attention_rate(spec: AcceleratorSpec, kernel: str, phase: str, head_dim: int, causal: bool, length: float) -> float:
     """FLOP/s of one call on the kernel family `kernel` (parallelisms/cp/kernel_blocks.py): FlashAttention-2's table,
     times cuDNN's measured per-phase speed-up over it on Hopper for "cudnn"."""

@@ -13,9 +13,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from parallelisms.cp.block_spec import BlockSpec
 from parallelisms.cp.exchange_ring import ring_backward, ring_forward
-from parallelisms.cp.kernel_blocks import concrete_kernel
 from parallelisms.cp.layouts import DOCUMENTS
-from training.planning.accelerators import accelerator
+from training.planning.accelerators import kernel_on
 from training.planning.cuda_path_probe import (ExpandGqa, FlashWorkspace, LaunchCounter, LayerCounts, fake_group,
                                       load_fake_cuda_guard, ring_counts, run_layer, total_bytes, ulysses_counts,
                                       web_like_row)
@@ -64,13 +63,6 @@ def _stage_shape(cfg, cp: int, tp: int, gathered: bool) -> tuple:
     return (1, cfg.training.seq_len // cp, heads, kv, m.head_dim)
 
 
-def stage_kernel(cfg) -> str:
-    """The CP attention's kernel family on the recipe's accelerator ("auto": cuDNN from SM 9.0, i.e. H100/H200;
-    FlashAttention-2 on A100), as the trainer resolves it on the GPU itself."""
-    return concrete_kernel(cfg.parallelism.attention_kernel, "cuda",
-                           accelerator(cfg.hardware.accelerator).compute_capability)
-
-
 def _one_document_layer(cfg, cp: int, tp: int, device: str, expand_gqa: bool = False,
                         kernel: str = "flash") -> LayerCounts:
     """One layer's attention (forward + backward) on the row the dry run's step measures (one document, the recipe's
@@ -103,7 +95,7 @@ def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
     dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
     gathered = p.cp_impl in ("ulysses", "hybrid") and cp > 1
     documents = cfg.data.document_masking and p.cp_load_balancer == DOCUMENTS
-    kernel = stage_kernel(cfg)
+    kernel = kernel_on(cfg.hardware.accelerator, p.attention_kernel)
     counts = expanded_docs = None
     if documents and cp > 1:  # the documents row: counted, and its varlen transients measured both ways
         run = ulysses_counts if gathered else ring_counts

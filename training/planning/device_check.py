@@ -11,7 +11,7 @@ import torch
 from config import RecipeError
 from config.schema import Config
 from models.llama import recipe_model_config
-from parallelisms.cp.kernel_blocks import concrete_kernel, kernel_problem
+from parallelisms.cp.kernel_blocks import kernel_problem, module_installed
 from training.planning.roofline import parameter_count
 
 GPU_SIZED_PARAMETERS = 1e9
@@ -53,25 +53,9 @@ def local_gpu() -> tuple[str, tuple[int, int] | None]:
 def check_attention_kernel(cfg: Config) -> None:
     """Raises RecipeError when `[parallelism] attention_kernel` names a kernel this machine cannot run (checked
     before torchrun, so no process group starts)."""
-    import importlib.util
-
     asked = cfg.parallelism.attention_kernel
     device_type, capability = local_gpu()
-    problem = kernel_problem(asked, device_type, capability, torch.backends.cudnn.is_available(),
-                             lambda module: _module_found(importlib.util.find_spec, module))
+    problem = kernel_problem(asked, device_type, capability, torch.backends.cudnn.is_available(), module_installed)
     if problem:
         raise RecipeError(f"{cfg.recipe_path}: parallelism.attention_kernel = \"{asked}\" cannot run here: {problem}. "
                           f"Use \"auto\" (cuDNN on Hopper, FlashAttention-2 elsewhere) or \"flash\".")
-
-
-def _module_found(find_spec, module: str) -> bool:
-    try:
-        return find_spec(module) is not None
-    except (ImportError, ValueError):  # a missing parent package
-        return False
-
-
-def attention_kernel_in_use(cfg: Config, device_type: str) -> str:
-    """The concrete kernel family this rank's CP attention runs ("auto" resolved on its own GPU)."""
-    capability = tuple(torch.cuda.get_device_capability()) if device_type == "cuda" else None
-    return concrete_kernel(cfg.parallelism.attention_kernel, device_type, capability)

@@ -281,15 +281,13 @@ def stage_attention_kernel(cfg) -> str:
     """The kernel family a stage's attention runs on the recipe's accelerator: float32 the memory-efficient kernel,
     packed documents the flash varlen calls; otherwise `parallelism.attention_kernel` resolved by the accelerator's compute capability (auto:
     cuDNN on H100/H200), which the trainer also hands to SDPA as its backend order when no CP context runs."""
-    from parallelisms.cp.kernel_blocks import concrete_kernel
-    from training.planning.accelerators import accelerator
+    from training.planning.accelerators import kernel_on
 
     if cfg.training.dtype == "float32":
         return "efficient"  # flash and cuDNN are half precision only: the memory-efficient kernel
     if cfg.data.document_masking:
         return "flash"
-    return concrete_kernel(cfg.parallelism.attention_kernel, "cuda",
-                           accelerator(cfg.hardware.accelerator).compute_capability)
+    return kernel_on(cfg.hardware.accelerator, cfg.parallelism.attention_kernel)
 
 
 def pairs_from_stores(cfg, seq_len: int) -> tuple[float, float] | None:
