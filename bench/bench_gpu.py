@@ -4,6 +4,10 @@ plain SDPA (fwd+bwd time at --seq and 64K, plain causal and packed documents; be
 
     python bench/bench_gpu.py [--short] [--rounds 3] [--steps 10] [--seq 8192] [--batch 1] [--dim 2048]
                               [--n-layers 8] [--n-heads 16] [--n-kv-heads 8] [--torchtitan-attention flex|varlen]
+                              [--compile false|true|auto] [--ac none|full]
+
+After the table, the dry run's prediction of each of our runs (step time and peak memory, on the accelerator the
+device's name maps to) is printed beside the measured figures.
 
 Without a CUDA device it prints one line and exits 0. --short (about a minute; `./run_tests.sh --gpu --report`
 runs it): one run of each side of the transformers comparison, 6 steps, 3 ring repetitions, no TorchTitan runs.
@@ -78,16 +82,69 @@ def _last_error(text: str) -> str:
     return (errors or lines or ["no output"])[-1][-300:]
 
 
+def our_overrides(args, out: str, documents: bool) -> list[str]:
+    """The recipe overrides of our side: the bench shape on one GPU, bf16, no AC, attention masked by document or
+    plain causal. The dry run's prediction takes the same ones."""
+    return [os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", out,
+            "--model.dim", str(args.dim), "--model.n_layers", str(args.n_layers), "--model.n_heads", str(args.n_heads),
+            "--model.n_kv_heads", str(args.n_kv_heads), "--training.seq_len", str(args.seq),
+            "--training.local_batch_size", str(args.batch), "--training.steps", str(args.steps),
+            "--training.dtype", "bfloat16", "--parallelism.dp_shard", "1", "--data.document_masking",
+            "true" if documents else "false", "--metrics.enable_tensorboard", "false", "--optimizer.lr", str(args.lr),
+            "--training.compile", args.compile, "--activation_checkpoint.mode", args.ac]
+
+
+def accelerator_of(device_name: str) -> str | None:
+    """The dry run's hardware.accelerator for a CUDA device name (None: none of its accelerators)."""
+    name = device_name.upper()
+    if "H200" in name:
+        return "h200"
+    if "H100" in name:
+        return "h100-sxm"
+    if "A100" in name:
+        return "a100-80gb" if "80G" in name else "a100-40gb"
+    return None
+
+
+def predicted(args, documents: bool, accelerator: str | None) -> tuple[float, float] | None:
+    """(step s, peak GiB) the dry run predicts for our side's run on `accelerator` (None: no accelerator to
+    price it on, or the dry run failed: one line says why)."""
+    if accelerator is None:
+        return None
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents), "--dry-run",
+               "--hardware.accelerator", accelerator]
+        done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+        if done.returncode:
+            print(f"dry run: {_last_error(done.stderr or done.stdout)}", flush=True)
+            return None
+        with open(os.path.join(out, "dry_run.json")) as f:
+            stage = json.load(f)["stages"][0]
+    return stage["predicted_step_s"], stage["peak_device_gib_per_rank"]
+
+
+def prediction_rows(args, best: dict, accelerator: str | None) -> list[str]:
+    """Predicted vs measured, one row per side of ours that ran (step time and peak memory)."""
+    rows = [f"| run ({accelerator or 'no accelerator file'}) | measured step s | predicted step s | predicted / measured "
+            "| measured peak GiB | predicted peak GiB | predicted / measured |", "|---|---|---|---|---|---|---|"]
+    for side in ("ours", "ours-documents"):
+        if best.get(side) is None:
+            continue
+        guess = predicted(args, side == "ours-documents", accelerator)
+        if guess is None:
+            continue
+        step_s = args.seq * args.batch / best[side][0]
+        rows.append(f"| {SIDES[side]}, {args.seq // 1024}K, AC {args.ac}, compile {args.compile} | {step_s:.4f} | "
+                    f"{guess[0]:.4f} | {guess[0] / step_s:.2f} | {best[side][2]:.2f} | {guess[1]:.2f} | "
+                    f"{guess[1] / best[side][2]:.3f} |")
+    return rows if len(rows) > 2 else []
+
+
 def run_ours(args, out: str, documents: bool) -> tuple[float, float, float]:
     """(median tok/s after warm-up, median MFU as the trainer logs it, peak GiB) of one train.py run, attention
     masked by document or plain causal."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           os.path.join(ROOT, "train.py"), os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", out,
-           "--model.dim", str(args.dim), "--model.n_layers", str(args.n_layers), "--model.n_heads", str(args.n_heads),
-           "--model.n_kv_heads", str(args.n_kv_heads), "--training.seq_len", str(args.seq),
-           "--training.local_batch_size", str(args.batch), "--training.steps", str(args.steps),
-           "--training.dtype", "bfloat16", "--parallelism.dp_shard", "1", "--data.document_masking",
-           "true" if documents else "false", "--metrics.enable_tensorboard", "false", "--optimizer.lr", str(args.lr)]
+           os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents)]
     done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode:
         raise RuntimeError(f"train.py failed: {_last_error(done.stderr)}")
@@ -245,6 +302,10 @@ def compare_trainers(args) -> None:
         if best.get(ours) and best.get(peer):
             print(f"ours / {SIDES[peer].split(',')[0]}: tok/s {best[ours][0] / best[peer][0]:.3f}"
                   + (f", peak memory {best[ours][2] / best[peer][2]:.3f}" if best[peer][2] == best[peer][2] else ""))
+    rows = prediction_rows(args, best, accelerator_of(torch.cuda.get_device_name()))
+    if rows:
+        print("\nthe dry run's prediction beside the measured step (./run_train.sh recipes/debug.toml --dry-run with "
+              "the same overrides and hardware.accelerator):\n" + "\n".join(rows), flush=True)
 
 
 def _cell(value: float, spec: str) -> str:
@@ -278,6 +339,10 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10, help="attention kernel repetitions")
     parser.add_argument("--torchtitan-attention", choices=("flex", "varlen"), default="flex")
     parser.add_argument("--only", choices=("trainers", "ring"), default=None)
+    parser.add_argument("--compile", choices=("auto", "true", "false"), default="false",
+                        help="our side's training.compile (auto: on, as a CUDA run defaults to)")
+    parser.add_argument("--ac", choices=("none", "full", "selective", "op"), default="none",
+                        help="our side's activation_checkpoint.mode")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per training run")
     parser.add_argument("--short", action="store_true",
                         help="about a minute: 1 round of ours vs transformers, 6 steps, 3 ring repetitions")

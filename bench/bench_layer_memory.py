@@ -65,7 +65,7 @@ def breakdown(cfg, world: int) -> BreakdownMode:
             model = Llama(mcfg)
         model = parallelize(model, mesh, cfg)
         setup = step.StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
-                               stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
+                               stats=CommStats(), loss_chunk_tokens=t.loss_tile_tokens(mcfg.vocab_size))
         with FakeTensorMode(allow_non_fake_inputs=True), _sharding_propagation_in_its_own_fake_mode():
             model.to_empty(device="cpu")
             batch = fake_batch(cfg)

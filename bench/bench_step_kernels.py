@@ -9,11 +9,9 @@ no kernels), so the whole step (forward, backward, gradient clipping, optimizer 
 a CPU, and a TorchDispatchMode sees every aten op it dispatches. Fake tensors take no time: these are counts, not
 timings. More ops means more launches and more passes over memory, not a measured slowdown.
 
-What a count means: one aten op reaching the dispatcher is one or more device kernels on a GPU (a GEMM one cuBLAS
-launch, a _foreach op one launch per chunk of tensors, fused AdamW a few multi-tensor launches). Ops that launch
-nothing (views, detach, allocations, prim/profiler records, reading a CPU scalar) go to the "no kernel" bucket, so
-"total kernels" is the rest. "MiB moved" sums the bytes of each op's tensor inputs and outputs: a rough bound on its
-memory traffic (a view counts its whole tensor; an in-place op counts it as input and as output).
+What a count means (training/planning/op_census.py, the census the dry run also prices an eager step from): one
+aten op reaching the dispatcher is one or more device kernels on a GPU; ops that launch nothing go to the "no
+kernel" bucket, so "total kernels" is the rest. "MiB moved" sums the bytes of each op's tensor inputs and outputs.
 
 The device is fake CUDA. A CPU-only torch build runs a fake CUDA forward with a no-op device guard, but its
 autograd engine asks for the accelerator's streams. So both steps run in a child process with
@@ -37,7 +35,6 @@ rank stands for a CUDA rank). `--markdown` prints the table of docs/gpu_step.md.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import json
 import os
@@ -50,71 +47,11 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
+
+from training.planning.op_census import KINDS, OpCensus  # noqa: E402
 
 MIB = 2**20
 CHILD_MARK = "BENCH_STEP_KERNELS_RESULT="
-KINDS = ("gemm", "attention", "copy/cast", "optimizer", "collective", "elementwise/other", "no kernel")
-NO_KERNEL_OPS = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
-                 "lift_fresh", "_local_scalar_dense", "resize_", "set_", "record_stream"}
-GEMM_OPS = {"mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "linear", "_grouped_mm", "_scaled_mm",
-            "addmv", "mv", "dot"}
-COPY_OPS = {"_to_copy", "copy_", "clone", "contiguous", "copy", "_copy_from", "_copy_from_and_resize",
-            "to", "lift_fresh_copy"}
-
-
-def kind_of(func) -> str:
-    """The bucket of one aten op (an OpOverload): by its packet name and namespace."""
-    ns = getattr(func, "namespace", "")
-    name = getattr(func, "_opname", None) or str(func).split("::")[-1].split(".")[0]
-    if ns in ("prim", "profiler") or name in NO_KERNEL_OPS or getattr(func, "is_view", False):
-        return "no kernel"
-    if ns in ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"):
-        return "collective"
-    if name in GEMM_OPS:
-        return "gemm"
-    if "scaled_dot_product" in name or "flash" in name or "efficient_attention" in name or "cudnn_attention" in name:
-        return "attention"
-    if name.startswith("_foreach_") or name.startswith("_fused_adam"):
-        return "optimizer"
-    if name in COPY_OPS:
-        return "copy/cast"
-    return "elementwise/other"
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    try:
-        return t.numel() * t.element_size()
-    except Exception:  # noqa: BLE001 - a tensor subclass without sizes
-        return 0
-
-
-class KernelCounter(TorchDispatchMode):
-    """Counts every aten op and the bytes of its tensor inputs + outputs, per op and per kind (KINDS)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-        self.bytes = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        flat = tree_flatten((args, kwargs))[0] + tree_flatten(out)[0]
-        self.ops[func] += 1
-        self.bytes[func] += sum(_nbytes(x) for x in flat if isinstance(x, torch.Tensor))
-        return out
-
-    def by_kind(self) -> dict:
-        ops = dict.fromkeys(KINDS, 0)
-        moved = dict.fromkeys(KINDS, 0)
-        for func, n in self.ops.items():
-            k = kind_of(func)
-            ops[k] += n
-            moved[k] += self.bytes[func]
-        return {"ops": ops, "bytes": moved, "total_ops": sum(self.ops.values()),
-                "total_bytes": sum(self.bytes.values()), "per_op": {str(f): n for f, n in self.ops.items()}}
 
 
 def our_config(dim: int, layers: int, n_heads: int, n_kv_heads: int, vocab: int, seq: int,
@@ -138,7 +75,7 @@ def count_ours(cfg, device: str) -> dict:
     from training.step import clip_grad_norm_
 
     with fake_rank(cfg, world_size=1, device=device) as fake:
-        counter = KernelCounter()
+        counter = OpCensus()
         with counter:
             step.micro_step(fake.setup, fake_batch(cfg, device), fake.global_tokens)
             if cfg.training.max_norm > 0:
@@ -171,7 +108,7 @@ def count_transformers(dim: int, layers: int, n_heads: int, n_kv_heads: int, seq
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tokens = torch.zeros((1, seq), dtype=torch.long, device=device)
-        counter = KernelCounter()
+        counter = OpCensus()
         with counter:
             with torch.autocast(device, dtype=torch.bfloat16):
                 loss = model(input_ids=tokens, labels=tokens).loss
@@ -254,7 +191,7 @@ def run(seq: int = 8192, layers: int = 8, dim: int = 2048, n_heads: int = 16, n_
         theirs = count_transformers(dim, layers, n_heads, n_kv_heads, seq, vocab, device)
     shape = {"dim": dim, "layers": layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "vocab": vocab,
              "seq": seq, "ffn_hidden_dim": mcfg.ffn_hidden_dim,
-             "loss_chunk_tokens": cfg.training.loss_chunk_tokens, "device": f"fake {device}"}
+             "loss_chunk_tokens": cfg.training.loss_tile_tokens(vocab), "device": f"fake {device}"}
     return {"shape": shape, "ours": ours, "transformers": theirs}
 
 

@@ -257,8 +257,10 @@ def validate(cfg: Config) -> None:
         raise RecipeError(f"{where}: optimizer.lr must be > 0, got {cfg.optimizer.lr}.")
     if cfg.lr_scheduler.warmup_steps < 0:
         raise RecipeError(f"{where}: lr_scheduler.warmup_steps must be >= 0.")
-    for section, key in (("training", "loss_chunk_tokens"), ("model", "mlp_chunk_tokens"),
-                         ("model", "norm_chunk_tokens")):
+    if cfg.training.loss_chunk_tokens < -1:
+        raise RecipeError(f"{where}: training.loss_chunk_tokens must be >= 0 (0 = off) or -1 (automatic tiles), "
+                          f"got {cfg.training.loss_chunk_tokens}.")
+    for section, key in (("model", "mlp_chunk_tokens"), ("model", "norm_chunk_tokens")):
         if getattr(getattr(cfg, section), key) < 0:
             raise RecipeError(f"{where}: {section}.{key} must be >= 0 (0 = off), got "
                               f"{getattr(getattr(cfg, section), key)}.")

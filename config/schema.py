@@ -35,6 +35,12 @@ RopeScaling = Literal["auto", "llama3", "yarn"]
 CompileSetting = Literal["auto", True, False]
 
 
+LOSS_TILE_LOGITS = 2**28
+"""Logits per loss tile with `training.loss_chunk_tokens = -1`: 1 GiB in float32, what a 2048-token tile of Llama 3's
+128,256-token vocabulary holds."""
+LOSS_TILE_QUANTUM = 2048
+"""Automatic loss tiles are whole multiples of this many tokens."""
+
 MIN_SEQ_LEN = 2
 """The shortest sequence: one input and one label token."""
 
@@ -156,9 +162,20 @@ class TrainingConfig:
     tokens_per_step: int = 0
     """Global tokens per optimizer step kept constant across [[ramp]] stages (the global batch becomes
     tokens_per_step / seq_len rows); 0 = use local/global_batch_size as given."""
-    loss_chunk_tokens: int = 2048
+    loss_chunk_tokens: int = -1
     """The output projection and the loss computed this many tokens at a time, gradients included
-    (models/chunked_loss.py), so the (tokens x vocab) logits never exist whole; 0 = project all tokens at once."""
+    (models/chunked_loss.py), so the (tokens x vocab) logits never exist whole; 0 = project all tokens at once;
+    -1 (default) = `loss_tile_tokens`: 2048-token tiles, widened where the vocabulary is small."""
+
+    def loss_tile_tokens(self, vocab_size: int) -> int:
+        """`loss_chunk_tokens` resolved for a model with `vocab_size`: an explicit value as given; -1: as many tokens
+        as `LOSS_TILE_LOGITS` float32 logits hold, in whole multiples of 2048 and at least 2048. Llama 3's and Qwen's
+        vocabularies (128K-152K) get 2048-token tiles; a 2K vocabulary gets 128K-token tiles, so an 8K or 64K
+        micro-batch projects in one tile: each tile is a dozen small kernels and a weight cast each way, and tiling
+        logits of a few hundred MiB saves nothing worth them (issue 36)."""
+        if self.loss_chunk_tokens >= 0:
+            return self.loss_chunk_tokens
+        return max(LOSS_TILE_QUANTUM, LOSS_TILE_LOGITS // max(vocab_size, 1) // LOSS_TILE_QUANTUM * LOSS_TILE_QUANTUM)
 
     def compiles(self, device_type: str = "cuda") -> bool:
         """`compile` resolved for a run on `device_type` ("auto": on for CUDA only)."""

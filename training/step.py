@@ -45,6 +45,11 @@ class StepSetup:
     sparse_labels: bool = False
     """Few tokens carry labels (passkey rows): the chunked loss projects only those (one host sync per micro-step)."""
 
+    def __post_init__(self):
+        if self.loss_chunk_tokens < 0:
+            raise ValueError("StepSetup.loss_chunk_tokens takes a resolved tile (TrainingConfig.loss_tile_tokens), "
+                             f"not {self.loss_chunk_tokens}")
+
     @property
     def shards_sequence(self) -> bool:
         return self.parallelism.cp > 1 or self.document_masking

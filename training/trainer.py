@@ -98,7 +98,8 @@ class Trainer:
         self.stage, cfg = stage, stage.cfg
         self.setup = StepSetup(self.model, self.mesh, cfg.parallelism, cfg.data.document_masking,
                                uses_loss_parallel(cfg, self.mesh), self.comm_stats, self.pipeline,
-                               cfg.training.loss_chunk_tokens, sparse_labels=not labels_every_token(cfg))
+                               cfg.training.loss_tile_tokens(stage.model.vocab_size),
+                               sparse_labels=not labels_every_token(cfg))
         m = stage.model
         for part in self.model_parts:
             part.set_rope_from(m)

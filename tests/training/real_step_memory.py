@@ -134,7 +134,7 @@ def real_step_peaks(cfg, world_size: int) -> dict:
     (model,) = build_model(cfg, mcfg, mesh, torch.device("cpu")).parts
     optimizer, _ = build_optimizer(cfg, [model])
     setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
-                      stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
+                      stats=CommStats(), loss_chunk_tokens=t.loss_tile_tokens(mcfg.vocab_size))
     params = list(model.parameters())
     for param in params:  # AdamW's state exists from the first step on, as in the dry run
         param.grad = torch.zeros_like(param)

@@ -49,7 +49,7 @@ def _train_and_eval_peaks(rank, world_size):
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     setup = StepSetup(model, mesh, cfg.parallelism, document_masking=False, loss_parallel=False, stats=CommStats(),
-                      loss_chunk_tokens=cfg.training.loss_chunk_tokens)
+                      loss_chunk_tokens=cfg.training.loss_tile_tokens(VOCAB))
     ids = torch.randint(0, VOCAB, (1, SEQ))
     batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(SEQ)[None].clone()}
     model.eval()

@@ -39,6 +39,7 @@ def test_print_config_round_trips(tmp_path):
     ("[training\n", [], "not valid TOML"),
     ("[data]\nplacement = 'work'\n", [], "data.placement = \"work\" moves document segments"),
     ("[data]\nplacement = 'segments'\n", [], "data.placement"),
+    ("[training]\nloss_chunk_tokens = -2\n", [], "training.loss_chunk_tokens must be >= 0 (0 = off) or -1"),
 ])
 def test_bad_recipes_give_one_line_errors(tmp_path, text, overrides, expect):
     path = write(tmp_path, text)
@@ -68,3 +69,19 @@ def test_print_config_round_trips_sources_and_ramp_source_weights(tmp_path):
     assert cfg.ramp[0].source_weights == {"a": 0.5}
     again = load_config(write(tmp_path, to_toml(cfg)))
     assert to_toml(again) == to_toml(cfg) and again.data.sources == cfg.data.sources
+
+
+@pytest.mark.parametrize("setting, vocab, tile", [
+    (-1, 128256, 2048),     # Llama 3: 2048-token tiles, as the recipes always had
+    (-1, 151936, 2048),     # Qwen: never below 2048
+    (-1, 32000, 8192),      # 2**28 // 32000 = 8388, in whole 2048s
+    (-1, 2048, 131072),     # the bench shape: an 8K or 64K micro-batch in one tile
+    (2048, 2048, 2048),     # an explicit tile is kept
+    (0, 128256, 0),         # off
+])
+def test_automatic_loss_tiles(setting, vocab, tile):
+    """training.loss_chunk_tokens = -1 tiles by a logits budget (1 GiB of float32 logits per tile), so a small
+    vocabulary is not cut into tiles that save no memory worth their kernels (issue 36)."""
+    from config.schema import TrainingConfig
+
+    assert TrainingConfig(loss_chunk_tokens=setting).loss_tile_tokens(vocab) == tile

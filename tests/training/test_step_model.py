@@ -240,3 +240,41 @@ def test_op_ac_recomputes_the_even_numbered_matmuls():
     share = (d * kv + q * d + d * f) / (2 * d * q + 2 * d * kv + 3 * d * f)
     assert op_recomputed_matmul_share(m) == pytest.approx(share, rel=1e-12)
     assert 0.36 < share < 0.37
+
+
+def test_an_eager_step_is_priced_from_its_counted_bytes():
+    """With the memory probe's count (Workload.bandwidth_bytes) an eager step's elementwise time is those bytes over
+    the HBM rate, FSDP2's copies included in them; a compiled step keeps the fused-region formula."""
+    import dataclasses
+
+    from models.llama import model_config
+    from training.planning.accelerators import ACCELERATORS
+    from training.planning.roofline import Layout
+    from training.planning.step_model import Workload, predict_step
+
+    acc = ACCELERATORS["h100-sxm"]
+    base = Workload(model_config("llama3_8b"), Layout(1, 1, 8, 1, 1, 8), 8192, 1, 2, ac_mode="none")
+    counted = predict_step(dataclasses.replace(base, bandwidth_bytes=100e9), acc)
+    hbm = acc.hbm_bytes_per_s * sum(acc.hbm_fraction) / 2
+    assert counted.parts["elementwise"] == pytest.approx(100e9 / hbm * 2, rel=1e-12)
+    assert counted.parts["fsdp_copies"] == 0 and predict_step(base, acc).parts["fsdp_copies"] > 0
+    compiled = dataclasses.replace(base, compile=True)
+    assert (predict_step(dataclasses.replace(compiled, bandwidth_bytes=100e9), acc).parts
+            == predict_step(compiled, acc).parts)
+
+
+def test_the_probes_counted_bytes_extrapolate_to_the_full_depth():
+    """The memory probe counts the bytes of a micro-step's elementwise kernels (op_census) at 3, 4 and 5 blocks and
+    extrapolates them with the memory: equal to counting the full depth."""
+    from config.recipe import load_config
+    from training.planning.memory_probe import measure_memory, measure_rank
+
+    cfg = load_config(os.path.join(ROOT, "recipes", "debug.toml"), [
+        "--model.n_layers", "8", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--training.seq_len", "256", "--training.local_batch_size", "1", "--parallelism.dp_shard", "1",
+        "--training.dtype", "bfloat16"])
+    extrapolated = measure_memory(cfg, 1, 8)
+    direct = measure_rank(cfg, 1)
+    assert extrapolated.blocks_measured == (3, 4) and direct.bandwidth_bytes > 0 and direct.kernels > 0
+    assert extrapolated.bandwidth_bytes == pytest.approx(direct.bandwidth_bytes, rel=1e-9)
+    assert extrapolated.kernels == pytest.approx(direct.kernels, rel=1e-9)

@@ -87,12 +87,12 @@ def measure_row(row: PlanRow, world: int, gpus_per_node: int) -> RowResult:
     ranks = ranks_that_matter(dims)
     memories = [measure_memory(cfg, world, mcfg.n_layers, rank) for rank in ranks]
     memory = max(memories, key=lambda m: m.peak)
-    times = roofline_times(cfg, dims, gpus_per_node, memory.cp_ring_bytes, memory.host)
+    times = roofline_times(cfg, dims, gpus_per_node, memory.cp_ring_bytes, memory.host, memory.bandwidth_bytes)
     return RowResult(row, world, dims, memory, times, ranks)
 
 
 def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float | None,
-                   offload_bytes: float = 0.0) -> dict:
+                   offload_bytes: float = 0.0, bandwidth_bytes: float | None = None) -> dict:
     """The stated roofline's step times of one config (training/planning/roofline.py) and the calibrated prediction
     (training/planning/step_model.py: `predicted_s`, `predicted_band`, `predicted_tokens_per_gpu_s`); `cp_ring_bytes` None =
     estimated. The ramp planner ranks candidate layouts with the prediction before measuring the best."""
@@ -108,7 +108,7 @@ def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float |
     times["tokens_per_gpu_s"] = (t.local_batch_size * dims.dp * grad_accum * t.seq_len / times["overlap_s"]
                                  / dims.world_size)
     times["comm_gib"] = (cost.nvlink_bytes + cost.ib_bytes) / GIB
-    workload = workload_for(cfg, dims, gpus_per_node, cp_ring_bytes, offload_bytes)
+    workload = workload_for(cfg, dims, gpus_per_node, cp_ring_bytes, offload_bytes, bandwidth_bytes)
     rates = load_rates(cfg.hardware.accelerator)
     prediction = predict_step(workload, spec, rates)
     times.update(predicted_s=prediction.step_s, predicted_band=list(prediction.band),

@@ -35,6 +35,7 @@ from parallelisms.cp.layouts import DOCUMENTS
 from training import step
 from training.build import build_optimizer, stage_ulysses_degree
 from training.planning.eval_memory import measure_eval_peak
+from training.planning.op_census import OpCensus
 from training.step import StepSetup, clip_grad_norm_
 
 GIB = 2**30
@@ -59,6 +60,11 @@ class RankMemory:
     """Peak bytes of offloaded block inputs in host memory (activation_checkpoint.offload); not part of `peak`."""
     peak_eval: float = 0.0
     """The most the stage's evaluations hold at once (training/planning/eval_memory.py); 0 when the stage runs none."""
+    bandwidth_bytes: float = 0.0
+    """HBM bytes of one micro-step's forward and backward in kernels priced by bandwidth (elementwise, copies and
+    casts; training/planning/op_census.py), as this step launches them eagerly: the step model's elementwise time."""
+    kernels: float = 0.0
+    """Kernel-launching ops in one micro-step's forward and backward (op_census.OpCensus.kernels)."""
 
     @property
     def train_peak(self) -> float:
@@ -96,7 +102,7 @@ class RankMemory:
         def line(a, b):
             return None if a is None else a + extra_blocks * (b - a)
         names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes",
-                 "host", "peak_eval")
+                 "host", "peak_eval", "bandwidth_bytes", "kernels")
         values = {n: line(getattr(self, n), getattr(deeper, n)) for n in names}
         return RankMemory(**values, blocks_measured=self.blocks_measured + deeper.blocks_measured)
 
@@ -206,7 +212,7 @@ def fake_rank(cfg: Config, world_size: int, rank: int = 0, device: str = "cpu"):
             if device != "cpu":  # in the mode: FSDP2 makes its (empty) buffers on the device
                 model = parallelize(model, mesh, cfg)
             setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
-                              stats=CommStats(), loss_chunk_tokens=t.loss_chunk_tokens)
+                              stats=CommStats(), loss_chunk_tokens=t.loss_tile_tokens(mcfg.vocab_size))
             model.to_empty(device=device)  # without FSDP float32 (one-device bf16 is autocast)
             params = list(model.parameters())
             optimizer, _ = build_optimizer(cfg, [model], device_type="cuda")  # as on the GPU it plans for
@@ -238,7 +244,7 @@ def _measure_step(fake: FakeRank) -> RankMemory:
     offloader = getattr(model, "activation_offloader", None)  # host copies: byte counts, not device tensors
     if offloader is not None:
         offloader.reset_peak()
-    with _tracker(model, optimizer) as tracker:
+    with _tracker(model, optimizer) as tracker, OpCensus() as census:
         step.micro_step(setup, fake_batch(cfg), fake.global_tokens)
         peak_forward_backward = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
     with _tracker(model, optimizer) as tracker:
@@ -252,7 +258,8 @@ def _measure_step(fake: FakeRank) -> RankMemory:
     return RankMemory(state["params"], state["grads"], state["optimizer"], peak_forward_backward,
                       peak_optimizer_step, float(ring) if cfg.parallelism.cp > 1 else None,
                       (fake.model_config.n_layers,),
-                      float(offloader.peak_host_bytes) if offloader is not None else 0.0, peak_eval)
+                      float(offloader.peak_host_bytes) if offloader is not None else 0.0, peak_eval,
+                      float(census.bandwidth_bytes()), float(census.kernels()))
 
 
 def measure_rank(cfg: Config, world_size: int, rank: int = 0) -> RankMemory:

@@ -59,6 +59,9 @@ class Workload:
     """Host bytes per micro-batch (activation offload), each way over PCIe."""
     attention_kernel: str = "flash"
     """The kernel family the attention runs (`stage_attention_kernel`): "cudnn" is priced at cuDNN's rate."""
+    bandwidth_bytes: float | None = None
+    """HBM bytes of one micro-step's elementwise kernels, copies and casts as the trainer launches them eagerly,
+    counted by the dry run's memory probe (training/planning/op_census.py); None = `elementwise_bytes_per_token`."""
 
 
 @dataclass
@@ -113,10 +116,14 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float, rates: Measured
     flash = clock * _pick(acc.flash_fraction, where)
     parts["attention"] = _attention_s(w, acc, flash, dtype_factor, attn_recompute, where, rates) * w.grad_accum
     eager = not w.compile
-    per_token = elementwise_bytes_per_token(m, eager, w.dtype) * layers * (3 + elementwise_recompute)
-    loss_bytes = m.vocab_size * (28 if eager else 12)
-    parts["elementwise"] = tokens / lay.tp * (per_token + loss_bytes) / hbm * w.grad_accum
-    parts["fsdp_copies"] = fsdp_copy_bytes(w) / hbm * w.grad_accum
+    if eager and w.bandwidth_bytes:  # counted: every cast, copy and FSDP2 copy the step launches is among them
+        parts["elementwise"] = w.bandwidth_bytes / hbm * w.grad_accum
+        parts["fsdp_copies"] = 0.0
+    else:  # compiled (fused regions) or nothing counted: bytes per token of each op class
+        per_token = elementwise_bytes_per_token(m, eager, w.dtype) * layers * (3 + elementwise_recompute)
+        loss_bytes = m.vocab_size * (28 if eager else 12)
+        parts["elementwise"] = tokens / lay.tp * (per_token + loss_bytes) / hbm * w.grad_accum
+        parts["fsdp_copies"] = fsdp_copy_bytes(w) / hbm * w.grad_accum
     local_params = parameter_count(m) / (lay.pp * lay.tp * lay.dp_shard * lay.cp)
     optimizer_rate = rates.optimizer if rates is not None and rates.optimizer else hbm
     parts["optimizer"] = local_params * 32 / optimizer_rate  # AdamW + clipping: read p, g, m, v (fp32), write p, m, v
@@ -261,8 +268,10 @@ def accelerator_for(hw) -> AcceleratorSpec:
     return dataclasses.replace(spec, **{k: v for k, v in links.items() if v > 0})
 
 
-def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None, offload_bytes: float) -> Workload:
-    """The Workload of one resolved recipe stage; document masking counts the visible pairs of DOCUMENT_MIX."""
+def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None, offload_bytes: float,
+                 bandwidth_bytes: float | None = None) -> Workload:
+    """The Workload of one resolved recipe stage; document masking counts the visible pairs of DOCUMENT_MIX;
+    `bandwidth_bytes`: the memory probe's count (Workload.bandwidth_bytes)."""
     from models.llama import recipe_model_config
 
     t, p = cfg.training, cfg.parallelism
@@ -271,10 +280,11 @@ def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None, off
         fraction, doc_length = pairs_from_stores(cfg, t.seq_len) or document_pair_fraction(t.seq_len)
         length = min(doc_length, t.seq_len / dims.cp)
     layout = Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node)
-    return Workload(recipe_model_config(cfg), layout, t.seq_len, t.local_batch_size, t.grad_accum_steps(dims.dp),
+    mcfg = recipe_model_config(cfg)
+    return Workload(mcfg, layout, t.seq_len, t.local_batch_size, t.grad_accum_steps(dims.dp),
                     t.dtype, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every, t.compiles("cuda"),
-                    t.loss_chunk_tokens, p.reshard_after_forward, fraction, length, cp_ring_bytes, offload_bytes,
-                    stage_attention_kernel(cfg))
+                    t.loss_tile_tokens(mcfg.vocab_size), p.reshard_after_forward, fraction, length, cp_ring_bytes,
+                    offload_bytes, stage_attention_kernel(cfg), bandwidth_bytes)
 
 
 def stage_attention_kernel(cfg) -> str:

@@ -194,7 +194,7 @@ def _count(cfg: Config, world_size: int, micro_loader_for, steps: int, where: bo
         model = parallelize(model, mesh, cfg)  # in the mode: FSDP makes its (empty) buffers on "cuda"
         model.to_empty(device="cuda")
         setup = StepSetup(model, mesh, p, cfg.data.document_masking, uses_loss_parallel(cfg, mesh), CommStats(),
-                          loss_chunk_tokens=t.loss_chunk_tokens)
+                          loss_chunk_tokens=t.loss_tile_tokens(mcfg.vocab_size))
         counted = _count_micro_steps(setup, batches, t.global_batch_rows(dims.dp) * t.seq_len, where)
         if not counted.stopped:
             with HostSyncCounter() as clip_syncs:
