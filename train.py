@@ -25,6 +25,7 @@ from config import RecipeError  # noqa: E402
 from config.recipe import default_recipe, load_config, to_toml  # noqa: E402
 from data.sources import build_run_tokenizer, check_sources, open_stores, prepare_data  # noqa: E402
 from models.llama import recipe_model_config  # noqa: E402
+from parallelisms.float8 import check_float8  # noqa: E402
 from training.checkpoint import preflight_checkpoint  # noqa: E402
 from training.planning.device_check import check_attention_kernel, check_gpus  # noqa: E402
 from training.planning.preflight import preflight_stages, required_ranks  # noqa: E402
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         check_gpus(cfg, world)  # a GPU-sized recipe without GPUs stops here, in one line
         check_attention_kernel(cfg)  # and so does an attention kernel this machine cannot run
+        check_float8(cfg)  # and float8 linear layers without a torchao that runs them
         check_sources(cfg)  # data paths (after the GPU check: on a laptop the GPU count is the news)
         preflight_checkpoint(cfg, model_cfg)
         if "--check" in flags:

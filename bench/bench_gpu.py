@@ -125,8 +125,9 @@ def predicted(args, documents: bool, accelerator: str | None) -> tuple[float, fl
 
 def prediction_rows(args, best: dict, accelerator: str | None) -> list[str]:
     """Predicted vs measured, one row per side of ours that ran (step time and peak memory)."""
-    rows = [f"| run ({accelerator or 'no accelerator file'}) | measured step s | predicted step s | predicted / measured "
-            "| measured peak GiB | predicted peak GiB | predicted / measured |", "|---|---|---|---|---|---|---|"]
+    rows = [f"| run ({accelerator or 'no accelerator file'}) | measured step s | predicted step s | "
+            "predicted / measured | measured peak GiB | predicted peak GiB | predicted / measured |",
+            "|---|---|---|---|---|---|---|"]
     for side in ("ours", "ours-documents"):
         if best.get(side) is None:
             continue
@@ -302,6 +303,9 @@ def compare_trainers(args) -> None:
         if best.get(ours) and best.get(peer):
             print(f"ours / {SIDES[peer].split(',')[0]}: tok/s {best[ours][0] / best[peer][0]:.3f}"
                   + (f", peak memory {best[ours][2] / best[peer][2]:.3f}" if best[peer][2] == best[peer][2] else ""))
+    if args.short:  # the report's own step (harness/gpu_report.py step_64k) sets its prediction beside it
+        print("\n--short: no dry-run prediction rows (the GPU report's step_64k prints prediction vs measurement)")
+        return
     rows = prediction_rows(args, best, accelerator_of(torch.cuda.get_device_name()))
     if rows:
         print("\nthe dry run's prediction beside the measured step (./run_train.sh recipes/debug.toml --dry-run with "

@@ -33,6 +33,7 @@ AcceleratorName = Literal["h100-sxm", "h100-sxm-500w", "h200", "a100-80gb", "a10
 TieMode = Literal["auto", "tied", "untied"]
 RopeScaling = Literal["auto", "llama3", "yarn"]
 CompileSetting = Literal["auto", True, False]
+Float8Recipe = Literal["off", "tensorwise", "rowwise"]
 
 
 LOSS_TILE_LOGITS = 2**28
@@ -176,6 +177,12 @@ class TrainingConfig:
         if self.loss_chunk_tokens >= 0:
             return self.loss_chunk_tokens
         return max(LOSS_TILE_QUANTUM, LOSS_TILE_LOGITS // max(vocab_size, 1) // LOSS_TILE_QUANTUM * LOSS_TILE_QUANTUM)
+
+    float8: Float8Recipe = "off"
+    """Float8 training of the transformer blocks' linear layers through torchao (parallelisms/float8.py,
+    docs/float8.md): off | tensorwise (one dynamic scale per tensor; under FSDP the weights are all-gathered in
+    float8) | rowwise (a scale per row, rounded down to a power of two: more accurate, slower). The embedding and
+    the output projection stay in `dtype`. Needs torchao (requirements.txt), imported only when this is not off."""
 
     def compiles(self, device_type: str = "cuda") -> bool:
         """`compile` resolved for a run on `device_type` ("auto": on for CUDA only)."""

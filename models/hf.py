@@ -184,18 +184,21 @@ def _file_index(sizes: dict[str, int]) -> dict[str, int]:
 
 @torch.no_grad()
 def save_hf(model: nn.Module | Sequence[nn.Module], path: str, dtype: torch.dtype | None = None,
-            process_group=None, **config_fields) -> None:
+            process_group=None, plain=None, **config_fields) -> None:
     """Write `path`/config.json + model-*.safetensors (+ index) that `AutoModelForCausalLM.from_pretrained` loads
     (a tied model writes the embedding only, with tie_word_embeddings true).
 
     `model` may be one Llama or this rank's pipeline parts; on a sharded model every rank of `process_group`
     (default: the world) calls it and the files are written once. dtype None keeps the parameters' dtype.
-    `config_fields`: `to_hf_config`'s keywords (bos/eos ids, max_position_embeddings).
+    `config_fields`: `to_hf_config`'s keywords (bos/eos ids, max_position_embeddings). `plain`: maps {name:
+    parameter} to the tensors to write, for parameters held in a tensor subclass that safetensors cannot write
+    (training passes parallelisms/float8.py's `plain_weights`, which takes torchao's float8 weight wrapper off).
     """
     parts = list(model) if isinstance(model, (list, tuple)) else [model]
     cfg: LlamaConfig = parts[0].config
     state, sizes = {}, {}
-    for name, param in _named_parameters(parts).items():
+    named = _named_parameters(parts)
+    for name, param in (plain(named) if plain is not None else named).items():
         out_dtype = dtype or param.dtype
         tensor = param.detach()
         heads = _qk_heads(name, cfg)

@@ -1,10 +1,10 @@
 """The composer: turns a full Llama (or one pipeline stage of it) into this rank's parallel piece, in recipe order.
 
-PP split into stages (parallelisms/pipeline_parallel.py, driven by the trainer) -> per stage: TP (+SP, loss
-parallel) -> CP (attention becomes ring; applied per batch by `context_parallel`, nothing to do here) -> activation
-checkpointing -> torch.compile per attention / feed-forward submodule -> FSDP2 over (dp_shard x cp), replicated over
-dp_replicate. Then the module is materialised from the meta device and initialised from the seed, identically on
-every mesh.
+PP split into stages (parallelisms/pipeline_parallel.py, driven by the trainer) -> per stage: float8 linear layers
+(parallelisms/float8.py; before TP, whose float8 styles take them) -> TP (+SP, loss parallel) -> CP (attention
+becomes ring; applied per batch by `context_parallel`, nothing to do here) -> activation checkpointing ->
+torch.compile per attention / feed-forward submodule -> FSDP2 over (dp_shard x cp), replicated over dp_replicate.
+Then the module is materialised from the meta device and initialised from the seed, identically on every mesh.
 """
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import functools
 import re
 
 import torch
+import torch.distributed as dist
 
 from config.schema import Config
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import CP_EAGER_REASON
 from parallelisms.data_parallel import apply_fsdp
+from parallelisms.float8 import apply_float8, float8_tp_styles
 from parallelisms.parallel_dims import TrainingMesh
 from parallelisms.tensor_parallel import apply_tp
 
@@ -31,9 +33,12 @@ def uses_autocast(cfg: Config, mesh: TrainingMesh) -> bool:
     """One device, low precision: float32 parameters, gradients and optimizer, the forward under torch.autocast (every
     GEMM in `training.dtype`, each weight cast once per forward) instead of FSDP2 on a mesh of one, whose mixed
     precision copies every parameter in and out of its all-gather buffer and every gradient out of its reduce-scatter
-    buffer each step (issue 36)."""
+    buffer each step (issue 36). Not with float8 linear layers: torchao's Float8Linear takes autocast's dtype from the
+    CUDA autocast state (float16 on a CPU run), so a one-device float8 run is FSDP2 on a mesh of one, which also
+    gives it the float8 all-gather path of every larger mesh."""
     d = mesh.dims
-    return cfg.training.dtype != "float32" and d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp == 1
+    return (cfg.training.dtype != "float32" and cfg.training.float8 == "off"
+            and d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp == 1)
 
 
 def uses_loss_parallel(cfg: Config, mesh: TrainingMesh) -> bool:
@@ -102,8 +107,10 @@ def compile_surprises(counters: dict) -> list[str]:
 
 
 def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torch.nn.Module:
+    apply_float8(model, cfg, fsdp=uses_fsdp(cfg, mesh))
     if mesh.dims.tp > 1:
-        apply_tp(model, mesh.tp_mesh, uses_loss_parallel(cfg, mesh))
+        float8 = float8_tp_styles(cfg.training.float8, dist.get_backend(mesh.tp_mesh.get_group()))
+        apply_tp(model, mesh.tp_mesh, uses_loss_parallel(cfg, mesh), float8)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.every, ac.offload)
     if cfg.training.compiles(mesh.world.device_type):

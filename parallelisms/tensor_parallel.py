@@ -10,6 +10,9 @@ With loss parallelism the output projection stays sharded on the vocabulary and 
 shards (training/loss.py's `loss_context`), so the (tokens x vocab) logits are never gathered.
 
 Works on a pipeline stage too: modules a stage does not hold (None) are skipped.
+With float8 tensorwise (parallelisms/float8.py) the blocks' Float8Linear modules take torchao's float8 styles: the
+same shardings, with the input cast to float8 before the all-gather and the output gradient before the
+reduce-scatter; rowwise float8 keeps the plain styles (torchao's cast tensorwise).
 """
 from __future__ import annotations
 
@@ -31,34 +34,42 @@ def check_tp_degree(n_heads: int, n_kv_heads: int, tp: int, where: str = "recipe
                           f"(grouped-query attention shards K/V heads too). Use a tp that divides {n_kv_heads}.")
 
 
-def _block_plan() -> dict:
+def _block_plan(block: nn.Module, float8=None) -> dict:
+    """The block's plan; with `float8` (parallelisms/float8.Float8TpStyles) its Float8Linear modules get the float8
+    styles, and a module's input is cast to float8 before its all-gather when all the linears it feeds are float8."""
+    def styles(*linears: str) -> tuple:
+        if float8 is None or not all(isinstance(block.get_submodule(n), float8.linear) for n in linears):
+            return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+        return float8.colwise, float8.rowwise, float8.prepare_input
+
+    colwise, rowwise, prepare = styles("attention.wq", "attention.wk", "attention.wv", "attention.wo")
+    mlp_colwise, mlp_rowwise, mlp_prepare = styles("feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
     # Block inputs: h (B, S/tp, dim) sequence-sharded; cos/sin (B, S, 1, head_dim/2) plain tensors, left alone.
     return {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "attention": prepare(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": colwise(),
+        "attention.wk": colwise(),
+        "attention.wv": colwise(),
+        "attention.wo": rowwise(output_layouts=Shard(1)),
         # Qwen3's per-head q/k norms see (B, S, local heads, head_dim): sharded on the head dim like a sequence,
         # with the weight replicated, so its gradient is summed over the TP ranks.
         "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward": mlp_prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": mlp_colwise(),
+        "feed_forward.w3": mlp_colwise(),
+        "feed_forward.w2": mlp_rowwise(output_layouts=Shard(1)),
     }
 
 
-def apply_tp(model: nn.Module, tp_mesh, loss_parallel_enabled: bool = True) -> None:
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel_enabled: bool = True, float8=None) -> None:
     """Shards `model` (a full Llama or a pipeline stage of one) in place over the 1-D `tp_mesh`.
 
     Stage boundaries carry the sequence-sharded residual stream as plain tensors (B, S/tp, dim). With
     `loss_parallel_enabled` the last stage returns vocabulary-sharded DTensor logits: compute the loss inside
-    `loss_context(True)`.
+    `loss_context(True)`. `float8`: torchao's float8 styles for Float8Linear modules (parallelisms/float8.py).
     """
     top: dict = {}
     if model.tok_embeddings is not None:
@@ -75,7 +86,7 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel_enabled: bool = True) -> N
         # (vocab x dim) matrix, so one sharded parameter serves both; the plans above each made their own copy.
         model.tie_weights()
     for block in model.layers.values():
-        plan = _block_plan()
+        plan = _block_plan(block, float8)
         if block.attention.q_norm is None:  # plans name only modules that exist
             plan = {k: v for k, v in plan.items() if not k.endswith(("q_norm", "k_norm"))}
         parallelize_module(block, tp_mesh, plan)

@@ -39,6 +39,7 @@ from training.hf_export import export_dtype, write_export_extras
 from models.hf import (from_hf_config, load_hf_weights, quiet_single_process_dcp, read_hf_config,
                        save_hf)
 from models.llama import Llama
+from parallelisms.float8 import plain_weights
 from training import checkpoint_files as files
 
 _OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -140,7 +141,7 @@ class Checkpointer:
     # ------------------------------------------------------------ state
     def _state(self, step: int) -> dict:
         state = {
-            "model": get_model_state_dict(self.model),
+            "model": plain_weights(get_model_state_dict(self.model)),  # float8 or not, the same plain tensors
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIMIZER_OPTIONS),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "train_state": {"step": step},
@@ -256,7 +257,7 @@ class Checkpointer:
         self._barrier()
         extras = self.export_extras
         with quiet_single_process_dcp():
-            save_hf(self.model_parts, partial, export_dtype(self.config), process_group=self.group,
+            save_hf(self.model_parts, partial, export_dtype(self.config), process_group=self.group, plain=plain_weights,
                     **(extras.model_config_fields if extras else {}))
         if self.rank == 0:
             if extras:

@@ -1,5 +1,5 @@
-"""One training step, written once: the micro-step (forward under the CP and loss contexts, loss, backward) and
-gradient clipping by the global norm.
+"""One training step, written once: the micro-step (forward under the CP and loss contexts, loss, backward),
+gradient clipping by the global norm and the optimizer update.
 
 `Trainer.train_step` (training/trainer.py), the dry run's memory probe (training/planning/memory_probe.py) and the passkey
 evaluation (its CP context) call these functions, so a change to the step (a new loss, offloading) reaches the
@@ -13,10 +13,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from config import Refusal
 from config.schema import ParallelismConfig
 from parallelisms.comm import all_reduce_
 from parallelisms.context_parallel import CommStats, context_parallel
 from parallelisms.cp.kernel_blocks import sdpa_priority
+from parallelisms.float8 import precompute_float8_scales
 from parallelisms.parallel_dims import TrainingMesh
 from parallelisms.pipeline_parallel import Pipeline
 from training.loss import loss_context, token_loss_sum
@@ -47,8 +49,8 @@ class StepSetup:
 
     def __post_init__(self):
         if self.loss_chunk_tokens < 0:
-            raise ValueError("StepSetup.loss_chunk_tokens takes a resolved tile (TrainingConfig.loss_tile_tokens), "
-                             f"not {self.loss_chunk_tokens}")
+            raise Refusal("StepSetup.loss_chunk_tokens takes a resolved tile (TrainingConfig.loss_tile_tokens), "
+                          f"not {self.loss_chunk_tokens}")
 
     @property
     def shards_sequence(self) -> bool:
@@ -98,6 +100,17 @@ def micro_step(setup: StepSetup, batch: dict, global_tokens: int) -> torch.Tenso
         scaled = local_loss_sum(setup, batch) / global_tokens
         scaled.backward()
     return scaled.detach()
+
+
+def optimizer_step(optimizer, scheduler, parts: list[nn.Module], float8: bool = False) -> None:
+    """The update after clipping: AdamW, then with float8 linear layers every float8-all-gathered weight's scale
+    from its new values (one all-reduce instead of one per weight in the next forward's all-gathers), then the
+    gradients freed and the learning rate advanced."""
+    optimizer.step()
+    if float8:
+        precompute_float8_scales(parts)
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
 
 
 @torch.no_grad()

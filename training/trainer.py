@@ -14,6 +14,7 @@ from config.schema import Config
 from data.placement import StepSlots
 from data.sources import describe_chat_rows, labels_every_token, packing_efficiency
 from parallelisms.context_parallel import CommStats
+from parallelisms.float8 import describe_float8
 from parallelisms.parallelize import compile_counters, compile_surprises, uses_loss_parallel
 from parallelisms.stage_meshes import release_stage
 from parallelisms.cp.kernel_blocks import activate_flash_implementation, family_on
@@ -61,6 +62,8 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model_parts)
         self.comm_stats = CommStats()
         self.compiled = cfg.training.compiles(self.device.type)
+        self.float8 = cfg.training.float8 != "off"
+        """Float8 linear layers (parallelisms/float8.py): their weights' scales follow every optimizer step."""
         self.compile_first_step_s: float | None = None
         """The first training step's time in this process when compiled (graphs built in it), in metrics.jsonl."""
         self.compile_warned: set[str] = set()
@@ -146,9 +149,7 @@ class Trainer:
         pp_group = self.mesh.pp_mesh.get_group() if self.stage.dims.pp > 1 else None
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        step.optimizer_step(self.optimizer, self.scheduler, self.model_parts, self.float8)
         if self.stage.dims.world_size > 1:
             self.dist.comm.all_reduce_(loss, group=self.mesh.loss.get_group())
         if pp_group is not None:  # only the ranks holding the last stage have a non-zero loss
@@ -258,6 +259,8 @@ class Trainer:
               f"theta {m.rope_theta:g}"
               f"{f' {m.rope_type} x{m.rope_scaling_factor:g}' if m.rope_scaling_factor else ''}, peak "
               f"{self.peak_flops / 1e9:.0f} GFLOP/s per rank ({self.peak_source})", flush=True)
+        if self.float8:
+            print(describe_float8(self.model_parts, s.cfg), flush=True)
         if self.stores:
             for line in describe_chat_rows(s.cfg, self.dataloader.packed):
                 print(line, flush=True)

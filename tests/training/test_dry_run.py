@@ -222,13 +222,23 @@ def test_1m_recipe_dry_run_fits():
 
 
 @pytest.mark.slow
-def test_1m_tokens_fit_one_8_gpu_node():
-    """Issue 15: Llama 3.1 8B at 1,048,576 tokens on 8 H100-80GB (cp 8, bf16, full AC) peaks <= 75 GiB per rank."""
-    done, _ = _run_train("recipes/llama3_8b_1m_8gpu.toml", "--dry-run")
+@pytest.mark.parametrize("float8", ["off", "tensorwise"])
+def test_1m_tokens_fit_one_8_gpu_node(float8, tmp_path):
+    """Issue 15: Llama 3.1 8B at 1,048,576 tokens on 8 H100-80GB (cp 8, bf16, full AC) peaks <= 75 GiB per rank.
+    Issue 38: with float8 linear layers too, every stage predicted (step time and memory, measured on fake tensors
+    with torchao's Float8Linear in the model) and fitting; the header says what runs in float8."""
+    done, _ = _run_train("recipes/llama3_8b_1m_8gpu.toml", "--dry-run", "--training.float8", float8,
+                         "--job.dump_folder", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     rows = table_rows(done.stdout)
     (last,) = [r for r in rows if r["seq_len"] == "1,048,576"]
     assert last["cp"] == "8" and float(last["peak GiB"]) <= 75, rows
+    with open(tmp_path / "dry_run.json") as f:
+        stages = json.load(f)["stages"]
+    assert len(stages) == 4 and all(s["fits"] and s["predicted_step_s"] > 0 and s["float8"] == float8
+                                    for s in stages), stages
+    assert all(("float8_gemm" in s["predicted_parts_s"]) == (float8 != "off") for s in stages)
+    assert ("float8: tensorwise (training.float8)" in done.stdout) == (float8 != "off")
     print(done.stdout)
 
 

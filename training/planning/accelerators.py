@@ -92,6 +92,9 @@ class AcceleratorSpec:
     """NCCL-tests across nodes, one 400G (NDR) / 200G (HDR) NIC per GPU: 40-46 GB/s of 50 (NDR)."""
     pcie_fraction: tuple[float, float] = (0.75, 0.85)
     """CUDA bandwidthTest pinned host<->device: ~48-55 GB/s on PCIe Gen5 x16 (64 GB/s), ~24-27 on Gen4 (32)."""
+    fp8_flops: float = 0.0
+    """Dense FP8 tensor-core FLOP/s on the data sheet (H100/H200: 1,979 TFLOP/s, twice bf16); 0 = no FP8 tensor cores
+    (A100): training.float8 cannot run there (training/planning/float8_cost.py)."""
     compute_capability: tuple[int, int] = (9, 0)
     """CUDA compute capability: picks the attention kernel the trainer would (parallelisms/cp/kernel_blocks.py)."""
     notes: str = field(default="", compare=False)
@@ -100,14 +103,15 @@ class AcceleratorSpec:
 H100_SXM = AcceleratorSpec(
     "h100-sxm", bf16_flops=989e12, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9,
     pcie_bytes_per_s=64e9, memory_gib=80.0, host_memory_gib_per_node=2048.0, gemm_fraction=(0.68, 0.80),
-    flash_scale=1.0, notes="H100 SXM5 80GB, 700 W: data sheet 989 TFLOP/s bf16 dense, HBM3 3.35 TB/s, NVLink 4 "
+    flash_scale=1.0, fp8_flops=1979e12,
+    notes="H100 SXM5 80GB, 700 W: data sheet 989 TFLOP/s bf16 dense, HBM3 3.35 TB/s, NVLink 4 "
     "900 GB/s both directions, NDR 400 Gb/s per GPU, PCIe Gen5")
 ACCELERATORS = {
     "h100-sxm": H100_SXM,
     "h100-sxm-500w": AcceleratorSpec(
         "h100-sxm-500w", bf16_flops=989e12, hbm_bytes_per_s=2.4e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9,
         pcie_bytes_per_s=64e9, memory_gib=96.0, host_memory_gib_per_node=2048.0, gemm_fraction=(0.68, 0.80),
-        flash_scale=1.0, clock_fraction=((500 / 700) ** 0.5, (500 / 700) ** (1 / 3)),
+        flash_scale=1.0, fp8_flops=1979e12, clock_fraction=((500 / 700) ** 0.5, (500 / 700) ** (1 / 3)),
         notes="H100 SXM 96GB HBM2e at its default 500 W limit (TorchTitan's published runs, Grand Teton hosts; their "
         "docs/performance.md: 2.4 TB/s peak memory bandwidth, peak FLOP/s 'between SXM and NVL'): the 700 W part's "
         "compute with the tensor clock scaled by the cap (836..884 TFLOP/s, between the NVL's 835 and the SXM's "
@@ -115,7 +119,8 @@ ACCELERATORS = {
     "h200": AcceleratorSpec(
         "h200", bf16_flops=989e12, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9,
         pcie_bytes_per_s=64e9, memory_gib=141.0, host_memory_gib_per_node=2048.0, gemm_fraction=(0.68, 0.80),
-        flash_scale=1.0, notes="H200 SXM 141GB: the H100's compute (data sheet 989 TFLOP/s), HBM3e 4.8 TB/s"),
+        flash_scale=1.0, fp8_flops=1979e12,
+        notes="H200 SXM 141GB: the H100's compute (data sheet 989 TFLOP/s), HBM3e 4.8 TB/s"),
     "a100-80gb": AcceleratorSpec(
         "a100-80gb", bf16_flops=312e12, hbm_bytes_per_s=2.039e12, nvlink_bytes_per_s=300e9, ib_bytes_per_s=25e9,
         pcie_bytes_per_s=32e9, memory_gib=80.0, host_memory_gib_per_node=1024.0, gemm_fraction=(0.74, 0.87),

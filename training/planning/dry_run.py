@@ -28,6 +28,7 @@ from training.planning.preflight import preflight
 from training.planning.rates import load_rates, rates_source, rates_warnings
 from training.ramp import resolve_stages
 from training.planning.roofline import ROOFLINE_STATEMENT, Accelerator, Layout, parameter_count, step_cost
+from training.planning.float8_cost import float8_problem, float8_statement
 from training.planning.step_model import PREDICTION_STATEMENT, accelerator_for, predict_step, workload_for
 
 RUNTIME_RESERVE_GIB = 2.0
@@ -83,6 +84,9 @@ def measure_row(row: PlanRow, world: int, gpus_per_node: int) -> RowResult:
     if dims.pp > 1:  # a schedule's stages exchange tensor shapes at run time, which a fake process group cannot answer
         raise RecipeError(f"{cfg.recipe_path}: the dry run measures plans with parallelism.pp = 1 only; check this "
                           f"one with --parallelism.pp 1 and dp_shard x {dims.pp} (the same GPUs) as an approximation.")
+    problem = float8_problem(cfg.training.float8, cfg.hardware.accelerator, accelerator_for(cfg.hardware).fp8_flops)
+    if problem:
+        raise RecipeError(f"{cfg.recipe_path}: {problem}.")
     mcfg = recipe_model_config(cfg)
     ranks = ranks_that_matter(dims)
     memories = [measure_memory(cfg, world, mcfg.n_layers, rank) for rank in ranks]
@@ -181,6 +185,8 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
         lines.append("  activation offload: each checkpointed block's input lives in host memory between forward "
                      "and backward (host GiB; not in the device peak). The host GiB cross PCIe each way per "
                      "micro-batch, overlapped with compute on a side stream: not in the roofline's step time")
+    if cfg.training.float8 != "off":
+        lines.append(f"  {float8_statement(cfg.training.float8, mcfg, cfg.model.mlp_chunk_tokens > 0)}")
     if cfg.data.document_masking:
         lines.append("  document masking: memory measured as plain causal attention (an upper bound: masked blocks "
                      "skip); the prediction counts the visible pairs of the prepared stores' documents, else of a "
@@ -228,7 +234,8 @@ def write_json(cfg: Config, results: list[RowResult], usable_gib: float) -> str:
                "predicted_step_s_band": r.times["predicted_band"],
                "predicted_tokens_per_sec_per_gpu": r.times["predicted_tokens_per_gpu_s"],
                "roofline_step_s": r.times["overlap_s"], "accelerator": cfg.hardware.accelerator,
-               "rates_source": r.times["rates_source"],
+               "rates_source": r.times["rates_source"], "float8": r.row.cfg.training.float8,
+               "predicted_parts_s": r.times["predicted_parts"],
                "host_gib_per_node": node_host_gib(r, cfg.hardware.gpus_per_node),
                "host_memory_gib_per_node": cfg.hardware.host_memory_gib, **cuda_json(r.cuda, r.peak_gib)}
               for r in results]

@@ -138,15 +138,17 @@ def step_cost(m: LlamaConfig, layout: Layout, *, seq_len: int, local_batch_size:
 
 
 def fsdp_bytes_per_step(m: LlamaConfig, layout: Layout, dtype: str, grad_accum: int,
-                        reshard_after_forward: bool) -> tuple[float, float]:
+                        reshard_after_forward: bool, float8_params: float = 0.0) -> tuple[float, float]:
     """Bytes one rank sends for FSDP in one step: (within its dp_shard x cp group, across dp_replicate replicas).
     Per micro-batch: an all-gather of the parameters in the compute dtype for forward (and again for backward when
-    resharded after forward) and a float32 reduce-scatter of the gradients; HSDP all-reduces the float32 shards."""
+    resharded after forward) and a float32 reduce-scatter of the gradients; HSDP all-reduces the float32 shards.
+    `float8_params` (of the whole model) are all-gathered in float8, 1 byte each (tensorwise float8 training)."""
     lay = layout
     n, r = lay.dp_shard * lay.cp, lay.dp_replicate
     params = parameter_count(m) / (lay.pp * lay.tp)
     param_bytes = 4 if dtype == "float32" else 2
-    shard = params * (n - 1) / n * ((2 if reshard_after_forward else 1) * param_bytes + 4) * grad_accum
+    gathered = params * param_bytes - float8_params / (lay.pp * lay.tp) * (param_bytes - 1)
+    shard = (n - 1) / n * ((2 if reshard_after_forward else 1) * gathered + params * 4) * grad_accum
     replicate = 2 * params / n * 4 * (r - 1) / r
     return shard, replicate
 

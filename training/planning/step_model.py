@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from models.llama import LlamaConfig
 from training.planning.accelerators import (EFFICIENT_VS_FLASH, AcceleratorSpec, attention_rate, flash_rate,
                                            ring_efficiency)
+from training.planning.float8_cost import cast_bytes, converted_gemm_share, converted_params_per_block
 from training.planning.rates import MeasuredRates
 from training.planning.roofline import Layout, fsdp_bytes_per_step, parameter_count, recomputed_block_fraction
 
@@ -59,6 +60,10 @@ class Workload:
     """Host bytes per micro-batch (activation offload), each way over PCIe."""
     attention_kernel: str = "flash"
     """The kernel family the attention runs (`stage_attention_kernel`): "cudnn" is priced at cuDNN's rate."""
+    float8: str = "off"
+    """training.float8: the blocks' converted linear layers priced in float8 (training/planning/float8_cost.py)."""
+    tiled_mlp: bool = False
+    """model.mlp_chunk_tokens > 0: the feed-forward stays in the training dtype under float8."""
     bandwidth_bytes: float | None = None
     """HBM bytes of one micro-step's elementwise kernels, copies and casts as the trainer launches them eagerly,
     counted by the dry run's memory probe (training/planning/op_census.py); None = `elementwise_bytes_per_token`."""
@@ -110,9 +115,13 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float, rates: Measured
 
     block_gemm = 2.0 * m.dim * m.head_dim * (2 * m.n_heads + 2 * m.num_kv_heads) + 6.0 * m.dim * m.ffn_hidden_dim
     output_gemm = 2.0 * m.dim * m.vocab_size
-    gemm_flops = tokens / lay.tp * (layers * block_gemm * (3 + gemm_recompute)
-                                    + output_gemm * (3 + (1 if w.loss_chunk_tokens else 0)))
-    parts = {"gemm": gemm_flops / gemm_rate * w.grad_accum}
+    block_flops = tokens / lay.tp * layers * block_gemm * (3 + gemm_recompute)
+    output_flops = tokens / lay.tp * output_gemm * (3 + (1 if w.loss_chunk_tokens else 0))
+    float8_share = converted_gemm_share(m, w.tiled_mlp) if w.float8 != "off" else 0.0
+    parts = {"gemm": (block_flops * (1 - float8_share) + output_flops) / gemm_rate * w.grad_accum}
+    if float8_share:
+        fp8_rate = acc.fp8_flops * _pick(acc.gemm_fraction, where) * clock
+        parts["float8_gemm"] = block_flops * float8_share / fp8_rate * w.grad_accum
     flash = clock * _pick(acc.flash_fraction, where)
     parts["attention"] = _attention_s(w, acc, flash, dtype_factor, attn_recompute, where, rates) * w.grad_accum
     eager = not w.compile
@@ -124,6 +133,10 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float, rates: Measured
         loss_bytes = m.vocab_size * (28 if eager else 12)
         parts["elementwise"] = tokens / lay.tp * (per_token + loss_bytes) / hbm * w.grad_accum
         parts["fsdp_copies"] = fsdp_copy_bytes(w) / hbm * w.grad_accum
+        if float8_share:
+            weight_bytes = 2 if w.dtype != "float32" and lay.dp_shard * lay.cp * lay.tp * lay.dp_replicate > 1 else 4
+            casts = cast_bytes(m, w.float8, w.tiled_mlp, tokens / lay.tp, 1 + elementwise_recompute, weight_bytes)
+            parts["float8_casts"] = casts * layers / hbm * w.grad_accum
     local_params = parameter_count(m) / (lay.pp * lay.tp * lay.dp_shard * lay.cp)
     optimizer_rate = rates.optimizer if rates is not None and rates.optimizer else hbm
     parts["optimizer"] = local_params * 32 / optimizer_rate  # AdamW + clipping: read p, g, m, v (fp32), write p, m, v
@@ -212,7 +225,8 @@ def _exposed_comm(w: Workload, acc: AcceleratorSpec, where: float, compute_s: fl
         return nbytes / (nvlink if lay.intra_node(span) else ib)
 
     n = lay.dp_shard * lay.cp
-    shard, replicate = fsdp_bytes_per_step(m, lay, w.dtype, w.grad_accum, w.reshard_after_forward)
+    float8_params = (converted_params_per_block(m, w.tiled_mlp) * m.n_layers if w.float8 == "tensorwise" else 0.0)
+    shard, replicate = fsdp_bytes_per_step(m, lay, w.dtype, w.grad_accum, w.reshard_after_forward, float8_params)
     fsdp = seconds(shard, n * lay.tp) + seconds(replicate, lay.dp_replicate * n * lay.tp)
     layers = m.n_layers / lay.pp
     # Prefetch hides a layer's gather under the previous layer's compute: per micro-step the first gather and the
@@ -284,7 +298,8 @@ def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None, off
     return Workload(mcfg, layout, t.seq_len, t.local_batch_size, t.grad_accum_steps(dims.dp),
                     t.dtype, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every, t.compiles("cuda"),
                     t.loss_tile_tokens(mcfg.vocab_size), p.reshard_after_forward, fraction, length, cp_ring_bytes,
-                    offload_bytes, stage_attention_kernel(cfg), bandwidth_bytes)
+                    offload_bytes, stage_attention_kernel(cfg), t.float8, cfg.model.mlp_chunk_tokens > 0,
+                    bandwidth_bytes)
 
 
 def stage_attention_kernel(cfg) -> str:

@@ -1,0 +1,75 @@
+"""The reference the float8 tests compare torchao with: a float64 copy of a model whose block linear layers run a
+scaled matmul written here from the recipes' definitions (torchao's float8 config and kernels are not used): each
+GEMM operand quantized to float8 with the recipe's scaling and dequantized, the product taken in float64."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _quantized(x: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool) -> torch.Tensor:
+    """x (float64) as the float8 `dtype` holds it, back in float64: scale = float8 max / max|x| over the tensor
+    (dim None) or along `dim`, kept in float32 (rowwise: rounded down to a power of two), saturated cast."""
+    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    top = torch.finfo(dtype).max
+    scale = (top / amax.clamp(min=1e-12)).float()
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    scale = scale.double()
+    return (x * scale).clamp(-top, top).to(dtype).double() / scale
+
+
+class _ScaledMatmul(torch.autograd.Function):
+    """y = x w^T with both operands float8-quantized, and the backward's two GEMMs likewise: tensorwise scales
+    everywhere and an e5m2 output gradient; rowwise: a scale per row of each operand along the GEMM's reduced dim,
+    e4m3 throughout, each GEMM's output rounded to bf16 (the float8 rowwise kernel's output dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe):
+        ctx.save_for_backward(x, weight)
+        ctx.recipe = recipe
+        rows = x.reshape(-1, x.shape[-1])
+        out = _gemm(_q(rows, E4M3, 1, recipe) @ _q(weight, E4M3, 1, recipe).T, recipe)
+        return out.reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        recipe = ctx.recipe
+        grad_dtype = E5M2 if recipe == "tensorwise" else E4M3
+        grad_rows, rows = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_x = _gemm(_q(grad_rows, grad_dtype, 1, recipe) @ _q(weight, E4M3, 0, recipe), recipe)
+        grad_w = _gemm(_q(grad_rows, grad_dtype, 0, recipe).T @ _q(rows, E4M3, 0, recipe), recipe)
+        return grad_x.reshape(x.shape), grad_w, None
+
+
+def _q(x, dtype, rowwise_dim, recipe):
+    rowwise = recipe == "rowwise"
+    return _quantized(x, dtype, rowwise_dim if rowwise else None, rowwise)
+
+
+def _gemm(out, recipe):
+    return out.to(torch.bfloat16).double() if recipe == "rowwise" else out
+
+
+class _EmulatedLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, recipe: str):
+        super().__init__()
+        self.weight, self.recipe = linear.weight, recipe
+
+    def forward(self, x):
+        return _ScaledMatmul.apply(x, self.weight, self.recipe)
+
+
+def emulated(model: nn.Module, recipe: str) -> nn.Module:
+    """A float64 copy of `model` with every block linear layer computed by `_ScaledMatmul`."""
+    ref = copy.deepcopy(model).double()
+    for name, module in list(ref.named_modules()):
+        if name.startswith("layers.") and isinstance(module, nn.Linear):
+            parent, child = name.rsplit(".", 1)
+            setattr(ref.get_submodule(parent), child, _EmulatedLinear(module, recipe))
+    return ref
