@@ -208,6 +208,56 @@ def float8_tp_styles(recipe: str, backend: str) -> Float8TpStyles | None:
                           ao.PrepareFloat8ModuleInput)
 
 
+@contextlib.contextmanager
+def scales_over_context_parallel(recipe: str, cp_mesh):
+    """Float8 scales of this micro-step taken over the whole sequence, not over this CP rank's share of it.
+
+    torchao scales an activation (or an output gradient) by the max-abs of the tensor it is given. Under CP each rank
+    holds a share of the sequence's tokens, so each rank would scale its own share by its own maximum, and the float8
+    values would differ from one process's (TorchTitan's behaviour: measured 3.9e-4 in loss on the debug model). The
+    same maximum everywhere takes one MAX all-reduce of a scalar (tensorwise) or of a feature row (rowwise, when the
+    maximum runs over tokens) per cast, over the CP group, through torchao's own distributed amax path
+    (`tensor_to_amax(..., reduce_amax=True, device_mesh=cp_mesh)`, functional collectives, traceable by compile).
+    Maxima per token (rowwise scaling along the features) are local already and stay so; TP's shards are DTensors,
+    whose maximum torchao already takes over the TP mesh, so only the CP reduction is added to it. A weight's maximum
+    is the same on every CP rank (FSDP gathers it whole), so reducing it changes nothing.
+
+    torchao looks `tensor_to_amax` up in its module at each call; it is swapped for the micro-step only."""
+    if recipe == "off" or cp_mesh is None or cp_mesh.size() == 1:
+        yield
+        return
+    torchao()  # imported (and its warnings quieted) before its module is read
+    utils = sys.modules["torchao.float8.float8_utils"]
+    from torchao.float8.config import ScalingGranularity
+
+    local_amax = utils.tensor_to_amax
+
+    def amax_over_sequence(x, reduce_amax=False, device_mesh=None,
+                           scaling_granularity=ScalingGranularity.TENSORWISE, axiswise_dim=None):
+        over_tokens = scaling_granularity is ScalingGranularity.TENSORWISE or axiswise_dim == 0
+        if reduce_amax or not over_tokens:  # torchao's own reduction (FSDP's precompute), or a maximum per token
+            return local_amax(x, reduce_amax, device_mesh, scaling_granularity, axiswise_dim)
+        amax = local_amax(x, False, None, scaling_granularity, axiswise_dim)  # a DTensor's: over the TP mesh too
+        if isinstance(amax, DTensor):
+            return DTensor.from_local(_max_over(amax.to_local(), cp_mesh), amax.device_mesh, amax.placements,
+                                      run_check=False)
+        return _max_over(amax, cp_mesh)
+
+    utils.tensor_to_amax = amax_over_sequence
+    try:
+        yield
+    finally:
+        utils.tensor_to_amax = local_amax
+
+
+def _max_over(t: torch.Tensor, mesh) -> torch.Tensor:
+    """Elementwise maximum of `t` over `mesh`'s ranks (a functional all-reduce, as torchao's own)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_reduce
+
+    out = all_reduce(t, "MAX", mesh.get_group())
+    return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
+
+
 def precompute_float8_scales(parts: list[nn.Module]) -> None:
     """After an optimizer step: every float8-all-gathered weight's scale from its new float32 values, in one
     all-reduce per part (torchao's precompute; without it each all-gather reduces its own weight's amax). Changes

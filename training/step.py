@@ -18,7 +18,7 @@ from config.schema import ParallelismConfig
 from parallelisms.comm import all_reduce_
 from parallelisms.context_parallel import CommStats, context_parallel
 from parallelisms.cp.kernel_blocks import sdpa_priority
-from parallelisms.float8 import precompute_float8_scales
+from parallelisms.float8 import precompute_float8_scales, scales_over_context_parallel
 from parallelisms.parallel_dims import TrainingMesh
 from parallelisms.pipeline_parallel import Pipeline
 from training.loss import loss_context, token_loss_sum
@@ -46,6 +46,8 @@ class StepSetup:
     (models/chunked_loss.py) instead of returning whole logits."""
     sparse_labels: bool = False
     """Few tokens carry labels (passkey rows): the chunked loss projects only those (one host sync per micro-step)."""
+    float8: str = "off"
+    """training.float8: under CP its scales are taken over the whole sequence (float8.scales_over_context_parallel)."""
 
     def __post_init__(self):
         if self.loss_chunk_tokens < 0:
@@ -93,7 +95,9 @@ def micro_step(setup: StepSetup, batch: dict, global_tokens: int) -> torch.Tenso
 
     The backward runs inside the CP context: autograd refuses tensors that changed after it saved them, and the
     context restores nothing it was told to keep sharded."""
-    with cp_context(setup, batch), loss_context(setup.loss_parallel):
+    cp_mesh = setup.mesh.cp_mesh if setup.parallelism.cp > 1 else None
+    with cp_context(setup, batch), loss_context(setup.loss_parallel), \
+            scales_over_context_parallel(setup.float8, cp_mesh):
         if setup.pipeline is not None:
             return setup.pipeline.step(batch, loss_divisor=global_tokens, loss_chunk_tokens=setup.loss_chunk_tokens,
                                        sparse_labels=setup.sparse_labels)

@@ -102,7 +102,7 @@ class Trainer:
         self.setup = StepSetup(self.model, self.mesh, cfg.parallelism, cfg.data.document_masking,
                                uses_loss_parallel(cfg, self.mesh), self.comm_stats, self.pipeline,
                                cfg.training.loss_tile_tokens(stage.model.vocab_size),
-                               sparse_labels=not labels_every_token(cfg))
+                               sparse_labels=not labels_every_token(cfg), float8=cfg.training.float8)
         m = stage.model
         for part in self.model_parts:
             part.set_rope_from(m)
