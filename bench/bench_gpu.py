@@ -4,10 +4,13 @@ plain SDPA (fwd+bwd time at --seq and 64K, plain causal and packed documents; be
 
     python bench/bench_gpu.py [--short] [--rounds 3] [--steps 10] [--seq 8192] [--batch 1] [--dim 2048]
                               [--n-layers 8] [--n-heads 16] [--n-kv-heads 8] [--torchtitan-attention flex|varlen]
-                              [--compile false|true|auto] [--ac none|full]
+                              [--compile false|true|auto] [--ac none|full] [--long-seq 65536]
 
-After the table, the dry run's prediction of each of our runs (step time and peak memory, on the accelerator the
-device's name maps to) is printed beside the measured figures.
+The trainers are compared at --seq and again at --long-seq (TorchTitan at --seq only), each with our trainer eager
+(--compile, default false) and compiled (training.compile = true, what a CUDA run defaults to): issue 36's lines
+(ours eager and compiled against the transformers loop at 8K, eager at 64K with peak memory) in one run. After each
+table, the dry run's prediction of each of our runs (step time and peak memory, on the accelerator the device's
+name maps to) is printed beside the measured figures.
 
 Without a CUDA device it prints one line and exits 0. --short (about a minute; `./run_tests.sh --gpu --report`
 runs it): one run of each side of the transformers comparison, 6 steps, 3 ring repetitions, no TorchTitan runs.
@@ -82,16 +85,16 @@ def _last_error(text: str) -> str:
     return (errors or lines or ["no output"])[-1][-300:]
 
 
-def our_overrides(args, out: str, documents: bool) -> list[str]:
+def our_overrides(args, out: str, documents: bool, compile_: str | None = None) -> list[str]:
     """The recipe overrides of our side: the bench shape on one GPU, bf16, no AC, attention masked by document or
-    plain causal. The dry run's prediction takes the same ones."""
+    plain causal, training.compile `compile_` (default --compile). The dry run's prediction takes the same ones."""
     return [os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", out,
             "--model.dim", str(args.dim), "--model.n_layers", str(args.n_layers), "--model.n_heads", str(args.n_heads),
             "--model.n_kv_heads", str(args.n_kv_heads), "--training.seq_len", str(args.seq),
             "--training.local_batch_size", str(args.batch), "--training.steps", str(args.steps),
             "--training.dtype", "bfloat16", "--parallelism.dp_shard", "1", "--data.document_masking",
             "true" if documents else "false", "--metrics.enable_tensorboard", "false", "--optimizer.lr", str(args.lr),
-            "--training.compile", args.compile, "--activation_checkpoint.mode", args.ac]
+            "--training.compile", compile_ or args.compile, "--activation_checkpoint.mode", args.ac]
 
 
 def accelerator_of(device_name: str) -> str | None:
@@ -106,14 +109,15 @@ def accelerator_of(device_name: str) -> str | None:
     return None
 
 
-def predicted(args, documents: bool, accelerator: str | None) -> tuple[float, float] | None:
+def predicted(args, documents: bool, accelerator: str | None, compile_: str | None = None
+              ) -> tuple[float, float] | None:
     """(step s, peak GiB) the dry run predicts for our side's run on `accelerator` (None: no accelerator to
     price it on, or the dry run failed: one line says why)."""
     if accelerator is None:
         return None
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents), "--dry-run",
-               "--hardware.accelerator", accelerator]
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents, compile_),
+               "--dry-run", "--hardware.accelerator", accelerator]
         done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         if done.returncode:
             print(f"dry run: {_last_error(done.stderr or done.stdout)}", flush=True)
@@ -128,24 +132,25 @@ def prediction_rows(args, best: dict, accelerator: str | None) -> list[str]:
     rows = [f"| run ({accelerator or 'no accelerator file'}) | measured step s | predicted step s | "
             "predicted / measured | measured peak GiB | predicted peak GiB | predicted / measured |",
             "|---|---|---|---|---|---|---|"]
-    for side in ("ours", "ours-documents"):
+    for side in ("ours", "ours-compiled", "ours-documents"):
         if best.get(side) is None:
             continue
-        guess = predicted(args, side == "ours-documents", accelerator)
+        compile_ = "true" if side == "ours-compiled" else args.compile
+        guess = predicted(args, side == "ours-documents", accelerator, compile_)
         if guess is None:
             continue
         step_s = args.seq * args.batch / best[side][0]
-        rows.append(f"| {SIDES[side]}, {args.seq // 1024}K, AC {args.ac}, compile {args.compile} | {step_s:.4f} | "
+        rows.append(f"| {SIDES[side]}, seq {args.seq:,}, AC {args.ac}, compile {compile_} | {step_s:.4f} | "
                     f"{guess[0]:.4f} | {guess[0] / step_s:.2f} | {best[side][2]:.2f} | {guess[1]:.2f} | "
                     f"{guess[1] / best[side][2]:.3f} |")
     return rows if len(rows) > 2 else []
 
 
-def run_ours(args, out: str, documents: bool) -> tuple[float, float, float]:
+def run_ours(args, out: str, documents: bool, compile_: str | None = None) -> tuple[float, float, float]:
     """(median tok/s after warm-up, median MFU as the trainer logs it, peak GiB) of one train.py run, attention
     masked by document or plain causal."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents)]
+           os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents, compile_)]
     done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode:
         raise RuntimeError(f"train.py failed: {_last_error(done.stderr)}")
@@ -244,7 +249,8 @@ def run_torchtitan(args, assets: tuple[str, str], out: str) -> tuple[float, floa
     return statistics.median(t for t, _ in kept), statistics.median(mfus) if mfus else float("nan")
 
 
-SIDES = {"ours": "ours (train.py), causal", "transformers": "transformers LlamaForCausalLM, causal",
+SIDES = {"ours": "ours (train.py), causal", "ours-compiled": "ours (train.py), causal, torch.compile (CUDA's default)",
+         "transformers": "transformers LlamaForCausalLM, causal",
          "ours-documents": "ours (train.py), documents masked", "torchtitan": "TorchTitan 0.3.0, documents masked"}
 
 
@@ -254,8 +260,9 @@ def compare_trainers(args) -> None:
 
     cfg = _model_config(args)
     peak, source = peak_flops(Device("cuda", "nccl", torch.device("cuda")), torch.bfloat16)
-    pairs = [("ours", "transformers")]
-    missing = "--short leaves TorchTitan out (about a minute per run)" if args.short else torchtitan_unavailable()
+    pairs = [("ours", "transformers")] + ([] if args.short else [("ours-compiled",)])
+    missing = ("--short leaves TorchTitan out (about a minute per run)" if args.short else
+               "not run at the long length" if args.seq != args.first_seq else torchtitan_unavailable())
     if missing:
         print(f"TorchTitan: {missing}; comparing with transformers only", flush=True)
     else:
@@ -272,7 +279,8 @@ def compare_trainers(args) -> None:
                     out = os.path.join(tmp, f"{side}-{r}")
                     try:
                         if side.startswith("ours"):
-                            result = run_ours(args, out, documents=side == "ours-documents")
+                            result = run_ours(args, out, documents=side == "ours-documents",
+                                              compile_="true" if side == "ours-compiled" else None)
                         elif side == "transformers":
                             result = run_transformers(args)
                         else:
@@ -299,9 +307,9 @@ def compare_trainers(args) -> None:
         tps, logged, memory = best[side]
         print(f"| {label} | {tps:,.0f} | {_cell(memory, '.2f')} | {causal * tps / peak:.1%} | {full * tps / peak:.1%} "
               f"| {_cell(logged, '.1%')} |")
-    for ours, peer in (("ours", "transformers"), ("ours-documents", "torchtitan")):
+    for ours, peer in (("ours", "transformers"), ("ours-compiled", "transformers"), ("ours-documents", "torchtitan")):
         if best.get(ours) and best.get(peer):
-            print(f"ours / {SIDES[peer].split(',')[0]}: tok/s {best[ours][0] / best[peer][0]:.3f}"
+            print(f"{ours} / {SIDES[peer].split(',')[0]}: tok/s {best[ours][0] / best[peer][0]:.3f}"
                   + (f", peak memory {best[ours][2] / best[peer][2]:.3f}" if best[peer][2] == best[peer][2] else ""))
     if args.short:  # the report's own step (harness/gpu_report.py step_64k) sets its prediction beside it
         print("\n--short: no dry-run prediction rows (the GPU report's step_64k prints prediction vs measurement)")
@@ -335,6 +343,8 @@ def main() -> int:
     parser.add_argument("--n-heads", type=int, default=16)
     parser.add_argument("--n-kv-heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--long-seq", type=int, default=65536,
+                        help="the trainers compared again at this length (0: not; --short: not)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped from each run's median")
@@ -361,7 +371,9 @@ def main() -> int:
     if args.only in (None, "ring"):
         attention_kernels(args, torch.device("cuda", 0))
     if args.only in (None, "trainers"):
-        compare_trainers(args)
+        args.first_seq = args.seq
+        for seq in dict.fromkeys([args.seq] + ([args.long_seq] if args.long_seq and not args.short else [])):
+            compare_trainers(argparse.Namespace(**{**vars(args), "seq": seq}))
     return 0
 
 
