@@ -5,6 +5,7 @@ plain SDPA (fwd+bwd time at --seq and 64K, plain causal and packed documents; be
     python bench/bench_gpu.py [--short] [--rounds 3] [--steps 10] [--seq 8192] [--batch 1] [--dim 2048]
                               [--n-layers 8] [--n-heads 16] [--n-kv-heads 8] [--torchtitan-attention flex|varlen]
                               [--compile false|true|auto] [--ac none|full] [--long-seq 65536]
+                              [--float8 off|tensorwise|rowwise]
 
 The trainers are compared at --seq and again at --long-seq (TorchTitan at --seq only), each with our trainer eager
 (--compile, default false) and compiled (training.compile = true, what a CUDA run defaults to): issue 36's lines
@@ -85,7 +86,7 @@ def _last_error(text: str) -> str:
     return (errors or lines or ["no output"])[-1][-300:]
 
 
-def our_overrides(args, out: str, documents: bool, compile_: str | None = None) -> list[str]:
+def our_overrides(args, out: str, documents: bool, compile_: str | None = None, float8: str = "off") -> list[str]:
     """The recipe overrides of our side: the bench shape on one GPU, bf16, no AC, attention masked by document or
     plain causal, training.compile `compile_` (default --compile). The dry run's prediction takes the same ones."""
     return [os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", out,
@@ -94,7 +95,8 @@ def our_overrides(args, out: str, documents: bool, compile_: str | None = None) 
             "--training.local_batch_size", str(args.batch), "--training.steps", str(args.steps),
             "--training.dtype", "bfloat16", "--parallelism.dp_shard", "1", "--data.document_masking",
             "true" if documents else "false", "--metrics.enable_tensorboard", "false", "--optimizer.lr", str(args.lr),
-            "--training.compile", compile_ or args.compile, "--activation_checkpoint.mode", args.ac]
+            "--training.compile", compile_ or args.compile, "--activation_checkpoint.mode", args.ac,
+            "--training.float8", float8]
 
 
 def accelerator_of(device_name: str) -> str | None:
@@ -109,14 +111,14 @@ def accelerator_of(device_name: str) -> str | None:
     return None
 
 
-def predicted(args, documents: bool, accelerator: str | None, compile_: str | None = None
-              ) -> tuple[float, float] | None:
+def predicted(args, documents: bool, accelerator: str | None, compile_: str | None = None,
+              float8: str = "off") -> tuple[float, float] | None:
     """(step s, peak GiB) the dry run predicts for our side's run on `accelerator` (None: no accelerator to
     price it on, or the dry run failed: one line says why)."""
     if accelerator is None:
         return None
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents, compile_),
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents, compile_, float8),
                "--dry-run", "--hardware.accelerator", accelerator]
         done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         if done.returncode:
@@ -132,11 +134,12 @@ def prediction_rows(args, best: dict, accelerator: str | None) -> list[str]:
     rows = [f"| run ({accelerator or 'no accelerator file'}) | measured step s | predicted step s | "
             "predicted / measured | measured peak GiB | predicted peak GiB | predicted / measured |",
             "|---|---|---|---|---|---|---|"]
-    for side in ("ours", "ours-compiled", "ours-documents"):
+    for side in ("ours", "ours-compiled", "ours-float8", "ours-documents"):
         if best.get(side) is None:
             continue
         compile_ = "true" if side == "ours-compiled" else args.compile
-        guess = predicted(args, side == "ours-documents", accelerator, compile_)
+        guess = predicted(args, side == "ours-documents", accelerator, compile_,
+                          args.float8 if side == "ours-float8" else "off")
         if guess is None:
             continue
         step_s = args.seq * args.batch / best[side][0]
@@ -146,11 +149,12 @@ def prediction_rows(args, best: dict, accelerator: str | None) -> list[str]:
     return rows if len(rows) > 2 else []
 
 
-def run_ours(args, out: str, documents: bool, compile_: str | None = None) -> tuple[float, float, float]:
+def run_ours(args, out: str, documents: bool, compile_: str | None = None,
+             float8: str = "off") -> tuple[float, float, float]:
     """(median tok/s after warm-up, median MFU as the trainer logs it, peak GiB) of one train.py run, attention
     masked by document or plain causal."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents, compile_)]
+           os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents, compile_, float8)]
     done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode:
         raise RuntimeError(f"train.py failed: {_last_error(done.stderr)}")
@@ -250,6 +254,7 @@ def run_torchtitan(args, assets: tuple[str, str], out: str) -> tuple[float, floa
 
 
 SIDES = {"ours": "ours (train.py), causal", "ours-compiled": "ours (train.py), causal, torch.compile (CUDA's default)",
+         "ours-float8": "ours (train.py), causal, float8 linear layers (--float8)",
          "transformers": "transformers LlamaForCausalLM, causal",
          "ours-documents": "ours (train.py), documents masked", "torchtitan": "TorchTitan 0.3.0, documents masked"}
 
@@ -261,6 +266,8 @@ def compare_trainers(args) -> None:
     cfg = _model_config(args)
     peak, source = peak_flops(Device("cuda", "nccl", torch.device("cuda")), torch.bfloat16)
     pairs = [("ours", "transformers")] + ([] if args.short else [("ours-compiled",)])
+    if args.float8 != "off":
+        pairs.append(("ours-float8",))
     missing = ("--short leaves TorchTitan out (about a minute per run)" if args.short else
                "not run at the long length" if args.seq != args.first_seq else torchtitan_unavailable())
     if missing:
@@ -280,7 +287,8 @@ def compare_trainers(args) -> None:
                     try:
                         if side.startswith("ours"):
                             result = run_ours(args, out, documents=side == "ours-documents",
-                                              compile_="true" if side == "ours-compiled" else None)
+                                              compile_="true" if side == "ours-compiled" else None,
+                                              float8=args.float8 if side == "ours-float8" else "off")
                         elif side == "transformers":
                             result = run_transformers(args)
                         else:
@@ -307,7 +315,8 @@ def compare_trainers(args) -> None:
         tps, logged, memory = best[side]
         print(f"| {label} | {tps:,.0f} | {_cell(memory, '.2f')} | {causal * tps / peak:.1%} | {full * tps / peak:.1%} "
               f"| {_cell(logged, '.1%')} |")
-    for ours, peer in (("ours", "transformers"), ("ours-compiled", "transformers"), ("ours-documents", "torchtitan")):
+    for ours, peer in (("ours", "transformers"), ("ours-compiled", "transformers"), ("ours-float8", "ours"),
+                       ("ours-documents", "torchtitan")):
         if best.get(ours) and best.get(peer):
             print(f"{ours} / {SIDES[peer].split(',')[0]}: tok/s {best[ours][0] / best[peer][0]:.3f}"
                   + (f", peak memory {best[ours][2] / best[peer][2]:.3f}" if best[peer][2] == best[peer][2] else ""))
@@ -355,6 +364,8 @@ def main() -> int:
     parser.add_argument("--only", choices=("trainers", "ring"), default=None)
     parser.add_argument("--compile", choices=("auto", "true", "false"), default="false",
                         help="our side's training.compile (auto: on, as a CUDA run defaults to)")
+    parser.add_argument("--float8", choices=("off", "tensorwise", "rowwise"), default="off",
+                        help="also run ours with training.float8 (same --compile) and print float8 / bf16")
     parser.add_argument("--ac", choices=("none", "full", "selective", "op"), default="none",
                         help="our side's activation_checkpoint.mode")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per training run")

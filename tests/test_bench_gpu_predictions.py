@@ -27,16 +27,17 @@ def test_prediction_rows_run_the_dry_run_with_our_sides_overrides():
 
 def test_one_run_compares_eager_and_compiled_at_both_lengths(monkeypatch, capsys):
     """Issue 36's GPU lines come from one bench run: ours eager and compiled against the transformers loop at --seq,
-    and again at --long-seq, with the dry run's prediction rows. The trainers are stand-ins here (no GPU)."""
+    and again at --long-seq, with the dry run's prediction rows; with --float8, ours in float8 against ours in bf16
+    (issue 38). The trainers are stand-ins here (no GPU)."""
     import torch
 
     import training.hardware
 
     runs = []
 
-    def ours(args, out, documents, compile_=None):
-        runs.append(("ours", args.seq, compile_ or args.compile))
-        return (2000.0 if compile_ == "true" else 1500.0), 0.3, 10.0
+    def ours(args, out, documents, compile_=None, float8="off"):
+        runs.append(("ours" if float8 == "off" else f"ours-{float8}", args.seq, compile_ or args.compile))
+        return (2000.0 if compile_ == "true" else 1800.0 if float8 != "off" else 1500.0), 0.3, 10.0
 
     def loop(args):
         runs.append(("transformers", args.seq, None))
@@ -45,17 +46,20 @@ def test_one_run_compares_eager_and_compiled_at_both_lengths(monkeypatch, capsys
     monkeypatch.setattr(bench_gpu, "run_ours", ours)
     monkeypatch.setattr(bench_gpu, "run_transformers", loop)
     monkeypatch.setattr(bench_gpu, "torchtitan_unavailable", lambda: "not installed here")
-    monkeypatch.setattr(bench_gpu, "predicted", lambda args, documents, accelerator, compile_=None: (0.001, 1.0))
+    monkeypatch.setattr(bench_gpu, "predicted", lambda args, documents, accelerator, compile_=None, float8="off":
+                        (0.001, 1.0))
     monkeypatch.setattr(training.hardware, "peak_flops", lambda device, dtype: (989e12, "test"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(bench_gpu.sys, "argv", ["bench_gpu.py", "--only", "trainers", "--rounds", "1",
                                                 "--dim", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
-                                                "--seq", "256", "--long-seq", "512"])
+                                                "--seq", "256", "--long-seq", "512", "--float8", "tensorwise"])
     assert bench_gpu.main() == 0
     out = capsys.readouterr().out
-    assert sorted(runs) == sorted([("ours", 256, "false"), ("ours", 256, "true"), ("transformers", 256, None),
-                                   ("ours", 512, "false"), ("ours", 512, "true"), ("transformers", 512, None)])
+    assert sorted(runs) == sorted([(side, seq, compiled) for seq in (256, 512) for side, compiled in
+                                   (("ours", "false"), ("ours", "true"), ("transformers", None),
+                                    ("ours-tensorwise", "false"))])
+    assert out.count("ours-float8 / ours (train.py): tok/s 1.200") == 2
     assert out.count("ours-compiled / transformers LlamaForCausalLM: tok/s 2.000") == 2
     assert out.count("ours / transformers LlamaForCausalLM: tok/s 1.500, peak memory 0.833") == 2
     assert out.count("compile true |") == 2 and out.count("seq 512, batch 1") == 1 and "seq 512, AC none" in out
