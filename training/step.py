@@ -7,6 +7,7 @@ planner's measurement too instead of leaving it measuring a copy.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -59,10 +60,19 @@ class StepSetup:
         return self.parallelism.cp > 1 or self.document_masking
 
 
+@contextlib.contextmanager
 def cp_context(setup: StepSetup, batch: dict):
     """Shards the batch's sequence buffers over the CP ranks in place and routes attention to the CP variant until
     exit (at cp = 1 too when document masking is on). Without context parallelism the model's SDPA calls run as
-    they are, with torch's backends ordered by `parallelism.attention_kernel` on CUDA (cuDNN first on Hopper)."""
+    they are, with torch's backends ordered by `parallelism.attention_kernel` on CUDA (cuDNN first on Hopper).
+    With float8 linear layers under CP, their scales are taken over the whole sequence meanwhile
+    (parallelisms/float8.scales_over_context_parallel): training and the evaluations alike."""
+    cp_mesh = setup.mesh.cp_mesh if setup.parallelism.cp > 1 else None
+    with _sequence_context(setup, batch), scales_over_context_parallel(setup.float8, cp_mesh):
+        yield
+
+
+def _sequence_context(setup: StepSetup, batch: dict):
     if not setup.shards_sequence:
         return sdpa_priority(setup.parallelism.attention_kernel, batch["input_ids"].device)
     names = SEQUENCE_BUFFERS + (("document_ids",) if setup.document_masking else ())
@@ -95,9 +105,7 @@ def micro_step(setup: StepSetup, batch: dict, global_tokens: int) -> torch.Tenso
 
     The backward runs inside the CP context: autograd refuses tensors that changed after it saved them, and the
     context restores nothing it was told to keep sharded."""
-    cp_mesh = setup.mesh.cp_mesh if setup.parallelism.cp > 1 else None
-    with cp_context(setup, batch), loss_context(setup.loss_parallel), \
-            scales_over_context_parallel(setup.float8, cp_mesh):
+    with cp_context(setup, batch), loss_context(setup.loss_parallel):
         if setup.pipeline is not None:
             return setup.pipeline.step(batch, loss_divisor=global_tokens, loss_chunk_tokens=setup.loss_chunk_tokens,
                                        sparse_labels=setup.sparse_labels)
