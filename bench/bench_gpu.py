@@ -42,7 +42,7 @@ run by this bench on any GPU, so the bench does not drive it: with 0.2.2 it says
 have no network, so bring TorchTitan's wheels (0.3.0 needs Python >= 3.11): on a machine with pip access,
     pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d wheels \\
         torchtitan==0.3.0 tyro docstring-parser typeguard torch_checkpointing spmd_types==0.2.3 \\
-        "datasets<4.8" "dill<0.4.1" "multiprocess<0.70.19" torchdata==0.11.0
+        "datasets<4.8" "dill<0.4.1" "multiprocess<0.70.19" torchdata==0.11.0 torchao==0.18.0
 (plus any other package `pip check` names there), copy the folder over, and on the GPU machine:
     WHEELS=wheels ./run_tests.sh --gpu --report OUTDIR    (or: python -m pip install --no-index --no-deps wheels/*.whl)
 """
