@@ -29,10 +29,12 @@ def pytest_runtest_makereport(item, call):
 
 
 
-LEARNING_RUNS_FIRST = ("tests/training/test_passkey_training.py", "tests/training/test_chat_sft.py")
-"""The two learning runs (2-rank trainings of 4-7 minutes, one or two tests per file) start CI, beside the other
-files; after them the files with the most tests first, as pytest-xdist's own `loadfile` order. With xdist's order
-they started last, 26 minutes into a 34-minute CI, and the passkey run finished alone with the cores partly idle."""
+LEARNING_RUNS_FIRST = ("tests/training/test_passkey_training.py", "tests/training/test_chat_sft.py",
+                       "tests/training/test_dry_run_8gpu.py", "tests/training/test_float8_runs.py")
+"""The longest files start CI, beside the other files: the two learning runs (2-rank trainings of 4-7 minutes), the
+8-GPU recipe's dry runs (about 3 minutes each under CI's load) and float8's long runs. After them the files with
+the most tests first, as pytest-xdist's own `loadfile` order. With xdist's order the learning runs started last, 26
+minutes into a 34-minute CI, and the passkey run finished alone with the cores partly idle."""
 
 
 def pytest_collection_modifyitems(config, items):
