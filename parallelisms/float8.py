@@ -132,14 +132,21 @@ def check_float8(cfg: Config) -> None:
                           f"or set training.float8 = \"off\".")
 
 
+def converts_linear(in_features: int, out_features: int, in_feed_forward: bool, tiled_mlp: bool) -> bool:
+    """The conversion rule for one block linear layer, shared with the dry run's pricing
+    (training/planning/float8_cost.py): float8-friendly dims, and not a tiled feed-forward's (its weights are
+    multiplied directly, never through the modules)."""
+    if tiled_mlp and in_feed_forward:
+        return False
+    return in_features % FLOAT8_ALIGN == 0 and out_features % FLOAT8_ALIGN == 0
+
+
 def _converts(module: nn.Module, fqn: str, tiled_mlp: bool) -> bool:
-    """torchao's module filter: the blocks' linear layers with float8-friendly dims, not a tiled feed-forward's."""
+    """torchao's module filter: the blocks' linear layers that `converts_linear` takes."""
     parts = fqn.split(".")
     if parts[0] != "layers" or not isinstance(module, nn.Linear):
         return False
-    if tiled_mlp and "feed_forward" in parts:
-        return False
-    return module.in_features % FLOAT8_ALIGN == 0 and module.out_features % FLOAT8_ALIGN == 0
+    return converts_linear(module.in_features, module.out_features, "feed_forward" in parts, tiled_mlp)
 
 
 def float8_config(recipe: str, fsdp: bool):

@@ -21,9 +21,7 @@
 from __future__ import annotations
 
 from models.llama import LlamaConfig
-
-FLOAT8_ALIGN = 16
-"""Float8 GEMMs need both dims of a weight to be multiples of this (parallelisms/float8.py converts only those)."""
+from parallelisms.float8 import converts_linear
 CAST_BYTES_PER_FEATURE = {"tensorwise": 7.0, "rowwise": 10.0}
 """Activation-side scaling and casting bytes per token per input or output feature of a converted linear (above)."""
 
@@ -37,8 +35,7 @@ def block_linears(m: LlamaConfig) -> list[tuple[int, int, bool]]:
 def converted_linears(m: LlamaConfig, tiled_mlp: bool) -> list[tuple[int, int]]:
     """(K, N) of one block's linear layers that training.float8 converts: dims multiples of 16, and not the
     feed-forward's when model.mlp_chunk_tokens tiles it (its weights are multiplied directly, never the modules)."""
-    return [(k, n) for k, n, mlp in block_linears(m)
-            if k % FLOAT8_ALIGN == 0 and n % FLOAT8_ALIGN == 0 and not (tiled_mlp and mlp)]
+    return [(k, n) for k, n, mlp in block_linears(m) if converts_linear(k, n, mlp, tiled_mlp)]
 
 
 def converted_gemm_share(m: LlamaConfig, tiled_mlp: bool) -> float:
