@@ -267,6 +267,8 @@ def validate(cfg: Config) -> None:
     if cfg.parallelism.attention_head_groups < 0:
         raise RecipeError(f"{where}: parallelism.attention_head_groups must be >= 0 (0 = by size, 1 = one group), "
                           f"got {cfg.parallelism.attention_head_groups}.")
+    if cfg.metrics.profile_step < 0:
+        raise RecipeError(f"{where}: metrics.profile_step must be >= 0 (0 = off), got {cfg.metrics.profile_step}.")
     ck = cfg.checkpoint
     for key in ("keep_latest_k", "hf_export_interval"):
         if getattr(ck, key) < 0:

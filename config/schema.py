@@ -291,6 +291,10 @@ class MetricsConfig:
     """Log every this many steps (console, metrics.jsonl, TensorBoard)."""
     enable_tensorboard: bool = True
     """Write TensorBoard scalars to <dump_folder>/tb."""
+    profile_step: int = 0
+    """Profile this optimizer step (1-based; 0 = off) with torch.profiler and write
+    <dump_folder>/profile_step<N>_rank<R>.json: each class of work's device seconds, as the dry run prices them
+    (training/step_profile.py); metrics.jsonl marks that step `profiled` so step-time medians can leave it out."""
 
 
 @dataclass

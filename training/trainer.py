@@ -3,6 +3,7 @@ checkpoints and, at the end, evaluating. Each optimizer step runs `grad_accum_st
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -33,6 +34,7 @@ from training.metrics import MetricsLogger, StepMetrics, visible_pairs
 from training.planning.preflight import preflight_stages
 from training.ramp import RampStage, model_build_config, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_
+from training.step_profile import profile_line, profiled_step
 
 
 class Trainer:
@@ -172,7 +174,14 @@ class Trainer:
             batches = self._step_batches(data_iter)
             data_time = time.perf_counter() - start
             lr = self.scheduler.get_last_lr()[0]
-            loss, grad_norm = self.train_step(batches)
+            n = self.step + 1
+            profiled = self.cfg.metrics.profile_step == n  # [metrics] profile_step: this step under torch.profiler
+            path = os.path.join(self.cfg.job.dump_folder, f"profile_step{n}_rank{self.rank}.json")
+            watch = profiled_step(path, self.device.type, n, self.rank) if profiled else contextlib.nullcontext()
+            with watch as profile:
+                loss, grad_norm = self.train_step(batches)
+            if profiled and profile.summary is not None and self.rank == 0:
+                print(profile_line(profile.summary, path), flush=True)
             self.step += 1
             step_time = time.perf_counter() - start
             if self.compiled:
@@ -190,6 +199,8 @@ class Trainer:
                     self.stage, self.step, loss=loss, lr=lr, grad_norm=grad_norm, step_time=step_time,
                     data_time=data_time, tokens_seen=tokens_seen(self.stages, self.step),
                     visible_pairs=torch.stack(self.step_pairs).tolist())
+                if profiled:  # the profiler slowed this step: step-time medians leave it out
+                    record["profiled"] = True
                 if "compile" in record:
                     record["compile"]["first_step_s"] = self.compile_first_step_s
                 if self.stores:

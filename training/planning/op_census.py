@@ -36,9 +36,15 @@ def kind_of(func) -> str:
     """The kind of one aten op (an OpOverload): by its packet name and namespace."""
     ns = getattr(func, "namespace", "")
     name = getattr(func, "_opname", None) or str(func).split("::")[-1].split(".")[0]
-    if ns in ("prim", "profiler") or name in NO_KERNEL_OPS or getattr(func, "is_view", False):
+    return kind_of_name(ns, name, bool(getattr(func, "is_view", False)))
+
+
+def kind_of_name(namespace: str, name: str, is_view: bool = False) -> str:
+    """The kind of an op given by namespace and packet name (e.g. "aten", "mm"), as kind_of rules it; the profiled
+    step (training/step_profile.py) uses it on profiler event names, which carry no OpOverload."""
+    if namespace in ("prim", "profiler") or name in NO_KERNEL_OPS or is_view:
         return "no kernel"
-    if ns in ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"):
+    if namespace in ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"):
         return "collective"
     if name in GEMM_OPS:
         return "gemm"
