@@ -2,7 +2,10 @@
 accelerator's rates file (training/planning/rates/<accelerator>.json, read by training/planning/rates.py):
 
 - gemm: bf16 FLOP/s of one Llama block's linear layers at --tokens tokens (forward, input-gradient and
-  weight-gradient GEMMs of the q/k/v/o and w1/w3/w2 shapes);
+  weight-gradient GEMMs of the q/k/v/o and w1/w3/w2 shapes), one row per --gemm-shapes model shape (dim x ffn: the
+  bench shape's 2048 x 5632, and dim 4096 at the debug formula's and Llama 3 8B's ffn);
+- fp8_gemm: the same GEMMs through torch._scaled_mm in float8 e4m3 with tensorwise scales (training.float8), where
+  the device runs them (compute capability 8.9+);
 - attention: FLOP/s of one causal call per kernel family this GPU can run (cudnn, flash, fa3/fa4 when installed),
   forward and backward timed apart, at each --lengths block length (the step model's FLOP count: forward 4 x visible
   pairs x heads x head dim, backward 2.5x);
@@ -10,8 +13,9 @@ accelerator's rates file (training/planning/rates/<accelerator>.json, read by tr
 - optimizer: bytes/s of fused AdamW over --optimizer-params float32 parameters, counted as the step model counts them
   (32 bytes per parameter: read p, g, m, v, write p, m, v).
 
-    python bench/bench_rates.py --accelerator h100-sxm [--dim 4096 --ffn 14336 --heads 32 --kv-heads 8
-        --head-dim 128 --tokens 8192 --lengths 8192,65536 --reps 10] [--out DIR] [--device cpu]
+    python bench/bench_rates.py --accelerator h100-sxm [--gemm-shapes 2048x5632,4096x11008,4096x14336
+        --heads 16 --kv-heads 8 --head-dim 128 --tokens 8192 --lengths 8192,32768,65536 --reps 10] [--out DIR]
+        [--device cpu]
 
 Each rate is the fastest of --reps, and is written with its shape. `--device cpu` runs the same code on the CPU
 (small shapes; for the tests): the file then names the CPU and is not one to ship.
@@ -40,20 +44,41 @@ def fastest(call, device: torch.device, reps: int) -> float:
     return min(timed(call, device) for _ in range(reps))
 
 
-def gemm_rate(args, device) -> dict:
-    d, t, hd = args.dim, args.tokens, args.head_dim
-    outs = (args.heads * hd, args.kv_heads * hd, args.kv_heads * hd, d, args.ffn, args.ffn)  # q k v o w1 w3
-    shapes = [(t, d, n) for n in outs] + [(t, args.ffn, d)]  # + w2: (tokens x ffn) @ (ffn x dim)
-    flops = seconds = 0.0
-    for m, k, n in shapes:
-        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        w = torch.randn(k, n, device=device, dtype=torch.bfloat16)
-        g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
-        for left, right in ((a, w), (g, w.t()), (a.t(), g)):  # forward, input gradient, weight gradient
-            seconds += fastest(lambda: left @ right, device, args.reps)
+def _block_gemms(tokens: int, dim: int, ffn: int, q_out: int, kv_out: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) of each GEMM one Llama block runs per step: forward, input gradient and weight gradient of q, k, v,
+    o, w1, w3 (tokens x dim @ dim x out) and w2 (tokens x ffn @ ffn x dim)."""
+    mkn = [(tokens, dim, n) for n in (q_out, kv_out, kv_out, dim, ffn, ffn)] + [(tokens, ffn, dim)]
+    return [shape for m, k, n in mkn for shape in ((m, k, n), (m, n, k), (k, m, n))]
+
+
+def _bf16_mm(m, k, n, device):
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+    return lambda: a @ b
+
+
+def _fp8_mm(m, k, n, device):
+    """torch._scaled_mm as torchao's tensorwise float8 GEMM calls it: e4m3 operands, the right one column-major, one
+    float32 scale each, bf16 out."""
+    a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def gemm_rates(args, device, make=_bf16_mm, kind="bf16") -> list[dict]:
+    """One row per --gemm-shapes model shape: FLOP/s over one block's GEMMs at --tokens tokens."""
+    rows = []
+    for dim, ffn in args.gemm_shapes:
+        q_out, kv_out = dim, args.kv_heads * args.head_dim  # Llama: query heads x head dim = dim
+        flops = seconds = 0.0
+        for m, k, n in _block_gemms(args.tokens, dim, ffn, q_out, kv_out):
+            seconds += fastest(make(m, k, n, device), device, args.reps)
             flops += 2.0 * m * k * n
-    return {"value": flops / seconds, "unit": "FLOP/s", "shape": f"one block's GEMMs at {t} tokens, dim {d}, "
-            f"ffn {args.ffn}, {args.heads}/{args.kv_heads} heads of {hd}, bf16"}
+        rows.append({"dim": dim, "ffn": ffn, "tokens": args.tokens, "value": flops / seconds, "unit": "FLOP/s",
+                     "shape": f"one block's GEMMs at {args.tokens} tokens, dim {dim}, ffn {ffn}, "
+                              f"{args.kv_heads} K/V heads of {args.head_dim}, {kind}"})
+    return rows
 
 
 def attention_rates(args, device) -> list[dict]:
@@ -101,16 +126,27 @@ def optimizer_rate(args, device) -> dict:
             "shape": f"fused AdamW over {n:,} float32 parameters, 32 bytes each"}
 
 
+def float8_gemm_problem(device) -> str | None:
+    """Why float8 GEMMs are not timed here (CUDA needs compute capability 8.9+), or None."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return f"compute capability {torch.cuda.get_device_capability(device)} < (8, 9)"
+    try:
+        _fp8_mm(16, 16, 16, device)()
+    except Exception as e:  # noqa: BLE001 - a build without float8 GEMMs on this device
+        return f"torch._scaled_mm fails here: {type(e).__name__}: {str(e)[:120]}"
+    return None
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--accelerator", required=True, help="the name the recipes use (hardware.accelerator)")
-    p.add_argument("--dim", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=14336)
-    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--gemm-shapes", default="2048x5632,4096x11008,4096x14336",
+                   help="model shapes (dim x ffn) whose block GEMMs are timed, bf16 and float8")
+    p.add_argument("--heads", type=int, default=16, help="query heads of the attention calls")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--lengths", default="8192,65536")
+    p.add_argument("--lengths", default="8192,32768,65536")
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
     p.add_argument("--optimizer-params", type=int, default=1 << 28)
     p.add_argument("--reps", type=int, default=10)
@@ -118,6 +154,7 @@ def parse(argv=None):
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.gemm_shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.gemm_shapes.split(",")]
     return args
 
 
@@ -132,7 +169,16 @@ def main(argv=None) -> int:
     rates = {"accelerator": args.accelerator, "device_name": name, "torch": torch.__version__,
              "cuda": torch.version.cuda or "", "date": datetime.date.today().isoformat(),
              "command": " ".join(["bench/bench_rates.py", *(argv if argv is not None else sys.argv[1:])])}
-    for component, measure in (("gemm", gemm_rate), ("hbm", hbm_rate), ("optimizer", optimizer_rate)):
+    rates["gemm"] = gemm_rates(args, device)
+    for row in rates["gemm"]:
+        print(f"gemm: {row['value'] / 1e12:.1f} TFLOP/s ({row['shape']})", flush=True)
+    if fp8_problem := float8_gemm_problem(device):
+        print(f"fp8_gemm: not measured ({fp8_problem})", flush=True)
+    else:
+        rates["fp8_gemm"] = gemm_rates(args, device, _fp8_mm, "float8 e4m3, tensorwise scales")
+        for row in rates["fp8_gemm"]:
+            print(f"fp8_gemm: {row['value'] / 1e12:.1f} TFLOP/s ({row['shape']})", flush=True)
+    for component, measure in (("hbm", hbm_rate), ("optimizer", optimizer_rate)):
         rates[component] = measure(args, device)
         print(f"{component}: {rates[component]['value']:.4g} {rates[component]['unit']} ({rates[component]['shape']})",
               flush=True)

@@ -109,11 +109,38 @@ def test_the_shipped_h100_file_loads_with_its_attention_rates():
 def test_bench_rates_writes_what_load_rates_reads(tmp_path):
     result = subprocess.run(
         [sys.executable, os.path.join("bench", "bench_rates.py"), "--accelerator", "h100-sxm", "--device", "cpu",
-         "--dim", "64", "--ffn", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64",
+         "--gemm-shapes", "64x128,128x256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64",
          "--lengths", "64,128", "--copy-bytes", "65536", "--optimizer-params", "1000", "--reps", "1",
          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=child_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     rates = load_rates("h100-sxm", str(tmp_path))
-    assert rates.device_name == "cpu" and min(rates.gemm, rates.hbm, rates.optimizer) > 0
+    assert rates.device_name == "cpu" and min(rates.hbm, rates.optimizer) > 0
+    assert [row[:2] for row in rates.gemm_rows] == [row[:2] for row in rates.fp8_gemm_rows] == [(64, 128), (128, 256)]
+    assert min(row[2] for row in rates.gemm_rows + rates.fp8_gemm_rows) > 0
     assert set(rates.attention) == {("flash", "fwd"), ("flash", "bwd")}
+    assert [row[1] for row in rates.attention["flash", "fwd"]] == [64, 128]
+
+
+def test_a_model_is_priced_at_the_gemm_row_and_attention_length_nearest_its_own(tmp_path):
+    """Small GEMMs run further from the peak than large ones, and attention's rate grows with the call's length: a
+    file with several rows prices each stage at the nearest (the bench shape's rows must not price an 8B model)."""
+    small, large = 3.0e14, 6.0e14
+    _write(tmp_path, gemm=[{"dim": 2048, "ffn": 5632, "value": small}, {"dim": 4096, "ffn": 14336, "value": large}],
+           fp8_gemm=[{"dim": 4096, "ffn": 14336, "value": 2 * large}],
+           attention=_attention() + [{**row, "length": 8 * SEQ, "flops_per_s": 2 * row["flops_per_s"]}
+                                     for row in _attention()])
+    rates, acc = load_rates("h100-sxm", str(tmp_path)), ACCELERATORS["h100-sxm"]
+    assert rates.gemm_rate(2048, 5632) == small and rates.gemm_rate(4096, 14336) == large
+    assert rates.gemm_rate(4096, 11008) == large and rates.gemm_rate(4096, 14336, float8=True) == 2 * large
+    w = _workload()
+    m = w.model
+    block = 2.0 * m.dim * m.head_dim * (2 * m.n_heads + 2 * m.num_kv_heads) + 6.0 * m.dim * m.ffn_hidden_dim
+    gemm_flops = SEQ * (m.n_layers * block * 3 + 2.0 * m.dim * m.vocab_size * 3)
+    assert predict_step(w, acc, rates).parts["gemm"] == pytest.approx(gemm_flops / large, rel=1e-9)
+    assert rates.attention_rate("cudnn", "fwd", SEQ)[1] == SEQ
+    assert rates.attention_rate("cudnn", "fwd", 6 * SEQ)[1] == 8 * SEQ
+    long = predict_step(_workload(seq_len=8 * SEQ), acc, rates).parts["attention"]
+    forward = 4.0 * 8 * SEQ * (8 * SEQ + 1) / 2 * m.n_heads * m.head_dim * m.n_layers
+    assert long == pytest.approx(forward / (2 * ATTN_FWD) + 2.5 * forward / (2 * ATTN_BWD), rel=1e-9)
+    assert "fp8_gemm" in rates_source(rates, "cudnn", float8=True) and "fp8" not in rates_source(rates, "cudnn")

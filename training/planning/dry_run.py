@@ -117,7 +117,7 @@ def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float |
     prediction = predict_step(workload, spec, rates)
     times.update(predicted_s=prediction.step_s, predicted_band=list(prediction.band),
                  predicted_tokens_per_gpu_s=prediction.tokens_per_sec_per_gpu, predicted_parts=prediction.parts,
-                 rates_source=rates_source(rates, workload.attention_kernel))
+                 rates_source=rates_source(rates, workload.attention_kernel, workload.float8 != "off"))
     return times
 
 

@@ -4,10 +4,13 @@ published figures of training/planning/accelerators.py, component by component.
 
 A file holds the device's name, torch and CUDA versions, the date, and a list of rates, each with the shape it was
 measured at:
-- `gemm`: bf16 GEMM FLOP/s of the linear layers (forward and backward GEMMs of a block at a stage's tokens);
+- `gemm`: bf16 GEMM FLOP/s of the linear layers (forward and backward GEMMs of a block at a stage's tokens), one row
+  per model shape (`dim`, `ffn`): a model is priced at the row nearest its own shape, as small GEMMs run further
+  from the peak than large ones; `fp8_gemm` the same for float8 GEMMs (`torch._scaled_mm`, training.float8);
 - `attention`: FLOP/s of one causal call of a kernel family (`kernel`: cudnn, flash, ...) per phase (fwd, bwd), at a
   block length and head dim (FLOPs: forward 4 x visible pairs x heads x head dim, backward 2.5x that, the step
-  model's own count). At other lengths the rate follows the shape of the FlashAttention-2 table (accelerators.py);
+  model's own count), one row per measured length. A stage is priced at the row nearest its call length, carried to
+  its exact length and head dim by the shape of the FlashAttention-2 table (accelerators.py);
 - `hbm`: achieved bytes/s of elementwise and copy kernels (read + write);
 - `optimizer`: bytes/s of the AdamW step (its bytes as the step model counts them).
 A rate the file lacks falls back to the published figure, and `rates_source` says which components are measured and
@@ -17,6 +20,7 @@ accelerator's, is still used, with a warning line.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -38,19 +42,35 @@ class MeasuredRates:
     torch: str
     cuda: str
     date: str
-    gemm: float | None = None
+    gemm_rows: tuple = ()
+    """((dim, ffn, FLOP/s), ...) of bf16 GEMMs, one per measured model shape."""
+    fp8_gemm_rows: tuple = ()
+    """The same for float8 GEMMs."""
     hbm: float | None = None
     optimizer: float | None = None
     attention: dict = field(default_factory=dict)
-    """{(kernel, phase): (FLOP/s, block length, head dim)} of causal calls."""
+    """{(kernel, phase): ((FLOP/s, block length, head dim), ...)} of causal calls, one per measured length."""
 
     def has(self, component: str, kernel: str | None = None) -> bool:
         if component == "attention":
             return any(k == kernel for k, _ in self.attention) if kernel else bool(self.attention)
+        if component in ("gemm", "fp8_gemm"):
+            return bool(getattr(self, f"{component}_rows"))
         return getattr(self, component) is not None
 
-    def attention_rate(self, kernel: str, phase: str) -> tuple[float, float, int] | None:
-        return self.attention.get((kernel, phase))
+    def gemm_rate(self, dim: int, ffn: int, float8: bool = False) -> float | None:
+        """FLOP/s measured at the model shape nearest (dim, ffn) (log distance), or None when none was measured."""
+        rows = self.fp8_gemm_rows if float8 else self.gemm_rows
+        if not rows:
+            return None
+        return min(rows, key=lambda r: abs(math.log(r[0] / dim)) + abs(math.log(r[1] / ffn)))[2]
+
+    def attention_rate(self, kernel: str, phase: str, length: float | None = None) -> tuple[float, float, int] | None:
+        """(FLOP/s, length, head dim) of the row measured at the length nearest `length` (None: the first row)."""
+        rows = self.attention.get((kernel, phase))
+        if not rows:
+            return None
+        return rows[0] if length is None else min(rows, key=lambda r: abs(math.log(r[1] / length)))
 
 
 def rates_path(accelerator: str, directory: str = RATES_DIR) -> str:
@@ -65,14 +85,25 @@ def load_rates(accelerator: str, directory: str = RATES_DIR) -> MeasuredRates | 
     try:
         with open(path) as f:
             data = json.load(f)
-        attention = {(r["kernel"], r["phase"]): (float(r["flops_per_s"]), float(r["length"]), int(r["head_dim"]))
-                     for r in data.get("attention", [])}
-        single = {name: float(data[name]["value"]) for name in ("gemm", "hbm", "optimizer") if name in data}
+        attention: dict = {}
+        for r in data.get("attention", []):
+            attention.setdefault((r["kernel"], r["phase"]), []).append(
+                (float(r["flops_per_s"]), float(r["length"]), int(r["head_dim"])))
+        single = {name: float(data[name]["value"]) for name in ("hbm", "optimizer") if name in data}
+        gemms = {name: tuple(_gemm_rows(data[name])) for name in ("gemm", "fp8_gemm") if name in data}
         return MeasuredRates(path, data["accelerator"], data["device_name"], data["torch"], data.get("cuda", ""),
-                             data["date"], attention=attention, **single)
+                             data["date"], attention={k: tuple(v) for k, v in attention.items()},
+                             **{f"{k}_rows": v for k, v in gemms.items()}, **single)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise Refusal(f"{path}: not a rates file ({type(e).__name__}: {e}); rewrite it with "
                          f"python bench/bench_rates.py or delete it to use the published rates") from None
+
+
+def _gemm_rows(entry) -> list[tuple[int, int, float]]:
+    """A file's GEMM rows: a list of {dim, ffn, value}, or one {value} (a file of one shape: it prices every model)."""
+    if isinstance(entry, dict):
+        return [(1, 1, float(entry["value"]))]
+    return [(int(r["dim"]), int(r["ffn"]), float(r["value"])) for r in entry]
 
 
 def _minor(version: str) -> str:
@@ -101,12 +132,13 @@ def _shown(path: str) -> str:
     return os.path.relpath(path, REPO) if inside else path
 
 
-def rates_source(rates: MeasuredRates | None, attention_kernel: str) -> str:
-    """Which rates price a stage: measured components (with the file) and published ones."""
+def rates_source(rates: MeasuredRates | None, attention_kernel: str, float8: bool = False) -> str:
+    """Which rates price a stage: measured components (with the file) and published ones (float8: its GEMMs too)."""
     if rates is None:
         return "published (training/planning/accelerators.py: data sheets and kernel papers)"
-    measured = [c for c in COMPONENTS if rates.has(c, attention_kernel if c == "attention" else None)]
-    published = [c for c in COMPONENTS if c not in measured]
+    components = COMPONENTS + (("fp8_gemm",) if float8 else ())
+    measured = [c for c in components if rates.has(c, attention_kernel if c == "attention" else None)]
+    published = [c for c in components if c not in measured]
     text = (f"measured on {rates.device_name} (torch {rates.torch}, {rates.date}; "
             f"{_shown(rates.path)}): {', '.join(measured) or 'nothing'}")
     if "attention" in measured:
