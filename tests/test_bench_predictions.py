@@ -1,0 +1,70 @@
+"""bench/bench_predictions.py: measuring (here on the CPU, tiny shapes) writes what predicting reads, a run that
+outlives its limit is stopped with its worker, and the H100 measurement shipped in bench/measurements/ stays
+predicted within issue 37's 15% by the dry run with the shipped rates file (step time) and within 2% (peak memory)
+for every run that the model prices as it runs: plain causal attention, eager or compiled."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness.launch_env import child_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench", "bench_predictions.py")
+SHIPPED = os.path.join(ROOT, "bench", "measurements", "h100-sxm_bench-shape_2026-11-27.json")
+TINY = ["--device", "cpu", "--seqs", "256", "--dim", "128", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1"]
+
+
+def _bench(*args, timeout=600):
+    return subprocess.run([sys.executable, BENCH, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=child_env(OMP_NUM_THREADS="1"))
+
+
+def test_measuring_writes_what_predicting_reads(tmp_path):
+    measured = tmp_path / "measured.json"
+    done = _bench(*TINY, "--ac", "none,full", "--measured", str(measured), "--profile-step", "5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(measured.read_text())
+    assert data["device_name"] == "cpu" and [r["ac"] for r in data["runs"]] == ["none", "full"]
+    for run in data["runs"]:
+        assert run["measured_step_s"] > 0 and run["measured_peak_gib"] > 0
+        assert run["timed_steps"] == 6  # 10 steps, 3 of warm-up, the profiled step 5 left out
+        assert run["profile"]["by_kind"]["gemm"] > 0
+    done = _bench("--predict", str(measured), "--accelerator", "h100-sxm")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| dim 128 x 2 layers, 256, AC ")]
+    assert len(rows) == 2 and all(len(row.split("|")) == 9 for row in rows)
+    assert done.stdout.splitlines()[-1].endswith("of 2 predicted step times within 15% of the measured ones")
+
+
+def test_a_run_past_its_limit_is_stopped_with_its_worker(tmp_path):
+    measured = tmp_path / "measured.json"
+    done = _bench(*TINY, "--ac", "none", "--measured", str(measured), "--timeout", "2", timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = json.loads(measured.read_text())["runs"]
+    assert run["error"] == "no result within 2 s"
+    workers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert workers.stdout.strip() == ""  # torchrun's worker (its own session) went with it
+
+
+@pytest.mark.slow
+def test_the_shipped_h100_runs_stay_predicted_within_15_percent():
+    """Measured on one H100 SXM (torch 2.11) by `python bench/bench_predictions.py` (bench/measurements/); the
+    runs with documents masked are printed but not held to the bound: pydoc's documents (79, 1.9K tokens on
+    average) are not the dry run's stated document mix (step_model.DOCUMENT_MIX), which prices a corpus without
+    prepared stores."""
+    done = _bench("--predict", SHIPPED, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in done.stdout.splitlines()
+            if line.startswith("| ") and "K, AC" in line}
+    held = [name for name in rows if "documents" not in name]
+    assert len(held) >= 7, rows
+    for name in held:
+        step_ratio, memory_ratio = float(rows[name][2]), float(rows[name][5])
+        assert abs(step_ratio - 1) <= 0.15, (name, rows[name])
+        if "compiled" not in name:  # compiled regions keep fewer activations than the eager probe counts
+            assert abs(memory_ratio - 1) <= 0.02, (name, rows[name])
