@@ -25,6 +25,7 @@ torchao is imported here only, and only when `training.float8` is not "off".
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import logging
 import sys
@@ -169,6 +170,29 @@ def apply_float8(model: nn.Module, cfg: Config, fsdp: bool) -> int:
     ao.convert_to_float8_training(model, config=float8_config(recipe, fsdp),
                                   module_filter_fn=lambda module, fqn: _converts(module, fqn, tiled))
     return sum(isinstance(m, ao.Float8Linear) for m in model.modules())
+
+
+def cast_under_autocast(model: nn.Module) -> None:
+    """A one-device run under torch.autocast (parallelisms/parallelize.uses_autocast: float32 weights, no FSDP2):
+    each Float8Linear's input is cast to the autocast dtype of its own device before torchao casts it to float8
+    (torchao's forward takes the dtype from CUDA's autocast state, which a CPU run does not set). The float32 weight
+    goes to float8 directly, scaled by its own max-abs, as FSDP2's float8 all-gather casts the float32 shards on
+    every larger mesh, so the float8 values are the same on one device as on many. Without float8 layers nothing
+    changes."""
+    if sys.modules.get("torchao.float8") is None:
+        return  # no Float8Linear can exist without torchao imported
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    from models.autocast import to_autocast_dtype
+
+    def forward(module, x):
+        (x,) = to_autocast_dtype(x)
+        out = matmul_with_hp_or_float8_args.apply(x, module.weight.t(), module.linear_mm_config, module.config)
+        return out if module.bias is None else out + module.bias.to(out.dtype)
+
+    for module in model.modules():
+        if isinstance(module, torchao().Float8Linear):
+            module.forward = functools.partial(forward, module)
 
 
 def describe_float8(parts: list[nn.Module], cfg: Config) -> str:

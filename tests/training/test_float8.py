@@ -180,12 +180,48 @@ def _max_rel(a, b):
 
 @pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.slow)])
 def test_dp2_trains_like_one_process(recipe):
-    """dp_shard 2 (FSDP2, float32 masters, bf16 compute, tensorwise: float8 all-gather) against one process over
-    the same micro-batches (each rank's rows are one micro-step there, so every activation scale is the same).
-    Measured: 0 in loss, 2.4e-15 in grad norm, both recipes."""
-    one = _losses_and_norms(dict(dp_shard=1), *ACCUMULATE, recipe=recipe)
-    dp2 = _losses_and_norms(dict(dp_shard=2), recipe=recipe)
+    """dp_shard 2 (FSDP2, float32, tensorwise: the float8 all-gather) against one process over the same
+    micro-batches (each rank's rows are one micro-step there, so every activation scale is the same). Measured: 0
+    in loss, 3.1e-15 in grad norm (rowwise 0, 1.8e-15)."""
+    one = _losses_and_norms(dict(dp_shard=1), *ACCUMULATE, recipe=recipe, dtype="float32")
+    dp2 = _losses_and_norms(dict(dp_shard=2), recipe=recipe, dtype="float32")
     assert _max_rel(dp2[0], one[0]) <= 1e-5 and _max_rel(dp2[1], one[1]) <= 1e-5, (dp2, one)
+
+
+AUTOCAST_BOUND = (2e-4, 2e-3)
+"""(loss, grad norm) relative, one device in bf16 (torch.autocast over float32 weights, no FSDP2) against dp 2
+(FSDP2's bf16 mixed precision): the two bf16 paths differ without float8 too (measured 2.4e-5 in loss, 2.0e-4 in
+grad norm); with float8 tensorwise 3.0e-5 / 2.0e-4 and rowwise 1.1e-4 / 8.4e-4 over 4 steps."""
+
+
+def test_one_device_float8_under_autocast_trains_like_dp2():
+    """One device runs float8 under autocast (parallelisms/parallelize.uses_autocast; on one H100 FSDP2 on a mesh of
+    one made float8 no faster than bf16): its losses stay within the bf16 paths' own gap of dp 2's."""
+    one = _losses_and_norms(dict(dp_shard=1), *ACCUMULATE)
+    dp2 = _losses_and_norms(dict(dp_shard=2))
+    assert _max_rel(dp2[0], one[0]) <= AUTOCAST_BOUND[0] and _max_rel(dp2[1], one[1]) <= AUTOCAST_BOUND[1], (dp2, one)
+
+
+def test_a_float8_linear_under_autocast_takes_its_devices_autocast_dtype():
+    """torchao's Float8Linear casts its input to the autocast dtype only under CUDA's autocast (under CPU autocast a
+    float32 input is scaled to float8 as it is); cast_under_autocast casts it to the autocast dtype of its own
+    device, as a CUDA run does, and keeps the float32 weight for torchao to scale, as FSDP2's float8 all-gather
+    does. Without it the outputs below differ (measured)."""
+    from parallelisms.float8 import apply_float8, cast_under_autocast
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 32, bias=False))
+    torch_ao = copy.deepcopy(plain)
+    ours = copy.deepcopy(plain)
+    for model in (torch_ao, ours):
+        model.layers = nn.ModuleDict({"0": model[0]})  # apply_float8 converts the blocks' linear layers only
+        assert apply_float8(model, _config("--training.float8", "tensorwise"), fsdp=False) == 1
+    cast_under_autocast(ours)
+    x = torch.randn(16, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs_out, ours_out = torch_ao.layers["0"](x), ours.layers["0"](x)
+    assert ours_out.dtype == theirs_out.dtype == torch.bfloat16
+    assert torch.equal(ours_out, torch_ao.layers["0"](x.bfloat16()))  # outside autocast: torchao on a bf16 input
 
 
 TP_BOUND = (1e-4, 1e-3)
