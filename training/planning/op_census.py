@@ -15,6 +15,7 @@ step with the plain transformers loop (issue 36).
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -71,10 +72,22 @@ class OpCensus(TorchDispatchMode):
         super().__init__()
         self.ops = collections.Counter()
         self.bytes = collections.Counter()
+        self.paused = 0
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Ops inside are run, not counted (work the caller prices another way, e.g. casts that compile fuses)."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.paused:
+            return out
         flat = tree_flatten((args, kwargs))[0] + tree_flatten(out)[0]
         self.ops[func] += 1
         self.bytes[func] += sum(_nbytes(x) for x in flat if isinstance(x, torch.Tensor))
