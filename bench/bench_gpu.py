@@ -64,6 +64,7 @@ import torch  # noqa: E402
 
 from bench.torchtitan_config import JOB_ENV  # noqa: E402
 from harness.launch_env import child_env  # noqa: E402
+from harness.process_tree import end_process_group  # noqa: E402
 
 TT_STEP = re.compile(r"step:\s*(\d+).*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+|N/A)%?")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -99,6 +100,36 @@ def our_overrides(args, out: str, documents: bool, compile_: str | None = None, 
             "--training.float8", float8]
 
 
+def run_in_session(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The command's result (text output captured). Past `timeout` it is ended with every process it started
+    (harness/process_tree.py: torchrun's ranks run in sessions of their own and would go on holding the GPU, and
+    this pipe, during the runs after it), then subprocess.TimeoutExpired is raised."""
+    with subprocess.Popen(cmd, env=env or _env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            end_process_group(proc.pid)
+            proc.wait()
+            for pipe in (proc.stdout, proc.stderr):
+                pipe.close()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def dry_run_stage(overrides, accelerator: str, timeout: float) -> dict:
+    """dry_run.json's first stage for train.py with `overrides(dump_folder)` (the recipe and its overrides) on
+    `accelerator`; RuntimeError with the dry run's last error line when it fails."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *overrides(out), "--dry-run", "--hardware.accelerator",
+               accelerator]
+        done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        if done.returncode:
+            raise RuntimeError(_last_error(done.stderr or done.stdout))
+        with open(os.path.join(out, "dry_run.json")) as f:
+            return json.load(f)["stages"][0]
+
+
 def accelerator_of(device_name: str) -> str | None:
     """The dry run's hardware.accelerator for a CUDA device name (None: none of its accelerators)."""
     name = device_name.upper()
@@ -117,15 +148,12 @@ def predicted(args, documents: bool, accelerator: str | None, compile_: str | No
     price it on, or the dry run failed: one line says why)."""
     if accelerator is None:
         return None
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents, compile_, float8),
-               "--dry-run", "--hardware.accelerator", accelerator]
-        done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-        if done.returncode:
-            print(f"dry run: {_last_error(done.stderr or done.stdout)}", flush=True)
-            return None
-        with open(os.path.join(out, "dry_run.json")) as f:
-            stage = json.load(f)["stages"][0]
+    try:
+        stage = dry_run_stage(lambda out: our_overrides(args, out, documents, compile_, float8), accelerator,
+                              args.timeout)
+    except RuntimeError as err:
+        print(f"dry run: {err}", flush=True)
+        return None
     return stage["predicted_step_s"], stage["peak_device_gib_per_rank"]
 
 
@@ -155,7 +183,7 @@ def run_ours(args, out: str, documents: bool, compile_: str | None = None,
     masked by document or plain causal."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents, compile_, float8)]
-    done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    done = run_in_session(cmd, args.timeout)
     if done.returncode:
         raise RuntimeError(f"train.py failed: {_last_error(done.stderr)}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -242,8 +270,7 @@ def run_torchtitan(args, assets: tuple[str, str], out: str) -> tuple[float, floa
            "dump_folder": out}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
            "torchtitan.train", "--module", "bench.torchtitan_config", "--config", "longctx_llama"]
-    done = subprocess.run(cmd, env=_env(**{JOB_ENV: json.dumps(job)}), cwd=ROOT, capture_output=True, text=True,
-                          timeout=args.timeout)
+    done = run_in_session(cmd, args.timeout, _env(**{JOB_ENV: json.dumps(job)}))
     log = ANSI.sub("", done.stdout + "\n" + done.stderr)
     steps = {int(m.group(1)): (float(m.group(2).replace(",", "")), m.group(3)) for m in TT_STEP.finditer(log)}
     if done.returncode or not steps:

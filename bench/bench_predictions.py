@@ -25,7 +25,6 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,8 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.bench_gpu import _last_error, accelerator_of, our_overrides  # noqa: E402
-from harness.launch_env import child_env  # noqa: E402
+from bench.bench_gpu import _last_error, accelerator_of, dry_run_stage, our_overrides, run_in_session  # noqa: E402
 
 BOUND = 0.15
 """Issue 37's bound on |predicted / measured - 1|."""
@@ -73,27 +71,6 @@ def label(run: dict) -> str:
     return f"{shape}{seq}, AC {run['ac']}{extra}"
 
 
-def run_in_session(cmd: list[str], timeout: float) -> subprocess.CompletedProcess | None:
-    """The command's result, or None after stopping it when it outlives `timeout`. torchrun starts its worker in a
-    session of its own, so killing torchrun alone would leave the worker holding the GPU (slowing every run after
-    it) and this pipe open: SIGTERM makes torchrun stop its worker first; SIGKILL follows after 15 s."""
-    with subprocess.Popen(cmd, env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            for pipe in (proc.stdout, proc.stderr):
-                pipe.close()
-            return None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
 def measure(run: dict, timeout: float, profile_step: int, keep: str | None) -> dict:
     """One train.py run on this GPU: its median step time and peak memory (or why it failed)."""
     steps, warmup = steps_for(run["seq"])
@@ -103,10 +80,11 @@ def measure(run: dict, timeout: float, profile_step: int, keep: str | None) -> d
         if profile_step:
             cmd += ["--metrics.profile_step", str(profile_step)]
         start = time.perf_counter()
-        done = run_in_session(cmd, timeout)
-        wall = time.perf_counter() - start
-        if done is None:
+        try:
+            done = run_in_session(cmd, timeout)
+        except subprocess.TimeoutExpired:
             return {**run, "error": f"no result within {timeout:.0f} s"}
+        wall = time.perf_counter() - start
         if done.returncode:
             return {**run, "error": _last_error(done.stderr or done.stdout), "wall_s": wall}
         with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -128,15 +106,10 @@ def measure(run: dict, timeout: float, profile_step: int, keep: str | None) -> d
 def predict(run: dict, accelerator: str, timeout: float) -> dict:
     """The dry run's (step s, peak GiB, parts) for the same overrides on `accelerator`, or why it failed."""
     steps, _ = steps_for(run["seq"])
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *overrides(run, out, steps), "--dry-run",
-               "--hardware.accelerator", accelerator]
-        done = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        if done.returncode:
-            return {"error": _last_error(done.stderr or done.stdout)}
-        with open(os.path.join(out, "dry_run.json")) as f:
-            data = json.load(f)
-    stage = data["stages"][0]
+    try:
+        stage = dry_run_stage(lambda out: overrides(run, out, steps), accelerator, timeout)
+    except RuntimeError as err:
+        return {"error": str(err)}
     return {"step_s": stage["predicted_step_s"], "peak_gib": stage["peak_device_gib_per_rank"],
             "parts": stage.get("predicted_parts_s", {}), "rates_source": stage.get("rates_source", "")}
 

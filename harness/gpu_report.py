@@ -23,7 +23,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from harness.launch_env import ROOT, child_env
+from harness.process_tree import end_process_group
 from harness.report_summary import FIGURES, FOOTER_EXIT, FOOTER_KILLED, HEADER, all_ok, parse_step, summarize
 
 TOTAL_LIMIT_S = 480
@@ -87,50 +87,6 @@ def plan(out_dir: str, wheels: list[str]) -> list[Step]:
     return steps
 
 
-def _step_processes(pgid: int) -> set[int]:
-    """The running processes of a step: its process group, and every descendant of those (torchrun starts each rank
-    in a process group of its own). Zombies do not count: an orphan's zombie stays where the container's first
-    process does not reap it, and it holds no GPU memory. Without /proc: the group's leader, if it runs."""
-    if not os.path.isdir("/proc"):
-        try:
-            os.killpg(pgid, 0)
-            return {pgid}
-        except ProcessLookupError:
-            return set()
-    table = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state, ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]  # after the name, which may hold spaces
-        except (OSError, ValueError):
-            continue
-        if state not in ("Z", "X"):
-            table[int(pid)] = (int(ppid), int(pgrp))
-    found = {pid for pid, (_, pgrp) in table.items() if pgrp == pgid}
-    while True:
-        more = {pid for pid, (ppid, _) in table.items() if ppid in found} - found
-        if not more:
-            return found
-        found |= more
-
-
-def _end_step(pgid: int, grace: float = 5.0) -> None:
-    """SIGTERM to every process the step left running (torchrun then ends its ranks itself), SIGKILL to those still
-    running after `grace` seconds."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        left = _step_processes(pgid)
-        if not left:
-            return
-        for pid in left:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace
-        while _step_processes(pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-
 def run_step(step: Step, log_path: str) -> str:
     """Runs one step in its own process group, its output into `log_path` between the runner's header and footer.
     At the limit the whole group (torchrun and its ranks too) is ended; so is whatever a step leaves behind when
@@ -148,7 +104,7 @@ def run_step(step: Step, log_path: str) -> str:
             footer = FOOTER_EXIT.format(rc=rc, seconds=time.perf_counter() - start)
         except subprocess.TimeoutExpired:
             footer = FOOTER_KILLED.format(limit=step.limit_s, seconds=time.perf_counter() - start)
-        _end_step(process.pid)
+        end_process_group(process.pid)
         process.wait()
         log.write("\n" + footer + "\n")
     with open(log_path) as f:

@@ -174,14 +174,11 @@ class Trainer:
             batches = self._step_batches(data_iter)
             data_time = time.perf_counter() - start
             lr = self.scheduler.get_last_lr()[0]
-            n = self.step + 1
-            profiled = self.cfg.metrics.profile_step == n  # [metrics] profile_step: this step under torch.profiler
-            path = os.path.join(self.cfg.job.dump_folder, f"profile_step{n}_rank{self.rank}.json")
-            watch = profiled_step(path, self.device.type, n, self.rank) if profiled else contextlib.nullcontext()
-            with watch as profile:
+            profiled = self.cfg.metrics.profile_step == self.step + 1  # [metrics] profile_step: under torch.profiler
+            with self._profiled() if profiled else contextlib.nullcontext() as profile:
                 loss, grad_norm = self.train_step(batches)
             if profiled and profile.summary is not None and self.rank == 0:
-                print(profile_line(profile.summary, path), flush=True)
+                print(profile_line(profile.summary, profile.path), flush=True)
             self.step += 1
             step_time = time.perf_counter() - start
             if self.compiled:
@@ -223,6 +220,13 @@ class Trainer:
         if self.cfg.eval.passkey:
             run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0,
                              self.dist.comm)
+
+    def _profiled(self):
+        """The step about to run under torch.profiler (training/step_profile.py), its summary per rank in the dump
+        folder."""
+        n = self.step + 1
+        path = os.path.join(self.cfg.job.dump_folder, f"profile_step{n}_rank{self.rank}.json")
+        return profiled_step(path, self.device.type, n, self.rank)
 
     def _report_compile(self, step_time: float) -> None:
         """Rank 0: the first step's time (when torch.compile builds the blocks' graphs) once, and a warning line for

@@ -133,19 +133,15 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float, rates: Measured
                                   / elementwise_bytes_per_token(m, True, w.dtype))
         parts["elementwise"] = w.bandwidth_bytes * kept / hbm * w.grad_accum
         parts["fsdp_copies"] = 0.0
-        if float8_share and not eager:  # the probe leaves torchao's casts uncounted when they compile: fused
-            weight_bytes = 2 if w.dtype != "float32" and lay.dp_shard * lay.cp * lay.tp * lay.dp_replicate > 1 else 4
-            casts = cast_bytes(m, w.float8, w.tiled_mlp, tokens / lay.tp, 1 + elementwise_recompute, weight_bytes)
-            parts["float8_casts"] = casts * layers / hbm * w.grad_accum
     else:  # compiled (fused regions) or nothing counted: bytes per token of each op class
         per_token = elementwise_bytes_per_token(m, eager, w.dtype) * layers * (3 + elementwise_recompute)
         loss_bytes = m.vocab_size * 28  # the chunked loss runs eagerly, compiled or not (apply_compile)
         parts["elementwise"] = tokens / lay.tp * (per_token + loss_bytes) / hbm * w.grad_accum
         parts["fsdp_copies"] = fsdp_copy_bytes(w) / hbm * w.grad_accum
-        if float8_share:
-            weight_bytes = 2 if w.dtype != "float32" and lay.dp_shard * lay.cp * lay.tp * lay.dp_replicate > 1 else 4
-            casts = cast_bytes(m, w.float8, w.tiled_mlp, tokens / lay.tp, 1 + elementwise_recompute, weight_bytes)
-            parts["float8_casts"] = casts * layers / hbm * w.grad_accum
+    if float8_share and not (eager and w.bandwidth_bytes):  # fused (compiled: the probe leaves them uncounted)
+        weight_bytes = 2 if w.dtype != "float32" and lay.dp_shard * lay.cp * lay.tp * lay.dp_replicate > 1 else 4
+        casts = cast_bytes(m, w.float8, w.tiled_mlp, tokens / lay.tp, 1 + elementwise_recompute, weight_bytes)
+        parts["float8_casts"] = casts * layers / hbm * w.grad_accum
     local_params = parameter_count(m) / (lay.pp * lay.tp * lay.dp_shard * lay.cp)
     optimizer_rate = rates.optimizer if rates is not None and rates.optimizer else hbm
     parts["optimizer"] = local_params * 32 / optimizer_rate  # AdamW + clipping: read p, g, m, v (fp32), write p, m, v
