@@ -19,9 +19,9 @@ SHIPPED = os.path.join(ROOT, "bench", "measurements", "h100-sxm_bench-shape_2026
 TINY = ["--device", "cpu", "--seqs", "256", "--dim", "128", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1"]
 
 
-def _bench(*args, timeout=600):
+def _bench(*args, timeout=600, **env):
     return subprocess.run([sys.executable, BENCH, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=child_env(OMP_NUM_THREADS="1"))
+                          env=child_env(OMP_NUM_THREADS="1", **env))
 
 
 def test_measuring_writes_what_predicting_reads(tmp_path):
@@ -43,7 +43,9 @@ def test_measuring_writes_what_predicting_reads(tmp_path):
 
 def test_a_run_past_its_limit_is_stopped_with_its_worker(tmp_path):
     measured = tmp_path / "measured.json"
-    done = _bench(*TINY, "--ac", "none", "--measured", str(measured), "--timeout", "2", timeout=120)
+    # the run's dump folder, on every process's command line, lies under tmp_path: pgrep finds what is left of it
+    done = _bench(*TINY, "--ac", "none", "--measured", str(measured), "--timeout", "2", timeout=120,
+                  TMPDIR=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     (run,) = json.loads(measured.read_text())["runs"]
     assert run["error"] == "no result within 2 s"
