@@ -98,6 +98,7 @@ def measure(run: dict, timeout: float, profile_step: int, keep: str | None) -> d
             with open(profile) as f:
                 result["profile"] = json.load(f)
             if keep:
+                os.makedirs(keep, exist_ok=True)
                 shutil.copy(profile, os.path.join(keep, f"profile_{label(run).replace(' ', '').replace(',', '_')}"
                                                         ".json"))
     return result

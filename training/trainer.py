@@ -15,7 +15,7 @@ from config.schema import Config
 from data.placement import StepSlots
 from data.sources import describe_chat_rows, labels_every_token, packing_efficiency
 from parallelisms.context_parallel import CommStats
-from parallelisms.float8 import describe_float8
+from parallelisms.float8 import describe_float8, precompute_float8_scales
 from parallelisms.parallelize import compile_counters, compile_surprises, uses_loss_parallel
 from parallelisms.stage_meshes import release_stage
 from parallelisms.cp.kernel_blocks import activate_flash_implementation, family_on
@@ -82,6 +82,8 @@ class Trainer:
         if resumed is not self.stage:  # the data position carries over only inside the stage that saved it
             same_stage = self.step > 0 and stage_at(self.stages, self.step - 1) is resumed
             self._switch_stage(resumed, self.dataloader.global_rows_consumed if same_stage else 0)
+        if self.float8:  # the first step's weight scales too, from the weights it starts from (fresh or resumed)
+            precompute_float8_scales(self.model_parts)
         dist.barrier()  # every rank measures its peak at the same time, sharing the cores as in training
         self.peak_flops, self.peak_source = peak_flops(self.device, getattr(torch, cfg.training.dtype))
         self.metrics = StepMetrics(self.dist.comm, self.comm_stats, self.device, self.peak_flops, self.peak_source,

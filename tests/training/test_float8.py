@@ -15,6 +15,7 @@ tests/training/test_float8_runs.py, the slow tier.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -58,10 +59,29 @@ itself is 10% (tensorwise, e5m2 gradients) and 7.7% (rowwise) from the exact flo
 unconverted fails by two orders of magnitude."""
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_one_step_matches_float64_emulation(recipe):
+FROM_EXACT_RATIO = 1.15
+"""Each parameter's gradient distance from the exact float64 gradient (the model without float8), torchao against
+the emulation's: what a device's float8 GEMM adds to what float8 itself costs. Measured 1.00001 on the CPU, 1.058 on
+an H100 (tests/gpu/test_gpu_float8.py)."""
+
+
+@dataclasses.dataclass
+class OneStep:
+    """One step's losses and each parameter's relative (Frobenius) gradient distances."""
+    loss: float  # torchao's Float8Linear, float32, on the device
+    emulated_loss: float  # the float64 emulation (tests/training/float8_reference.py), on the CPU
+    bf16_loss: float  # the same model in bf16 without float8, on the device
+    from_emulation: dict[str, float]  # torchao's gradients against the emulation's
+    from_exact: dict[str, float]  # torchao's against the model's own in float64 without float8
+    emulation_from_exact: dict[str, float]  # what float8 itself costs: the emulation against the same
+    bf16_from_exact: dict[str, float]  # what bf16 costs: the bf16 model's gradients against the same
+
+
+def one_step_against_emulation(recipe: str, device: torch.device, fast_accum: bool = True) -> OneStep:
     """A 2-block debug model, one forward and backward: torchao's Float8Linear in float32 (its GEMM inputs the
-    closest to the float64 emulation) against the emulation, and its loss against the same model in bf16."""
+    closest to the float64 emulation) on `device`, the float64 emulation and the float64 model without float8 on
+    the CPU, and the model in bf16 on `device`. `fast_accum` False turns off the forward GEMM's fast accumulation
+    (torchao's recipes turn it on; the CPU has no such mode)."""
     from models.llama import Llama, model_config
     from parallelisms.float8 import apply_float8
 
@@ -71,13 +91,33 @@ def test_one_step_matches_float64_emulation(recipe):
     tokens, labels = torch.randint(0, 2048, (2, 64)), torch.randint(0, 2048, (2, 64))
     float8 = copy.deepcopy(base)
     assert apply_float8(float8, _config("--training.float8", recipe), fsdp=False) == 14  # 7 per block
-    loss, grads = _loss_and_grads(float8, tokens, labels)
-    ref_loss, ref_grads = _loss_and_grads(emulated(base, recipe), tokens, labels)
-    bf16_loss, _ = _loss_and_grads(copy.deepcopy(base).bfloat16(), tokens, labels)
-    assert abs(loss - ref_loss) <= 1e-6 * ref_loss, (loss, ref_loss)  # measured 3e-10, 2e-9
-    assert abs(loss - bf16_loss) <= 1e-3 * bf16_loss, (loss, bf16_loss)  # measured 2.3e-5, 7e-6
-    errors = {name: ((grads[name] - g).norm() / g.norm()).item() for name, g in ref_grads.items()}
-    assert max(errors.values()) <= FLOAT8_GRAD_BOUND, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    if not fast_accum:
+        for module in float8.modules():
+            if hasattr(module, "linear_mm_config"):
+                mm = module.linear_mm_config
+                module.linear_mm_config = mm._replace(output=mm.output._replace(use_fast_accum=False))
+    loss, grads = _loss_and_grads(float8.to(device), tokens.to(device), labels.to(device))
+    emulated_loss, emulated_grads = _loss_and_grads(emulated(base, recipe), tokens, labels)
+    _, exact_grads = _loss_and_grads(copy.deepcopy(base).double(), tokens, labels)
+    bf16_loss, bf16_grads = _loss_and_grads(copy.deepcopy(base).bfloat16().to(device), tokens.to(device),
+                                            labels.to(device))
+
+    def distances(a: dict, b: dict) -> dict[str, float]:
+        return {name: ((a[name].cpu() - g).norm() / g.norm()).item() for name, g in b.items()}
+
+    return OneStep(loss, emulated_loss, bf16_loss, distances(grads, emulated_grads), distances(grads, exact_grads),
+                   distances(emulated_grads, exact_grads), distances(bf16_grads, exact_grads))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_one_step_matches_float64_emulation(recipe):
+    """On the CPU (torch emulates the float8 GEMM); tests/gpu/test_gpu_float8.py runs the same step on a GPU."""
+    step = one_step_against_emulation(recipe, torch.device("cpu"))
+    assert abs(step.loss - step.emulated_loss) <= 1e-6 * step.emulated_loss, step  # measured 3e-10, 2e-9
+    assert abs(step.loss - step.bf16_loss) <= 1e-3 * step.bf16_loss, step  # measured 2.3e-5, 7e-6
+    worst = sorted(step.from_emulation.items(), key=lambda kv: -kv[1])[:3]
+    assert worst[0][1] <= FLOAT8_GRAD_BOUND, worst
+    assert max(step.from_exact[k] / step.emulation_from_exact[k] for k in step.from_exact) <= FROM_EXACT_RATIO
 
 
 def test_converts_the_block_linears_and_keeps_embedding_and_output():

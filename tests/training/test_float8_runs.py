@@ -12,11 +12,25 @@ from tests.trainer_runs import read_metrics, run_train  # noqa: E402
 from tests.training.test_float8 import ACCUMULATE, TP_BOUND, _losses_and_norms, _max_rel  # noqa: E402
 
 
+FIRST_STEP_BOUND = (1e-6, 1e-4)
+"""(loss, grad norm) relative, the first step of dp 2 x tp 2 x cp 2 against one process, float32: the same weights
+and rows, every float8 scale over the whole tensor, so only float32 summation order differs (measured 0 in loss,
+4.9e-6 in grad norm). Before the trainer precomputed the weights' scales ahead of the first step, FSDP's all-gather
+scaled each TP rank's slice by its own max-abs there: 9.2e-6 in loss."""
+
+
 @pytest.mark.slow
 def test_eight_ranks_compose():
-    cp2 = _losses_and_norms(dict(dp_shard=1, cp=2), *ACCUMULATE, dtype="float32")
+    """dp 2 x tp 2 x cp 2 (FSDP2 with float8 all-gathers, TP, CP) against one process over the same micro-batches,
+    4 steps. Measured in loss: 0, 2.0e-6, 2.2e-6, 9.1e-6 (issue 38's 1e-5); the later steps carry float8 roundings
+    that TP's summation order flipped (dp 2 x tp 2 alone reaches 1.4e-5 at step 3, and the same meshes without
+    float8 differ by 0), so they are held to TP_BOUND."""
+    one = _losses_and_norms(dict(dp_shard=1), *ACCUMULATE, dtype="float32")
     full = _losses_and_norms(dict(dp_shard=2, cp=2, tp=2), dtype="float32")
-    assert _max_rel(full[0], cp2[0]) <= TP_BOUND[0] and _max_rel(full[1], cp2[1]) <= TP_BOUND[1]
+    print("dp2 x tp2 x cp2 against one process, loss:", [f"{abs(x - y) / y:.1e}" for x, y in zip(full[0], one[0])])
+    assert abs(full[0][0] - one[0][0]) <= FIRST_STEP_BOUND[0] * one[0][0], (full, one)
+    assert abs(full[1][0] - one[1][0]) <= FIRST_STEP_BOUND[1] * one[1][0], (full, one)
+    assert _max_rel(full[0], one[0]) <= TP_BOUND[0] and _max_rel(full[1], one[1]) <= TP_BOUND[1], (full, one)
 
 
 # ------------------------------------------------------------------ the accuracy cost (slow tier)
