@@ -22,7 +22,8 @@ import torch
 pytest.importorskip("torchao")  # pinned in requirements.txt: a missing torchao fails here (tests/conftest.py)
 
 from tests.gpu.devices import CUDA_ONLY, require  # noqa: E402
-from tests.training.test_float8 import FROM_EXACT_RATIO, one_step_against_emulation  # noqa: E402
+from tests.training.float8_reference import one_step_against_emulation  # noqa: E402
+from tests.training.test_float8 import FROM_EXACT_RATIO  # noqa: E402
 
 FROM_EMULATION_BOUND = 6e-2
 """Worst parameter's relative gradient distance, GPU float8 against the float64 emulation (measured 3.6e-2)."""

@@ -1,12 +1,19 @@
 """The reference the float8 tests compare torchao with: a float64 copy of a model whose block linear layers run a
 scaled matmul written here from the recipes' definitions (torchao's float8 config and kernels are not used): each
-GEMM operand quantized to float8 with the recipe's scaling and dequantized, the product taken in float64."""
+GEMM operand quantized to float8 with the recipe's scaling and dequantized, the product taken in float64.
+`one_step_against_emulation` runs torchao's float8 step on a device against it, against the exact float64 model and
+against bf16 (tests/training/test_float8.py on the CPU, tests/gpu/test_gpu_float8.py on a GPU)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from tests.trainer_runs import ROOT
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -73,3 +80,54 @@ def emulated(model: nn.Module, recipe: str) -> nn.Module:
             parent, child = name.rsplit(".", 1)
             setattr(ref.get_submodule(parent), child, _EmulatedLinear(module, recipe))
     return ref
+
+
+def _loss_and_grads(model, tokens, labels) -> tuple[float, dict]:
+    loss = F.cross_entropy(model(tokens).flatten(0, 1).double(), labels.flatten())
+    loss.backward()
+    return loss.item(), {name: p.grad.double() for name, p in model.named_parameters()}
+
+
+@dataclasses.dataclass
+class OneStep:
+    """One step's losses and each parameter's relative (Frobenius) gradient distances."""
+    loss: float  # torchao's Float8Linear, float32, on the device
+    emulated_loss: float  # the float64 emulation (`emulated`, above), on the CPU
+    bf16_loss: float  # the same model in bf16 without float8, on the device
+    from_emulation: dict[str, float]  # torchao's gradients against the emulation's
+    from_exact: dict[str, float]  # torchao's against the model's own in float64 without float8
+    emulation_from_exact: dict[str, float]  # what float8 itself costs: the emulation against the same
+    bf16_from_exact: dict[str, float]  # what bf16 costs: the bf16 model's gradients against the same
+
+
+def one_step_against_emulation(recipe: str, device: torch.device, fast_accum: bool = True) -> OneStep:
+    """A 2-block debug model, one forward and backward: torchao's Float8Linear in float32 (its GEMM inputs the
+    closest to the float64 emulation) on `device`, the float64 emulation and the float64 model without float8 on
+    the CPU, and the model in bf16 on `device`. `fast_accum` False turns off the forward GEMM's fast accumulation
+    (torchao's recipes turn it on; the CPU has no such mode)."""
+    from config.recipe import load_config
+    from models.llama import Llama, model_config
+    from parallelisms.float8 import apply_float8
+
+    torch.manual_seed(0)
+    base = Llama(model_config("debug", n_layers=2))
+    base.init_weights(0)
+    tokens, labels = torch.randint(0, 2048, (2, 64)), torch.randint(0, 2048, (2, 64))
+    float8 = copy.deepcopy(base)
+    assert apply_float8(float8, load_config(os.path.join(ROOT, "recipes", "debug.toml"), ["--training.float8", recipe]), fsdp=False) == 14  # 7 per block
+    if not fast_accum:
+        for module in float8.modules():
+            if hasattr(module, "linear_mm_config"):
+                mm = module.linear_mm_config
+                module.linear_mm_config = mm._replace(output=mm.output._replace(use_fast_accum=False))
+    loss, grads = _loss_and_grads(float8.to(device), tokens.to(device), labels.to(device))
+    emulated_loss, emulated_grads = _loss_and_grads(emulated(base, recipe), tokens, labels)
+    _, exact_grads = _loss_and_grads(copy.deepcopy(base).double(), tokens, labels)
+    bf16_loss, bf16_grads = _loss_and_grads(copy.deepcopy(base).bfloat16().to(device), tokens.to(device),
+                                            labels.to(device))
+
+    def distances(a: dict, b: dict) -> dict[str, float]:
+        return {name: ((a[name].cpu() - g).norm() / g.norm()).item() for name, g in b.items()}
+
+    return OneStep(loss, emulated_loss, bf16_loss, distances(grads, emulated_grads), distances(grads, exact_grads),
+                   distances(emulated_grads, exact_grads), distances(bf16_grads, exact_grads))

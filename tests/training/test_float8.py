@@ -15,7 +15,6 @@ tests/training/test_float8_runs.py, the slow tier.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import shutil
@@ -24,7 +23,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("torchao")  # pinned in requirements.txt: a missing torchao fails here (tests/conftest.py)
@@ -35,7 +33,7 @@ from harness.launch_env import child_env, python_path  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 from tests.loss_reference import trainer_run  # noqa: E402
 from tests.trainer_runs import ROOT, read_metrics, run_train  # noqa: E402
-from tests.training.float8_reference import E4M3, emulated  # noqa: E402
+from tests.training.float8_reference import E4M3, one_step_against_emulation  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "recipes", "debug.toml")
 ACCUMULATE = ["--training.local_batch_size", "2", "--training.global_batch_size", "4"]
@@ -44,12 +42,6 @@ ACCUMULATE = ["--training.local_batch_size", "2", "--training.global_batch_size"
 
 def _config(*overrides: str):
     return load_config(RECIPE, list(overrides))
-
-
-def _loss_and_grads(model, tokens, labels) -> tuple[float, dict]:
-    loss = F.cross_entropy(model(tokens).flatten(0, 1).double(), labels.flatten())
-    loss.backward()
-    return loss.item(), {name: p.grad.double() for name, p in model.named_parameters()}
 
 
 FLOAT8_GRAD_BOUND = 1e-3
@@ -63,50 +55,6 @@ FROM_EXACT_RATIO = 1.15
 """Each parameter's gradient distance from the exact float64 gradient (the model without float8), torchao against
 the emulation's: what a device's float8 GEMM adds to what float8 itself costs. Measured 1.00001 on the CPU, 1.058 on
 an H100 (tests/gpu/test_gpu_float8.py)."""
-
-
-@dataclasses.dataclass
-class OneStep:
-    """One step's losses and each parameter's relative (Frobenius) gradient distances."""
-    loss: float  # torchao's Float8Linear, float32, on the device
-    emulated_loss: float  # the float64 emulation (tests/training/float8_reference.py), on the CPU
-    bf16_loss: float  # the same model in bf16 without float8, on the device
-    from_emulation: dict[str, float]  # torchao's gradients against the emulation's
-    from_exact: dict[str, float]  # torchao's against the model's own in float64 without float8
-    emulation_from_exact: dict[str, float]  # what float8 itself costs: the emulation against the same
-    bf16_from_exact: dict[str, float]  # what bf16 costs: the bf16 model's gradients against the same
-
-
-def one_step_against_emulation(recipe: str, device: torch.device, fast_accum: bool = True) -> OneStep:
-    """A 2-block debug model, one forward and backward: torchao's Float8Linear in float32 (its GEMM inputs the
-    closest to the float64 emulation) on `device`, the float64 emulation and the float64 model without float8 on
-    the CPU, and the model in bf16 on `device`. `fast_accum` False turns off the forward GEMM's fast accumulation
-    (torchao's recipes turn it on; the CPU has no such mode)."""
-    from models.llama import Llama, model_config
-    from parallelisms.float8 import apply_float8
-
-    torch.manual_seed(0)
-    base = Llama(model_config("debug", n_layers=2))
-    base.init_weights(0)
-    tokens, labels = torch.randint(0, 2048, (2, 64)), torch.randint(0, 2048, (2, 64))
-    float8 = copy.deepcopy(base)
-    assert apply_float8(float8, _config("--training.float8", recipe), fsdp=False) == 14  # 7 per block
-    if not fast_accum:
-        for module in float8.modules():
-            if hasattr(module, "linear_mm_config"):
-                mm = module.linear_mm_config
-                module.linear_mm_config = mm._replace(output=mm.output._replace(use_fast_accum=False))
-    loss, grads = _loss_and_grads(float8.to(device), tokens.to(device), labels.to(device))
-    emulated_loss, emulated_grads = _loss_and_grads(emulated(base, recipe), tokens, labels)
-    _, exact_grads = _loss_and_grads(copy.deepcopy(base).double(), tokens, labels)
-    bf16_loss, bf16_grads = _loss_and_grads(copy.deepcopy(base).bfloat16().to(device), tokens.to(device),
-                                            labels.to(device))
-
-    def distances(a: dict, b: dict) -> dict[str, float]:
-        return {name: ((a[name].cpu() - g).norm() / g.norm()).item() for name, g in b.items()}
-
-    return OneStep(loss, emulated_loss, bf16_loss, distances(grads, emulated_grads), distances(grads, exact_grads),
-                   distances(emulated_grads, exact_grads), distances(bf16_grads, exact_grads))
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
