@@ -100,11 +100,10 @@ class OneStep:
     bf16_from_exact: dict[str, float]  # what bf16 costs: the bf16 model's gradients against the same
 
 
-def one_step_against_emulation(recipe: str, device: torch.device, fast_accum: bool = True) -> OneStep:
+def one_step_against_emulation(recipe: str, device: torch.device) -> OneStep:
     """A 2-block debug model, one forward and backward: torchao's Float8Linear in float32 (its GEMM inputs the
     closest to the float64 emulation) on `device`, the float64 emulation and the float64 model without float8 on
-    the CPU, and the model in bf16 on `device`. `fast_accum` False turns off the forward GEMM's fast accumulation
-    (torchao's recipes turn it on; the CPU has no such mode)."""
+    the CPU, and the model in bf16 on `device`."""
     from config.recipe import load_config
     from models.llama import Llama, model_config
     from parallelisms.float8 import apply_float8
@@ -115,11 +114,6 @@ def one_step_against_emulation(recipe: str, device: torch.device, fast_accum: bo
     tokens, labels = torch.randint(0, 2048, (2, 64)), torch.randint(0, 2048, (2, 64))
     float8 = copy.deepcopy(base)
     assert apply_float8(float8, load_config(os.path.join(ROOT, "recipes", "debug.toml"), ["--training.float8", recipe]), fsdp=False) == 14  # 7 per block
-    if not fast_accum:
-        for module in float8.modules():
-            if hasattr(module, "linear_mm_config"):
-                mm = module.linear_mm_config
-                module.linear_mm_config = mm._replace(output=mm.output._replace(use_fast_accum=False))
     loss, grads = _loss_and_grads(float8.to(device), tokens.to(device), labels.to(device))
     emulated_loss, emulated_grads = _loss_and_grads(emulated(base, recipe), tokens, labels)
     _, exact_grads = _loss_and_grads(copy.deepcopy(base).double(), tokens, labels)
