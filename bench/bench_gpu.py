@@ -62,9 +62,9 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from bench.our_runs import accelerator_of, dry_run_stage, last_error, our_overrides, run_in_session  # noqa: E402
 from bench.torchtitan_config import JOB_ENV  # noqa: E402
 from harness.launch_env import child_env  # noqa: E402
-from harness.process_tree import end_process_group  # noqa: E402
 
 TT_STEP = re.compile(r"step:\s*(\d+).*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+|N/A)%?")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -74,72 +74,6 @@ def _model_config(args):
     from models.llama import model_config
     return model_config("debug", dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
                         n_kv_heads=args.n_kv_heads)
-
-
-def _env(**extra) -> dict:
-    return child_env(**extra)
-
-
-def _last_error(text: str) -> str:
-    """The last line of a log that names an error (else its last line), shortened."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error:" in line]
-    return (errors or lines or ["no output"])[-1][-300:]
-
-
-def our_overrides(args, out: str, documents: bool, compile_: str | None = None, float8: str = "off") -> list[str]:
-    """The recipe overrides of our side: the bench shape on one GPU, bf16, no AC, attention masked by document or
-    plain causal, training.compile `compile_` (default --compile). The dry run's prediction takes the same ones."""
-    return [os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", out,
-            "--model.dim", str(args.dim), "--model.n_layers", str(args.n_layers), "--model.n_heads", str(args.n_heads),
-            "--model.n_kv_heads", str(args.n_kv_heads), "--training.seq_len", str(args.seq),
-            "--training.local_batch_size", str(args.batch), "--training.steps", str(args.steps),
-            "--training.dtype", "bfloat16", "--parallelism.dp_shard", "1", "--data.document_masking",
-            "true" if documents else "false", "--metrics.enable_tensorboard", "false", "--optimizer.lr", str(args.lr),
-            "--training.compile", compile_ or args.compile, "--activation_checkpoint.mode", args.ac,
-            "--training.float8", float8]
-
-
-def run_in_session(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The command's result (text output captured). Past `timeout` it is ended with every process it started
-    (harness/process_tree.py: torchrun's ranks run in sessions of their own and would go on holding the GPU, and
-    this pipe, during the runs after it), then subprocess.TimeoutExpired is raised."""
-    with subprocess.Popen(cmd, env=env or _env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            end_process_group(proc.pid)
-            proc.wait()
-            for pipe in (proc.stdout, proc.stderr):
-                pipe.close()
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def dry_run_stage(overrides, accelerator: str, timeout: float) -> dict:
-    """dry_run.json's first stage for train.py with `overrides(dump_folder)` (the recipe and its overrides) on
-    `accelerator`; RuntimeError with the dry run's last error line when it fails."""
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *overrides(out), "--dry-run", "--hardware.accelerator",
-               accelerator]
-        done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        if done.returncode:
-            raise RuntimeError(_last_error(done.stderr or done.stdout))
-        with open(os.path.join(out, "dry_run.json")) as f:
-            return json.load(f)["stages"][0]
-
-
-def accelerator_of(device_name: str) -> str | None:
-    """The dry run's hardware.accelerator for a CUDA device name (None: none of its accelerators)."""
-    name = device_name.upper()
-    if "H200" in name:
-        return "h200"
-    if "H100" in name:
-        return "h100-sxm"
-    if "A100" in name:
-        return "a100-80gb" if "80G" in name else "a100-40gb"
-    return None
 
 
 def predicted(args, documents: bool, accelerator: str | None, compile_: str | None = None,
@@ -185,7 +119,7 @@ def run_ours(args, out: str, documents: bool, compile_: str | None = None,
            os.path.join(ROOT, "train.py"), *our_overrides(args, out, documents, compile_, float8)]
     done = run_in_session(cmd, args.timeout)
     if done.returncode:
-        raise RuntimeError(f"train.py failed: {_last_error(done.stderr)}")
+        raise RuntimeError(f"train.py failed: {last_error(done.stderr)}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     kept = records[args.warmup:] or records
@@ -199,9 +133,9 @@ def run_transformers(args) -> tuple[float, float, float]:
            str(args.n_layers), "--n-heads", str(args.n_heads), "--n-kv-heads", str(args.n_kv_heads), "--seq",
            str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--lr", str(args.lr)]
-    done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    done = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode:
-        raise RuntimeError(f"transformers' run failed: {_last_error(done.stderr)}")
+        raise RuntimeError(f"transformers' run failed: {last_error(done.stderr)}")
     result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     return result["tokens_per_sec"], float("nan"), result["peak_gib"]
 
@@ -225,9 +159,9 @@ def torchtitan_unavailable() -> str | None:
     if installed is None:
         return f"TorchTitan is not installed; torch {torch.__version__} needs TorchTitan {need}"
     probe = subprocess.run([sys.executable, "-c", "import torchtitan, torchtitan.train"],
-                           env=_env(), capture_output=True, text=True, timeout=300)
+                           env=child_env(), capture_output=True, text=True, timeout=300)
     if probe.returncode:
-        return (f"TorchTitan {installed} does not import here ({_last_error(probe.stderr)}); torch "
+        return (f"TorchTitan {installed} does not import here ({last_error(probe.stderr)}); torch "
                 f"{torch.__version__} needs TorchTitan {need}")
     if not installed.startswith("0.3."):
         return (f"TorchTitan {installed} imports here, but this bench drives only 0.3.0 (bench/torchtitan_config.py): "
@@ -270,11 +204,11 @@ def run_torchtitan(args, assets: tuple[str, str], out: str) -> tuple[float, floa
            "dump_folder": out}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
            "torchtitan.train", "--module", "bench.torchtitan_config", "--config", "longctx_llama"]
-    done = run_in_session(cmd, args.timeout, _env(**{JOB_ENV: json.dumps(job)}))
+    done = run_in_session(cmd, args.timeout, child_env(**{JOB_ENV: json.dumps(job)}))
     log = ANSI.sub("", done.stdout + "\n" + done.stderr)
     steps = {int(m.group(1)): (float(m.group(2).replace(",", "")), m.group(3)) for m in TT_STEP.finditer(log)}
     if done.returncode or not steps:
-        raise RuntimeError(f"TorchTitan's run failed (exit {done.returncode}): {_last_error(log)}")
+        raise RuntimeError(f"TorchTitan's run failed (exit {done.returncode}): {last_error(log)}")
     kept = [steps[s] for s in sorted(steps) if s > args.warmup]
     mfus = [float(m) / 100 for _, m in kept if m != "N/A"]
     return statistics.median(t for t, _ in kept), statistics.median(mfus) if mfus else float("nan")

@@ -12,11 +12,11 @@ after every run, so a lease cut short keeps what it ran), and the table is made 
 `--predict FILE`, on any machine, with the rates file as it is then. On a GPU without --measured or --predict it
 does both.
 
-Each run is a fresh `train.py` process under torchrun (1 rank) with bench/bench_gpu.py's overrides of the bench
-shape: bf16 compute, fp32 master weights, AdamW, batch 1. Its step time is the median of metrics.jsonl's step_time
-over the steps after the warm-up (the step --profile-step profiled is left out: the profiler slows it); its peak is
-the largest `memory` (torch.cuda.max_memory_allocated, GiB). The table gives predicted / measured for each and how
-many runs fall within 15% (issue 37's bound). `tests/test_bench_predictions.py` runs both halves on the CPU.
+Each run is a fresh `train.py` process under torchrun (1 rank) with bench/bench_gpu.py's overrides of the bench shape
+(bench/our_runs.py): bf16 compute, fp32 master weights, AdamW, batch 1. Its step time is the median of metrics.jsonl's
+step_time over the steps after the warm-up (the step --profile-step profiled is left out: the profiler slows it); its
+peak is the largest `memory` (torch.cuda.max_memory_allocated, GiB). The table gives predicted / measured for each
+and how many runs fall within 15% (issue 37's bound). `tests/test_bench_predictions.py` runs both halves on the CPU.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.bench_gpu import _last_error, accelerator_of, dry_run_stage, our_overrides, run_in_session  # noqa: E402
+from bench.our_runs import accelerator_of, dry_run_stage, last_error, our_overrides, run_in_session  # noqa: E402
 
 BOUND = 0.15
 """Issue 37's bound on |predicted / measured - 1|."""
@@ -86,7 +86,7 @@ def measure(run: dict, timeout: float, profile_step: int, keep: str | None) -> d
             return {**run, "error": f"no result within {timeout:.0f} s"}
         wall = time.perf_counter() - start
         if done.returncode:
-            return {**run, "error": _last_error(done.stderr or done.stdout), "wall_s": wall}
+            return {**run, "error": last_error(done.stderr or done.stdout), "wall_s": wall}
         with open(os.path.join(out, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f]
         timed = [r for r in records[warmup:] if not r.get("profiled")] or records

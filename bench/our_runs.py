@@ -1,0 +1,75 @@
+"""Our trainer as the GPU benches run it (bench/bench_gpu.py, bench/bench_predictions.py): the bench shape's recipe
+overrides, a train.py run that ends with every process it started when it outlives its limit, the dry run's
+prediction for the same overrides, and the accelerator a CUDA device's name maps to."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from harness.launch_env import ROOT, child_env
+from harness.process_tree import end_process_group
+
+
+def last_error(text: str) -> str:
+    """The last line of a log that names an error (else its last line), shortened."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error:" in line]
+    return (errors or lines or ["no output"])[-1][-300:]
+
+
+def our_overrides(args, out: str, documents: bool, compile_: str | None = None, float8: str = "off") -> list[str]:
+    """The recipe overrides of our side: the bench shape on one GPU, bf16, no AC, attention masked by document or
+    plain causal, training.compile `compile_` (default --compile). The dry run's prediction takes the same ones."""
+    return [os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", out,
+            "--model.dim", str(args.dim), "--model.n_layers", str(args.n_layers), "--model.n_heads", str(args.n_heads),
+            "--model.n_kv_heads", str(args.n_kv_heads), "--training.seq_len", str(args.seq),
+            "--training.local_batch_size", str(args.batch), "--training.steps", str(args.steps),
+            "--training.dtype", "bfloat16", "--parallelism.dp_shard", "1", "--data.document_masking",
+            "true" if documents else "false", "--metrics.enable_tensorboard", "false", "--optimizer.lr", str(args.lr),
+            "--training.compile", compile_ or args.compile, "--activation_checkpoint.mode", args.ac,
+            "--training.float8", float8]
+
+
+def run_in_session(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The command's result (text output captured). Past `timeout` it is ended with every process it started
+    (harness/process_tree.py: torchrun's ranks run in sessions of their own and would go on holding the GPU, and
+    this pipe, during the runs after it), then subprocess.TimeoutExpired is raised."""
+    with subprocess.Popen(cmd, env=env or child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            end_process_group(proc.pid)
+            proc.wait()
+            for pipe in (proc.stdout, proc.stderr):
+                pipe.close()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def dry_run_stage(overrides, accelerator: str, timeout: float) -> dict:
+    """dry_run.json's first stage for train.py with `overrides(dump_folder)` (the recipe and its overrides) on
+    `accelerator`; RuntimeError with the dry run's last error line when it fails."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *overrides(out), "--dry-run", "--hardware.accelerator",
+               accelerator]
+        done = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        if done.returncode:
+            raise RuntimeError(last_error(done.stderr or done.stdout))
+        with open(os.path.join(out, "dry_run.json")) as f:
+            return json.load(f)["stages"][0]
+
+
+def accelerator_of(device_name: str) -> str | None:
+    """The dry run's hardware.accelerator for a CUDA device name (None: none of its accelerators)."""
+    name = device_name.upper()
+    if "H200" in name:
+        return "h200"
+    if "H100" in name:
+        return "h100-sxm"
+    if "A100" in name:
+        return "a100-80gb" if "80G" in name else "a100-40gb"
+    return None
