@@ -8,7 +8,9 @@ each --seqs length, plain causal and packed documents.
 Shapes: bf16, batch 1, q (1, heads, seq, head_dim), K/V with kv-heads (GQA), the model's (B, L, H, D) memory seen as
 (B, H, L, D), as the trainer hands them over. Packed documents: the web-like mix (document lengths lognormal(6.5,
 1.0) tokens, median ~665, the last one cut at the row's end; training/planning/cuda_path_probe.web_like_row), causal
-inside each document. SDPA has no documents column (it would need a dense (S, S) mask); a bare block has none either
+inside each document; `packed call` rows are the CP 1 documents path (one packed-sequence call each way: flash
+varlen, and cuDNN THD where nvidia-cudnn-frontend serves the GPU), with their TFLOP/s over the documents' pairs.
+SDPA has no documents column (it would need a dense (S, S) mask); a bare block has none either
 (documents are the ring's varlen calls). Each cell is the fastest of --reps, all calls interleaved rep by rep.
 `ring at CP=1 / SDPA` lines (the GPU report's summary picks them up) compare the family "auto" picks with SDPA.
 Without CUDA it runs the same code on the CPU (flash-CPU kernels only), for the tests.
@@ -27,9 +29,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 from parallelisms.context_parallel import ring_attention  # noqa: E402
+from parallelisms.cp.kernel_cudnn_thd import thd_problem  # noqa: E402
+from parallelisms.cp.packed_documents import PackedDocuments, packed_attention  # noqa: E402
 from parallelisms.cp.kernel_blocks import (activate_flash_implementation, concrete_kernel, kernel_for,  # noqa: E402
-                                           runnable_kernels)
+                                           module_installed, runnable_kernels)
 
 DOCUMENT_MIX = "web-like: lognormal(6.5, 1.0) tokens per document (median ~665)"
 
@@ -91,7 +97,35 @@ def _calls(seq: int, args, device: torch.device, families: list[str]) -> dict:
             ring_attention(q, k, v, group, is_causal=True, kernel=f)))
         calls[(f"ring at CP=1, {family}", "documents")] = (activate, lambda f=family: backward(
             ring_attention(q, k, v, group, is_causal=True, kernel=f, load_balancer="contiguous", document_ids=ids)))
+    docs = PackedDocuments.from_ids(ids.cpu().numpy()).to(device)
+    for packed in packed_kernels(device):
+        calls[(PACKED_ROWS[packed], "documents")] = (None, lambda p=packed: backward(packed_attention(
+            q, k, v, docs, kernel="cudnn" if p == "cudnn_thd" else "flash", packed=p)))
     return calls
+
+
+PACKED_ROWS = {"flash": "packed call, flash varlen", "cudnn_thd": "packed call, cuDNN THD"}
+"""The CP 1 documents path (parallelisms/cp/packed_documents.py): one packed-sequence call each way per layer."""
+
+
+def packed_kernels(device: torch.device) -> list[str]:
+    """flash varlen everywhere (on CPU: the per-document calls), cuDNN THD where the frontend serves the GPU."""
+    if device.type != "cuda":
+        return ["flash"]
+    return ["flash"] + (["cudnn_thd"] if thd_problem(device, module_installed) is None else [])
+
+
+def document_pairs(seq: int) -> int:
+    """Causal (query, key) pairs inside the web-like row's documents."""
+    from training.planning.cuda_path_probe import web_like_row
+
+    lengths = np.bincount(web_like_row(seq))
+    return int((lengths * (lengths + 1) // 2).sum())
+
+
+def packed_tflops(seconds: float, seq: int, args) -> float:
+    """TFLOP/s of one packed call forward + backward: 4 x D flops per pair and query head forward, 2.5x that back."""
+    return 3.5 * 4 * args.head_dim * args.heads * document_pairs(seq) / seconds / 1e12
 
 
 def _run_family(activate: str | None, fn, device) -> float:
@@ -146,6 +180,13 @@ def report(best: dict, args, device: torch.device) -> list[str]:
         docs = best[(f"ring at CP=1, {auto}", "documents", seq)]
         lines.append(f"ring at CP=1 / SDPA, causal fwd+bwd, bf16, seq {seq}, kernel {auto}: {ring * 1e3:.2f} ms / "
                      f"{sdpa * 1e3:.2f} ms = {ring / sdpa:.3f}; packed documents / plain at CP=1: {docs / ring:.3f}")
+        rates = {packed: packed_tflops(best[(row, "documents", seq)], seq, args)
+                 for packed, row in PACKED_ROWS.items() if (row, "documents", seq) in best}
+        text = ", ".join(f"{PACKED_ROWS[p].split(', ')[1]} {r:.0f} TFLOP/s" for p, r in rates.items())
+        ratio = (f"; cuDNN THD / flash varlen {rates['cudnn_thd'] / rates['flash']:.2f}x" if len(rates) == 2
+                 else "")
+        lines.append(f"packed documents per call, fwd+bwd, seq {seq} ({document_pairs(seq):,} pairs): {text}{ratio}; "
+                     f"one packed call / plain SDPA: {best[(PACKED_ROWS['flash'], 'documents', seq)] / sdpa:.3f}")
     return lines
 
 

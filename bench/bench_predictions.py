@@ -2,7 +2,7 @@
 bench shape (issue 37: sequence length x activation checkpointing x document masking, and float8 or compile).
 
     python bench/bench_predictions.py [--seqs 8192,32768,65536] [--ac none,full] [--documents off,on]
-        [--float8 off] [--compile false] [--dim 2048 --n-layers 8 --n-heads 16 --n-kv-heads 8]
+        [--float8 off] [--compile false] [--attention-kernel auto,cudnn] [--dim 2048 --n-layers 8 --n-heads 16 --n-kv-heads 8]
         [--measured measured.json] [--profile-step 0] [--timeout 120]     # on a GPU: measure
     python bench/bench_predictions.py --predict measured.json [--accelerator h100-sxm]  # anywhere: predict, compare
 
@@ -47,10 +47,13 @@ def steps_for(seq: int) -> tuple[int, int]:
 
 def grid(args) -> list[dict]:
     """One dict per run: the overrides' knobs."""
-    return [{"seq": seq, "ac": ac, "documents": documents == "on", "float8": float8, "compile": compile_,
-             "dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads}
-            for seq, ac, documents, float8, compile_ in itertools.product(
-                args.seqs, args.ac, args.documents, args.float8, args.compile)]
+    runs = [{"seq": seq, "ac": ac, "documents": documents == "on", "float8": float8, "compile": compile_,
+             "dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+             "attention_kernel": kernel}
+            for seq, ac, documents, float8, compile_, kernel in itertools.product(
+                args.seqs, args.ac, args.documents, args.float8, args.compile, args.attention_kernel)]
+    # a kernel that differs from "auto" only for documents (cuDNN THD) is not rerun without them
+    return [r for r in runs if r["documents"] or r["attention_kernel"] == args.attention_kernel[0]]
 
 
 def _namespace(run: dict, steps: int) -> argparse.Namespace:
@@ -60,12 +63,15 @@ def _namespace(run: dict, steps: int) -> argparse.Namespace:
 
 
 def overrides(run: dict, out: str, steps: int) -> list[str]:
-    return our_overrides(_namespace(run, steps), out, run["documents"], run["compile"], run["float8"])
+    return [*our_overrides(_namespace(run, steps), out, run["documents"], run["compile"], run["float8"]),
+            "--parallelism.attention_kernel", run.get("attention_kernel", "auto")]
 
 
 def label(run: dict) -> str:
+    kernel = run.get("attention_kernel", "auto")
     extra = "".join([", documents" if run["documents"] else "", f", float8 {run['float8']}" if run["float8"] != "off"
-                     else "", ", compiled" if run["compile"] == "true" else ""])
+                     else "", ", compiled" if run["compile"] == "true" else "",
+                     f", attention_kernel {kernel}" if kernel != "auto" else ""])
     shape = "" if (run["dim"], run["n_layers"]) == (2048, 8) else f"dim {run['dim']} x {run['n_layers']} layers, "
     seq = f"{run['seq'] // 1024}K" if run["seq"] % 1024 == 0 else str(run["seq"])
     return f"{shape}{seq}, AC {run['ac']}{extra}"
@@ -92,7 +98,8 @@ def measure(run: dict, timeout: float, profile_step: int, keep: str | None) -> d
         timed = [r for r in records[warmup:] if not r.get("profiled")] or records
         result = {**run, "measured_step_s": statistics.median(r["step_time"] for r in timed),
                   "measured_peak_gib": max(r["memory"] for r in records), "timed_steps": len(timed), "wall_s": wall,
-                  "first_step_s": records[0]["step_time"]}
+                  "first_step_s": records[0]["step_time"],
+                  **{key: records[-1][key] for key in ("documents_kernel", "cudnn_thd_graphs") if key in records[-1]}}
         profile = os.path.join(out, f"profile_step{profile_step}_rank0.json")
         if profile_step and os.path.exists(profile):
             with open(profile) as f:
@@ -150,6 +157,8 @@ def parse(argv=None):
     p.add_argument("--documents", type=_list(str), default=["off"])
     p.add_argument("--float8", type=_list(str), default=["off"])
     p.add_argument("--compile", type=_list(str), default=["false"])
+    p.add_argument("--attention-kernel", type=_list(str), default=["auto"],
+                   help="parallelism.attention_kernel values; those after the first run with documents only")
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--n-layers", type=int, default=8)
     p.add_argument("--n-heads", type=int, default=16)

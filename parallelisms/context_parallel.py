@@ -24,9 +24,11 @@ from parallelisms.cp.attention import ring_attention
 from parallelisms.cp.choice import CP_IMPLS, CPAttention, check_cp_impl
 from parallelisms.cp.counters import CommStats, UnsupportedAttentionError
 from parallelisms.cp.groups import resolve_group
-from parallelisms.cp.kernel_blocks import ATTENTION_KERNELS
+from parallelisms.cp.kernel_blocks import ATTENTION_KERNELS, kernel_family
 from parallelisms.cp.layouts import (AUTO, DOCUMENTS, LOAD_BALANCERS, RING, ZIGZAG, check_load_balancer,
                                      check_sequence_length)
+from parallelisms.cp.kernel_cudnn_thd import packed_kernel
+from parallelisms.cp.packed_documents import PackedDocuments, packed_attention
 from parallelisms.cp.plan_layout import DocumentLayout
 from parallelisms.cp.plan_pieces import DocumentShards
 from parallelisms.cp.plan_sharding import local_positions, shard_sequence, unshard_sequence
@@ -46,9 +48,10 @@ class SdpaToContextParallel(TorchFunctionMode):
 
     def __init__(self, group: dist.ProcessGroup, load_balancer: str, local_lengths: set[int],
                  documents: DocumentShards | None, stats: CommStats | None, variant: CPAttention | None = None,
-                 head_groups: int = 0, kernel: str = "auto"):
+                 head_groups: int = 0, kernel: str = "auto", packed: PackedDocuments | None = None):
         super().__init__()
         self.head_groups, self.kernel = head_groups, kernel
+        self.packed = packed  # CP 1 with documents: one packed-sequence call per layer (cp/packed_documents.py)
         self.group, self.load_balancer = group, load_balancer
         self.local_lengths, self.documents, self.stats = local_lengths, documents, stats
         self.variant = variant  # None: the ring
@@ -81,6 +84,12 @@ class SdpaToContextParallel(TorchFunctionMode):
                 f"scaled_dot_product_attention under context_parallel got a sequence of {query.size(-2)} tokens, but "
                 f"the sharded buffers hold {sorted(self.local_lengths)} per rank: was the input sharded by "
                 "context_parallel's buffers?")
+        if self.packed is not None:
+            if self.stats is not None:
+                self.stats.calls += 1  # one CP attention call, nothing sent
+            return packed_attention(query, key, value, self.packed, is_causal=is_causal, scale=scale,
+                                    kernel=kernel_family(self.kernel, query),
+                                    packed=packed_kernel(self.kernel, query))
         if self.variant is not None:
             return self.variant(query, key, value, is_causal=is_causal, scale=scale)
         return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale,
@@ -139,6 +148,19 @@ def _document_shards(document_ids, cp_size: int, cp_rank: int, load_balancer: st
     return None, None
 
 
+def _packed_documents(document_ids, cp_size: int, plan) -> PackedDocuments | None:
+    """CP 1 with documents: the batch's packed sequences (moved with the batch by the data workers, or made here from
+    the ids: one host read), or None where the documents layout runs (CP > 1, or a document in two runs of a row)."""
+    if cp_size != 1 or document_ids is None:
+        return None
+    if isinstance(plan, PackedDocuments):
+        return plan
+    if plan is not None:  # the data workers found no packed form and planned the documents layout
+        return None
+    packed = PackedDocuments.from_ids(document_ids.detach().cpu().numpy())
+    return None if packed is None else packed.to(document_ids.device)
+
+
 def _shard_in_place(buffers, buffer_seq_dims, no_restore_buffers, shard) -> list:
     """Replaces each buffer's storage with its contiguous local shard; returns (buffer, alias of the original) for
     the buffers to restore on exit."""
@@ -175,6 +197,8 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     it; then nothing here plans or reads a device tensor back. Without it the layout is planned here, on the host.
     `head_groups`: each attention call runs its K/V heads in at most this many groups, one after another, so its
     float32 accumulators and K/V in flight span one group (0 = by size: cp/autograd.py; the result is the same).
+    With a CP group of one and `document_ids`, nothing is sharded: each layer makes one packed-sequence call over the
+    batch's documents (cp/packed_documents.py); `plan` may then be that batch's PackedDocuments, moved with it.
     `attention_kernel`: the attention kernels' family, one of ATTENTION_KERNELS: "auto" (cuDNN's fused attention on
     CUDA SM 9.0+, FlashAttention-2 on older GPUs, the flash-CPU op on CPU), "cudnn", "flash", "fa3" / "fa4" (torch's
     flash ops once `torch.nn.attention.activate_flash_attention_impl` switched them; cp/kernel_blocks.py).
@@ -190,6 +214,11 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
         check_sequence_length(buf.size(dim), cp_size, load_balancer)
     if load_balancer == DOCUMENTS:
         cp_impl = _documents_impl(cp_impl, document_ids)
+    packed = _packed_documents(document_ids, cp_size, plan)
+    if packed is not None:  # nothing to shard or exchange: every layout is the identity at P = 1
+        with SdpaToContextParallel(group, load_balancer, set(), None, stats, kernel=attention_kernel, packed=packed):
+            yield
+        return
     documents, layout = _document_shards(document_ids, cp_size, cp_rank, load_balancer, plan)
     variant = None
     if cp_impl != RING:

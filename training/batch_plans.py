@@ -5,7 +5,8 @@ What a worker does per step (`StepPlanner`, the loader's collate_fn): stacks the
 attention work over the data-parallel ranks and micro-steps when placement is on (data/placement.py, the same
 `place_step` the training thread ran before), keeps this dp rank's micro-batches, and for the documents CP layout
 makes each micro-batch's `BatchPlan` (parallelisms/cp/plan_host.py: positions, this CP rank's pieces and exchange rows,
-in integer work units, so every rank makes the same plan). The DataLoader pins it (pin_memory on CUDA); the step
+in integer work units, so every rank makes the same plan); at CP 1 the batch's packed sequences instead
+(parallelisms/cp/packed_documents.py: cu_seqlens for one attention call per layer). The DataLoader pins it (pin_memory on CUDA); the step
 moves it with non_blocking copies (`training/step.move_batch`) and hands it to context_parallel, so nothing in the
 step plans or reads a device tensor back.
 
@@ -22,6 +23,7 @@ import torch
 
 from data.loader import PackedRowLoader
 from data.placement import StepSlots, place_step
+from parallelisms.cp.packed_documents import PackedDocuments
 from parallelisms.cp.plan_host import BatchPlan
 
 
@@ -52,6 +54,20 @@ class CpPlanning:
     cp_impl: str
     varlen: bool = False
     """Also plan the CUDA varlen calls' indices (a CUDA run: they then travel with the batch, kernel_varlen.py)."""
+    documents_layout: bool = True
+    """The documents load balancer: without a packed form at CP 1 the batch still gets its layout's plan."""
+
+    def plan(self, document_ids: np.ndarray):
+        """CP 1: the batch's packed sequences (cp/packed_documents.py: one attention call per layer) where the ids
+        have that form; else the documents layout's BatchPlan (None for the fixed load balancers, which plan
+        nothing ahead)."""
+        if self.cp_size == 1:
+            packed = PackedDocuments.from_ids(document_ids)
+            if packed is not None:
+                return packed
+        if not self.documents_layout:
+            return None
+        return BatchPlan.build(document_ids, self.cp_size, self.cp_rank, self.cp_impl, varlen=self.varlen)
 
 
 class StepPlanner:
@@ -76,9 +92,9 @@ class StepPlanner:
         batches = []
         for values in micro:
             batch = {name: torch.from_numpy(np.ascontiguousarray(v)) for name, v in values.items()}
-            if self.cp is not None:
-                batch["plan"] = BatchPlan.build(values["document_ids"], self.cp.cp_size, self.cp.cp_rank,
-                                                self.cp.cp_impl, varlen=self.cp.varlen)
+            plan = self.cp.plan(values["document_ids"]) if self.cp is not None else None
+            if plan is not None:
+                batch["plan"] = plan
             batches.append(batch)
         return {"micro_batches": batches, "whole_rows": whole_rows}
 

@@ -91,11 +91,15 @@ class StepMetrics:
     per-rank peak, and the bytes CP attention and FSDP sent per step."""
 
     def __init__(self, comm: Collectives, comm_stats: CommStats, device: Device, peak_flops: float, peak_source: str,
-                 step: int, attention_kernel: str = "flash"):
+                 step: int, attention_kernel: str = "flash", documents_kernel: str | None = None):
         self.comm, self.comm_stats, self.device = comm, comm_stats, device
         self.attention_kernel = attention_kernel  # the CP attention's kernel family (cp/kernel_blocks.py)
+        self.documents_kernel = documents_kernel  # packed documents' kernel (cp/kernel_cudnn_thd.py), when masking
         self.peak_flops, self.peak_source = peak_flops, peak_source
         self._cp_bytes_at = (comm_stats.bytes_sent, step)  # (bytes sent, step) when last logged
+
+    def _documents_record(self) -> dict:
+        return _documents_record_of(self.documents_kernel, self.device)
 
     def _cp_bytes_per_step(self, step: int) -> float:
         sent, since = self.comm_stats.bytes_sent, self._cp_bytes_at
@@ -133,8 +137,20 @@ class StepMetrics:
             "stage": max(0, stage.index), "tokens_seen": tokens_seen, "memory": memory,
             "step_time": step_time, "data_time": data_time, "step_time_fastest_rank": -fastest,
             "cp_comm_bytes": cp_bytes, "fsdp_comm_bytes": fsdp_bytes, "cp_attention_calls": self.comm_stats.calls,
-            "attention_kernel": self.attention_kernel,
+            "attention_kernel": self.attention_kernel, **self._documents_record(),
             **({"compile": compile_counters()} if t.compiles(self.device.type) else {})}
+
+
+def _documents_record_of(documents_kernel: str | None, device) -> dict:
+    """The documents' kernel and, on cuDNN THD, how many graphs it has built per direction (its shape buckets)."""
+    if documents_kernel is None:
+        return {}
+    record = {"documents_kernel": documents_kernel}
+    if documents_kernel == "cudnn_thd":
+        from parallelisms.cp.kernel_cudnn_thd import graphs_for
+
+        record["cudnn_thd_graphs"] = graphs_for(device.torch_device).built
+    return record
 
 
 def visible_pairs(position_ids: torch.Tensor) -> torch.Tensor:

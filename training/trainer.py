@@ -19,6 +19,7 @@ from parallelisms.float8 import describe_float8, precompute_float8_scales
 from parallelisms.parallelize import compile_counters, compile_surprises, uses_loss_parallel
 from parallelisms.stage_meshes import release_stage
 from parallelisms.cp.kernel_blocks import activate_flash_implementation, family_on
+from parallelisms.cp.kernel_cudnn_thd import documents_kernel_name
 from parallelisms.cp.layouts import DOCUMENTS
 from training import step
 from training.batch_plans import CpPlanning, step_loader
@@ -50,6 +51,9 @@ class Trainer:
         self.rank = self.dist.rank
         self.attention_kernel = family_on(cfg.parallelism.attention_kernel, self.device.torch_device)
         activate_flash_implementation(self.attention_kernel)  # FA3/FA4: torch's flash ops switched, on every rank
+        self.documents_kernel = documents_kernel_name(
+            cfg.parallelism.attention_kernel, self.device.torch_device, getattr(torch, cfg.training.dtype),
+            first.model.head_dim) if cfg.data.document_masking else None
         self.meshes = build_run_meshes(self.stages, self.device.type)  # every process group, made once, here
         self.mesh = self.meshes[0]
         torch.manual_seed(cfg.job.seed)
@@ -87,7 +91,7 @@ class Trainer:
         dist.barrier()  # every rank measures its peak at the same time, sharing the cores as in training
         self.peak_flops, self.peak_source = peak_flops(self.device, getattr(torch, cfg.training.dtype))
         self.metrics = StepMetrics(self.dist.comm, self.comm_stats, self.device, self.peak_flops, self.peak_source,
-                                   self.step, self.attention_kernel)
+                                   self.step, self.attention_kernel, self.documents_kernel)
         self.logger = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
                                     is_writer=self.rank == 0, start_step=self.step)
 
@@ -125,8 +129,10 @@ class Trainer:
             slots = StepSlots(stage.grad_accum_steps, self.mesh.dims.dp, cfg.training.local_batch_size,
                               cfg.training.seq_len)
         cp = None
-        if self.setup.shards_sequence and self.setup.document_masking and p.cp_load_balancer == DOCUMENTS:
-            cp = CpPlanning(p.cp, self.mesh.cp_mesh.get_local_rank(), p.cp_impl, varlen=self.device.type == "cuda")
+        documents_layout = p.cp_load_balancer == DOCUMENTS
+        if self.setup.shards_sequence and self.setup.document_masking and (documents_layout or p.cp == 1):
+            cp = CpPlanning(p.cp, self.mesh.cp_mesh.get_local_rank(), p.cp_impl, varlen=self.device.type == "cuda",
+                            documents_layout=documents_layout)
         return step_loader(micro_loader, stage.grad_accum_steps, slots, self.mesh.dp_rank, cp,
                            num_workers=max(1, cfg.data.num_workers), pin_memory=self.device.type == "cuda")
 
@@ -272,7 +278,8 @@ class Trainer:
               f"{d.world_size} rank(s) "
               f"({self.device.type}/{self.device.backend}); mesh pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard "
               f"{d.dp_shard} x cp {d.cp} x tp {d.tp}; seq {s.cfg.training.seq_len}, global batch "
-              f"{s.global_batch_rows} ({s.grad_accum_steps} micro-step(s)), attention kernel {self.attention_kernel}, rope "
+              f"{s.global_batch_rows} ({s.grad_accum_steps} micro-step(s)), attention kernel {self.attention_kernel}"
+              f"{f' (documents: {self.documents_kernel})' if self.documents_kernel else ''}, rope "
               f"theta {m.rope_theta:g}"
               f"{f' {m.rope_type} x{m.rope_scaling_factor:g}' if m.rope_scaling_factor else ''}, peak "
               f"{self.peak_flops / 1e9:.0f} GFLOP/s per rank ({self.peak_source})", flush=True)

@@ -17,6 +17,7 @@ from parallelisms.cp.exchange_allgather_sparse import sparse_allgather_backward,
 from parallelisms.cp.exchange_ring import ring_backward, ring_forward
 from parallelisms.cp.exchange_ring_sparse import sparse_backward, sparse_forward
 from parallelisms.cp.kernel_blocks import kernel_family
+from parallelisms.cp.kernel_cudnn_thd import packed_kernel
 from parallelisms.cp.layouts import (ALLGATHER, CONTIGUOUS, DENSE, DOCUMENTS, RING, ZIGZAG, layout_kind)
 from parallelisms.cp.plan_pieces import DocumentShards
 
@@ -31,7 +32,8 @@ BLOCK_EXCHANGES = {
 def _block_attention(impl: str, q, k, v, group, is_causal, scale, load_balancer, document_ids, stats, documents,
                      head_groups, kernel):
     pg, docs = prepare_call(q, k, v, group, load_balancer, document_ids, documents)
-    spec = BlockSpec(pg, is_causal, scale, load_balancer, docs, stats, head_groups, kernel_family(kernel, q))
+    spec = BlockSpec(pg, is_causal, scale, load_balancer, docs, stats, head_groups, kernel_family(kernel, q),
+                     packed_kernel(kernel, q))
     return LseAttentionFunction.apply(q, k, v, spec, *BLOCK_EXCHANGES[(impl, layout_kind(load_balancer))])
 
 
@@ -70,5 +72,6 @@ def local_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
     runs this after its all-to-all, so documents never need an (S, S) mask there either. `documents` with positions
     (the documents layout, in any order) are cut by position segments instead."""
     layout = DOCUMENTS if documents is not None and documents.positions is not None else CONTIGUOUS
-    spec = BlockSpec(None, is_causal, scale, layout, documents, None, head_groups, kernel_family(kernel, q))
+    spec = BlockSpec(None, is_causal, scale, layout, documents, None, head_groups, kernel_family(kernel, q),
+                     packed_kernel(kernel, q))
     return LseAttentionFunction.apply(q, k, v, spec, ring_forward, ring_backward)

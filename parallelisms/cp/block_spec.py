@@ -27,6 +27,9 @@ class BlockSpec:
     accumulator within `HEAD_GROUP_BYTES`."""
     kernel: str = "flash"
     """The kernel family of every block (kernel_blocks.CONCRETE_KERNELS: flash, cudnn, fa3, fa4), "auto" resolved."""
+    packed: str = "flash"
+    """The kernel of document pieces' packed calls on CUDA (kernel_cudnn_thd.PACKED_KERNELS: flash varlen, or
+    cuDNN THD when `attention_kernel = "cudnn"` and the frontend serves the device)."""
 
     def pieces(self, rank: int, src: int, size: int, local_len: int) -> list[Piece]:
         """The mask-free kernel calls `rank` makes against the K/V of rank `src` (cached per batch with documents)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -188,15 +189,18 @@ def _cudnn_backward(dout, q, k, v, out, lse, seed, offset, is_causal: bool, scal
 
 class CudnnBlock:
     """fp16/bf16, no mask, GQA native. aux keeps the forward's philox seed and offset, which the backward schema
-    asks for (dropout is 0, so they are placeholders). A causal block with Lq != Lk (the all-gather's fused blocks:
-    a chunk against all earlier keys and its own diagonal) needs the bottom-right alignment cuDNN's dense path does
-    not offer: it goes to the flash block, forward and backward alike (the shapes decide, so both agree)."""
+    asks for (dropout is 0, so they are placeholders). Causal blocks are squares (Lq == Lk): the all-gather fuses
+    only full rectangles (its causal diagonal stays a square), so cuDNN's top-left alignment is the right one, and a
+    causal rectangle here would be a bug upstream (asserted). A block with one query or key row goes to flash: torch's
+    own dispatcher refuses cuDNN there (sdp_utils.cpp), and the zigzag half of a 2-token shard is such a block."""
     name = "cuda_cudnn"
 
     @staticmethod
     def _flash_instead(q, k, is_causal, mask) -> bool:
         assert mask is None, "the cuDNN block takes no mask; the efficient kernel handles masked blocks"
-        return is_causal and q.size(2) != k.size(2)
+        assert not is_causal or q.size(2) == k.size(2), (
+            f"a causal cuDNN block must be square (top-left alignment), got Lq {q.size(2)} and Lk {k.size(2)}")
+        return min(q.size(2), k.size(2)) <= 1
 
     def forward(self, q, k, v, *, is_causal, scale, mask):
         if self._flash_instead(q, k, is_causal, mask):
@@ -224,7 +228,8 @@ FLASH_MAX_HEAD_DIM = 256  # CUDA flash attention has kernels up to this head dim
 # calls below do not change. "cudnn" sends dense half-precision blocks to CudnnBlock; packed documents stay on the
 # flash ops (the varlen calls), as cuDNN's varlen backward fails in torch 2.11 (illegal memory access; fixed after
 # 2.13's branch cut). cuDNN's fused attention needs SM 8.0+ (sdp_utils.cpp check_cudnn_hardware_support); "auto"
-# takes it from SM 9.0 (Hopper, where it is about twice FlashAttention-2's speed) and FA2 below that.
+# takes it where torch itself prefers it (SM 9.x / 10.x with cuDNN > 9.15 and the backend enabled: Hopper, where it
+# is about twice FlashAttention-2's speed), never under deterministic algorithms, and FA2 elsewhere.
 ATTENTION_KERNELS = choices(AttentionKernel)
 """What `[parallelism] attention_kernel` and the CP API's `attention_kernel=` accept: "auto" and the concrete ones."""
 CONCRETE_KERNELS = ("flash", "cudnn", "fa3", "fa4")
@@ -235,20 +240,39 @@ CUDNN_MIN_CAPABILITY = (8, 0)
 AUTO_CUDNN_CAPABILITY = (9, 0)
 
 
-def concrete_kernel(asked: str, device_type: str, capability: tuple[int, int] | None) -> str:
-    """The kernel family `asked` means on this device: "auto" is cuDNN on CUDA SM 9.0+ and flash elsewhere (A100,
-    CPU, a fake CUDA device without a capability)."""
+AUTO_CUDNN_MAJORS = (9, 10)
+AUTO_CUDNN_MIN_VERSION = 91500
+"""torch's own conditions for preferring cuDNN's attention (sdp_utils.cpp: SM 9.x / 10.x and cuDNN > 9.15, with
+the cuDNN SDPA backend enabled); "auto" takes cuDNN only where torch itself would."""
+AVOID_RECOMPILE_VARIABLE = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
+
+
+def concrete_kernel(asked: str, device_type: str, capability: tuple[int, int] | None,
+                    cudnn_version: int | None = None, cudnn_sdp_enabled: bool = True,
+                    deterministic: bool = False) -> str:
+    """The kernel family `asked` means on this device: "auto" is cuDNN where torch itself prefers it (SM 9.x / 10.x,
+    cuDNN > 9.15, its SDPA backend enabled; `cudnn_version` None: not known, as on a fake CUDA device, where the
+    capability is None too) and flash elsewhere (A100, CPU). Under `torch.use_deterministic_algorithms(True)`
+    (`deterministic`) "auto" is flash: cuDNN's attention backward is not deterministic."""
     if asked != "auto":
         return asked
-    if device_type == "cuda" and capability is not None and tuple(capability) >= AUTO_CUDNN_CAPABILITY:
-        return "cudnn"
-    return "flash"
+    if device_type != "cuda" or capability is None or deterministic or not cudnn_sdp_enabled:
+        return "flash"
+    if tuple(capability) < AUTO_CUDNN_CAPABILITY or capability[0] not in AUTO_CUDNN_MAJORS:
+        return "flash"
+    if cudnn_version is not None and cudnn_version <= AUTO_CUDNN_MIN_VERSION:
+        return "flash"
+    return "cudnn"
 
 
 def kernel_problem(asked: str, device_type: str, capability: tuple[int, int] | None, cudnn_available: bool,
                    module_found) -> str | None:
     """Why this device cannot run the kernel family `asked` (None: it can). `module_found(name)` says whether a
     Python module is installed (importlib.util.find_spec in the trainer)."""
+    if (device_type == "cuda" and concrete_kernel(asked, device_type, capability) == "cudnn"
+            and os.environ.get(AVOID_RECOMPILE_VARIABLE, "0") not in ("", "0")):
+        return (f"{AVOID_RECOMPILE_VARIABLE}=1 makes torch read cuDNN's log-sum-exp as (B, Lq) rows instead of "
+                f"(B, H, Lq) (wrong gradients for batch > 1); unset it")
     if asked in ("auto", "flash"):
         return None
     if device_type != "cuda":
@@ -256,6 +280,7 @@ def kernel_problem(asked: str, device_type: str, capability: tuple[int, int] | N
     if asked == "cudnn":
         if not cudnn_available:
             return "this torch has no cuDNN"
+
         if capability is not None and tuple(capability) < CUDNN_MIN_CAPABILITY:
             return (f"cuDNN's fused attention needs compute capability 8.0+, this GPU has "
                     f"{capability[0]}.{capability[1]}")
@@ -276,11 +301,13 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 
 
 def family_on(asked: str, device: torch.device) -> str:
-    """The concrete kernel family on `device` (`concrete_kernel` with that device's capability)."""
+    """The concrete kernel family on `device` (`concrete_kernel` with that device's capability, cuDNN version, the
+    SDPA cuDNN switch and the deterministic-algorithms flag, read at the call: a user may flip the last two)."""
     if asked != "auto" or device.type != "cuda" or not torch.cuda.is_available():  # fake CUDA: no capability
         return concrete_kernel(asked, device.type, None)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return concrete_kernel(asked, "cuda", _cuda_capability(index))
+    return concrete_kernel(asked, "cuda", _cuda_capability(index), torch.backends.cudnn.version(),
+                           torch.backends.cuda.cudnn_sdp_enabled(), torch.are_deterministic_algorithms_enabled())
 
 
 def kernel_family(asked: str, q: torch.Tensor) -> str:

@@ -68,7 +68,7 @@ def forward_pieces(q, k_blk, v_blk, pieces: list[Piece], spec: BlockSpec, acc: L
     """One (rank, source) block merged into `acc`: on CUDA flash at most two varlen calls (kernel_varlen.py),
     otherwise one kernel call per piece. Kernel auxiliaries are appended to `auxes` in call order."""
     if uses_varlen(q, pieces):
-        forward_calls(q, k_blk, v_blk, varlen_calls(spec, pieces, q.device), spec.scale, acc, auxes)
+        forward_calls(q, k_blk, v_blk, varlen_calls(spec, pieces, q.device), spec.scale, acc, auxes, spec.packed)
         return
     for piece in pieces:
         out, lse, aux = block_forward(q, k_blk, v_blk, piece, spec.scale, spec.kernel)
@@ -82,7 +82,7 @@ def backward_pieces(dout, q, k_blk, v_blk, out, lse, aux_iter, pieces: list[Piec
     for `add_kv_grads` (the ring adds them once the block's accumulator has arrived)."""
     if uses_varlen(q, pieces):
         return backward_calls(dout, q, k_blk, v_blk, out, lse, aux_iter, varlen_calls(spec, pieces, q.device),
-                              spec.scale, dq)
+                              spec.scale, dq, spec.packed)
     kv_grads = []
     for piece in pieces:
         gq, gk, gv = block_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), piece, spec.scale, spec.kernel)

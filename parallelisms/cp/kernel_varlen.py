@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from parallelisms.cp import kernel_cudnn_thd as thd
+
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: the kernels stay a leaf of the package
@@ -156,13 +158,23 @@ def put_tokens(x: torch.Tensor, batch: torch.Tensor, rows: torch.Tensor, values:
     aten.index_put_.default(x.transpose(1, 2), [batch, rows], values.to(x.dtype), accumulate)
 
 
-def varlen_forward(q, k_blk, v_blk, call: VarlenCall, scale):
-    """(out (total_q, Hq, D), lse (Hq, total_q) float32, aux) of one call; K/V heads as they are (GQA native)."""
+def varlen_forward(q, k_blk, v_blk, call: VarlenCall, scale, packed: str = "flash"):
+    """(out (total_q, Hq, D), lse (Hq, total_q) float32, aux) of one call; K/V heads as they are (GQA native).
+    `packed` "cudnn_thd": cuDNN's THD graph (kernel_cudnn_thd.py), its token-major stats seen as (Hq, total_q)."""
     qs = gather_tokens(q, call.q_batch, call.q_rows)
     ks, vs = (gather_tokens(x, call.k_batch, call.k_rows) for x in (k_blk, v_blk))
+    if packed == "cudnn_thd":
+        out, stats = thd.graphs_for(q.device).forward(qs, ks, vs, _thd_call(call),
+                                                      thd.default_scale(scale, q.size(-1)),
+                                                      torch.are_deterministic_algorithms_enabled())
+        return out, stats.squeeze(-1).transpose(0, 1), None
     out, lse, rng_state, unused, _ = aten._flash_attention_forward.default(
         qs, ks, vs, call.cum_q, call.cum_k, call.max_q, call.max_k, 0.0, call.is_causal, False, scale=scale)
     return out, lse, (rng_state, unused)
+
+
+def _thd_call(call: VarlenCall) -> thd.ThdCall:
+    return thd.ThdCall(call.cum_q, call.cum_k, call.max_q, call.max_k, call.is_causal)
 
 
 def merge_into(acc, out: torch.Tensor, lse: torch.Tensor, call: VarlenCall) -> None:
@@ -189,30 +201,36 @@ def merge_into(acc, out: torch.Tensor, lse: torch.Tensor, call: VarlenCall) -> N
     put_tokens(lse_buf.data, call.q_batch, call.q_rows, new_lse, accumulate=False)
 
 
-def forward_calls(q, k_blk, v_blk, calls: list[VarlenCall], scale, acc, auxes: list) -> None:
+def forward_calls(q, k_blk, v_blk, calls: list[VarlenCall], scale, acc, auxes: list, packed: str = "flash") -> None:
     """Every call of one block, merged into `acc`; their auxiliaries appended to `auxes` in order."""
     for call in calls:
-        out, lse, aux = varlen_forward(q, k_blk, v_blk, call, scale)
+        out, lse, aux = varlen_forward(q, k_blk, v_blk, call, scale, packed)
         auxes.append(aux)
         merge_into(acc, out, lse, call)
 
 
-def varlen_backward(dout, q, k_blk, v_blk, out, lse, aux, call: VarlenCall, scale):
+def varlen_backward(dout, q, k_blk, v_blk, out, lse, aux, call: VarlenCall, scale, packed: str = "flash"):
     """(dQ (total_q, Hq, D), dK, dV (total_k, Hkv, D)) of one call against the FINAL out and lse (B, Hq, L)."""
-    rng_state, unused = aux
     qs, dos, os_ = (gather_tokens(x, call.q_batch, call.q_rows) for x in (q, dout, out))
     ks, vs = (gather_tokens(x, call.k_batch, call.k_rows) for x in (k_blk, v_blk))
+    if packed == "cudnn_thd":
+        stats = gather_tokens(lse, call.q_batch, call.q_rows).unsqueeze(-1)  # token-major (total_q, Hq, 1)
+        return thd.graphs_for(q.device).backward(dos, qs, ks, vs, os_, stats, _thd_call(call),
+                                                 thd.default_scale(scale, q.size(-1)),
+                                                 torch.are_deterministic_algorithms_enabled())
+    rng_state, unused = aux
     lses = gather_tokens(lse, call.q_batch, call.q_rows).transpose(0, 1).contiguous()  # (Hq, total_q)
     return aten._flash_attention_backward.default(
         dos, qs, ks, vs, os_, lses, call.cum_q, call.cum_k, call.max_q, call.max_k, 0.0, call.is_causal,
         rng_state, unused, scale=scale)
 
 
-def backward_calls(dout, q, k_blk, v_blk, out, lse, aux_iter, calls: list[VarlenCall], scale, dq) -> list:
+def backward_calls(dout, q, k_blk, v_blk, out, lse, aux_iter, calls: list[VarlenCall], scale, dq,
+                   packed: str = "flash") -> list:
     """Every call of one block: dQ added into the RowBuffer `dq`; returns [(call, dK, dV)] for `add_call_grads`."""
     kv_grads = []
     for call in calls:
-        gq, gk, gv = varlen_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), call, scale)
+        gq, gk, gv = varlen_backward(dout, q, k_blk, v_blk, out, lse, next(aux_iter), call, scale, packed)
         dq.ensure_filled()
         dq.written[call.host_q] = True
         put_tokens(dq.data, call.q_batch, call.q_rows, gq, accumulate=True)

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from parallelisms.cp.block_spec import BlockSpec
 from parallelisms.cp.exchange_allgather import allgather_backward, allgather_forward
 from parallelisms.cp.exchange_ring import ring_backward, ring_forward
-from parallelisms.cp.kernel_blocks import activate_flash_implementation, concrete_kernel, kernel_problem
+from parallelisms.cp.kernel_blocks import CudnnBlock, activate_flash_implementation, concrete_kernel, kernel_problem
 from parallelisms.cp.plan_layout import DocumentLayout
 from parallelisms.cp.plan_pieces import DocumentShards
 from training.planning import cuda_path_probe as probe
@@ -45,6 +45,29 @@ def test_auto_is_cudnn_from_hopper_and_flash_below_it_and_on_cpu():
     assert concrete_kernel("auto", "cuda", None) == "flash"  # fake CUDA: no capability to read
     assert concrete_kernel("auto", "cpu", None) == "flash"
     assert concrete_kernel("fa4", "cuda", (9, 0)) == "fa4" and concrete_kernel("cudnn", "cuda", (8, 0)) == "cudnn"
+
+
+def test_auto_takes_cudnn_only_where_torch_itself_prefers_it():
+    """torch's conditions (sdp_utils.cpp): SM 9.x / 10.x, cuDNN newer than 9.15, its SDPA backend enabled; and never
+    under deterministic algorithms, where cuDNN's attention backward is not deterministic."""
+    assert concrete_kernel("auto", "cuda", (9, 0), cudnn_version=91900) == "cudnn"  # torch 2.11's cuDNN
+    assert concrete_kernel("auto", "cuda", (9, 0), cudnn_version=91500) == "flash"
+    assert concrete_kernel("auto", "cuda", (12, 0), cudnn_version=91900) == "flash"  # consumer Blackwell
+    assert concrete_kernel("auto", "cuda", (9, 0), cudnn_version=91900, cudnn_sdp_enabled=False) == "flash"
+    assert concrete_kernel("auto", "cuda", (9, 0), cudnn_version=91900, deterministic=True) == "flash"
+    assert concrete_kernel("cudnn", "cuda", (9, 0), deterministic=True) == "cudnn"  # asked for by name: as asked
+
+
+def test_cudnns_avoid_recompile_switch_is_refused_in_one_line(monkeypatch):
+    """With TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 torch reads the dense LSE as (B, Lq): wrong gradients for batch > 1."""
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
+    for asked in ("cudnn", "auto"):
+        problem = kernel_problem(asked, "cuda", (9, 0), True, lambda module: False)
+        assert "TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1" in problem and "unset it" in problem and "\n" not in problem
+    assert kernel_problem("flash", "cuda", (9, 0), True, lambda module: False) is None
+    assert kernel_problem("auto", "cuda", (8, 0), True, lambda module: False) is None  # auto is flash on A100
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "0")
+    assert kernel_problem("cudnn", "cuda", (9, 0), True, lambda module: False) is None
 
 
 def test_a_kernel_the_device_cannot_run_is_refused_with_the_reason():
@@ -130,14 +153,33 @@ def test_flash_keeps_the_dense_ring_off_cudnn(fake_cuda, layout):
     assert calls and {probe.KERNEL_OF_OP[func] for func, *_ in calls} == {"flash"}
 
 
-def test_the_allgather_on_cudnn_sends_its_causal_rectangles_to_flash(fake_cuda):
+def test_the_allgather_on_cudnn_keeps_every_causal_block_square(fake_cuda):
+    """The all-gather fuses only full rectangles: its causal blocks are squares, so all of them run on cuDNN (whose
+    dense path aligns causal masks top-left) and none needs flash's bottom-right alignment."""
     calls = _layer_calls((allgather_forward, allgather_backward), "zigzag", "cudnn")
     cudnn = [_check_cudnn_call(func, args, kwargs, result) for func, args, kwargs, result in calls
              if probe.KERNEL_OF_OP[func] == "cudnn"]
-    flash = [_bound(func, args, kwargs) for func, args, kwargs, _ in calls if probe.KERNEL_OF_OP[func] == "flash"]
-    assert "full, Lq != Lk" in cudnn, cudnn
-    for a in flash:  # only causal blocks whose queries and keys differ in length (bottom-right alignment)
-        assert a["is_causal"] and a["query"].size(2) != a["key"].size(2), a
+    assert "full, Lq != Lk" in cudnn and "causal" in cudnn, cudnn  # causal calls are checked square
+    assert {probe.KERNEL_OF_OP[func] for func, *_ in calls} == {"cudnn"}
+
+
+def test_a_causal_rectangle_is_refused_and_single_rows_go_to_flash(fake_cuda):
+    """cuDNN's dense causal mask is top-left: a causal block with Lq != Lk would be wrong there, so it is an error
+    upstream. A query or key length of 1 (the zigzag half of a 2-token shard) is refused by torch's own cuDNN
+    dispatch checks: such blocks run on flash, forward and backward alike."""
+    counter = probe.LaunchCounter(record=True)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = probe._qkv(1, 1, HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16)
+        wide = probe._qkv(1, 8, HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16)
+        block = CudnnBlock()
+        with counter:
+            out, lse, aux = block.forward(q, k, v, is_causal=True, scale=None, mask=None)
+            block.backward(torch.empty_like(out), q, k, v, out, lse, aux, is_causal=True, scale=None, mask=None)
+            out, lse, aux = block.forward(q, *wide[1:], is_causal=False, scale=None, mask=None)  # 1 x 8, full
+        with pytest.raises(AssertionError, match="must be square"):
+            block.forward(q, *wide[1:], is_causal=True, scale=None, mask=None)
+    assert {probe.KERNEL_OF_OP[func] for func, *_ in counter.attention_calls} == {"flash"}
+    assert len(counter.attention_calls) == 3
 
 
 def _documents_row(seq: int = 512, cp: int = 4) -> DocumentShards:

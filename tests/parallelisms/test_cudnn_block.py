@@ -85,18 +85,17 @@ def test_cudnn_block_on_fake_cuda_tensors(lq, lk, is_causal, kv_heads):
     assert lse_arg.shape == (batch, heads, lq, 1) and lse_arg.dtype == torch.float32 and lse_arg.is_contiguous()
 
 
-def test_cudnn_block_sends_non_square_causal_blocks_to_flash_and_refuses_masks(fake_cuda):
-    """cuDNN's dense causal mask is top-left; a causal Lq != Lk block (the all-gather's fused blocks) needs flash's
-    bottom-right alignment, so both its forward and backward run the flash ops, and no cuDNN op."""
+def test_cudnn_block_refuses_non_square_causal_blocks_and_masks(fake_cuda):
+    """cuDNN's dense causal mask is top-left; no CP variant makes a causal Lq != Lk block (the all-gather fuses only
+    full rectangles), so one reaching the block is a bug upstream and fails loudly instead of being masked wrongly."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         q = trainer_layout(1, 16, 4, 64, torch.bfloat16, "cuda")
         k = v = trainer_layout(1, 24, 2, 64, torch.bfloat16, "cuda")
         with AttentionCalls() as calls:
-            out, lse, aux = CudnnBlock().forward(q, k, v, is_causal=True, scale=None, mask=None)
-            CudnnBlock().backward(torch.empty_like(out), q, k, v, out, lse, aux, is_causal=True, scale=None,
-                                  mask=None)
-        assert [op for op, _ in calls.calls] == [aten._scaled_dot_product_flash_attention.default,
-                                                 aten._scaled_dot_product_flash_attention_backward.default]
+            with pytest.raises(AssertionError, match="must be square"):
+                CudnnBlock().forward(q, k, v, is_causal=True, scale=None, mask=None)
+            CudnnBlock().forward(q, k, v, is_causal=False, scale=None, mask=None)
+        assert [op for op, _ in calls.calls] == [aten._scaled_dot_product_cudnn_attention.default]
         with pytest.raises(AssertionError, match="no mask"):
             CudnnBlock().forward(q, k, v, is_causal=False, scale=None, mask=torch.zeros(1, 1, 16, 24))
 

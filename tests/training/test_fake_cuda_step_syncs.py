@@ -64,3 +64,17 @@ def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement
         assert calls.get("aten._flash_attention_backward.default", 0) > 0, calls
         assert not any("for_cpu" in name for name in calls), calls
         assert record["clip_counts"] == {}
+
+
+def test_fake_cuda_libraries_are_cached_per_torch_installation(tmp_path):
+    """The fake CUDA libraries link to one torch by rpath: a cache keyed by torch's version alone handed a second
+    checkout (another .venv, same version) a library pointing at the first's torch, and after that checkout was
+    deleted every fake-CUDA test failed with "libc10.so: cannot open shared object file"."""
+    from training.planning.cuda_path_probe import torch_library_path
+
+    first, second = (tmp_path / name / "torch" for name in ("venv-a", "venv-b"))
+    for root in (first, second):
+        root.mkdir(parents=True)
+    path = lambda root, source="src", version="2.13.0+cpu": torch_library_path("lib", source, str(root), version)  # noqa: E731
+    assert path(first) == path(first) and path(first) != path(second)
+    assert path(first) != path(first, source="changed") and path(first) != path(first, version="2.14.0+cpu")

@@ -62,28 +62,51 @@ C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::NoOpDeviceGuardImpl<c10::DeviceType::CU
 """
 
 
-def load_fake_cuda_guard() -> str | None:
-    """Registers a no-op CUDA device guard in this process (a 2-line C++ library, compiled once per torch version
-    into the temp folder), so fake CUDA tensors can be sliced and indexed on a CPU-only build; torch.cuda stays
-    unavailable. Returns None when it works, else why not (no compiler, no headers): the probe is then skipped."""
-    import ctypes
+def torch_library_path(name: str, source: str, torch_root: str, torch_version: str) -> str:
+    """Where a small C++ library linked against the torch at `torch_root` is cached in the temp folder: keyed by the
+    source, torch's version AND its library folder (the build has an rpath to it: a cache shared by two checkouts or
+    virtual environments would otherwise hand one a library that points at the other's deleted torch)."""
+    import hashlib
     import os
-    import subprocess
     import tempfile
 
+    digest = hashlib.sha256("\0".join((source, os.path.realpath(torch_root), torch_version)).encode()).hexdigest()
+    return os.path.join(tempfile.gettempdir(), f"{name}_{torch_version.replace('+', '_')}_{digest[:12]}.so")
+
+
+def build_torch_library(name: str, source: str, libs: list[str], timeout: float = 300) -> str:
+    """Compiles `source` against this process's torch into its cached path (once) and returns the path; raises
+    OSError / SubprocessError when it cannot (no compiler or headers)."""
+    import os
+    import subprocess
+
     root = os.path.dirname(torch.__file__)
-    lib = os.path.join(tempfile.gettempdir(), f"fake_cuda_guard_{torch.__version__.replace('+', '_')}.so")
+    lib = torch_library_path(name, source, root, torch.__version__)
     if not os.path.exists(lib):
         src = f"{lib[:-3]}.{os.getpid()}.cpp"  # per process: ranks and tests may build it at the same moment
         with open(src, "w") as f:
-            f.write(GUARD_SOURCE)
-        cmd = ["g++", "-shared", "-fPIC", "-std=c++17", f"-I{root}/include", src, "-o", f"{src}.so",
-               f"-L{root}/lib", "-lc10", f"-Wl,-rpath,{root}/lib"]
+            f.write(source)
         try:
-            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as e:
-            return f"cannot build the no-op CUDA device guard ({type(e).__name__})"
-        os.replace(f"{src}.so", lib)
+            subprocess.run(["g++", "-shared", "-fPIC", "-std=c++17", f"-I{root}/include", src, "-o", f"{src}.so",
+                            f"-L{root}/lib", *(f"-l{x}" for x in libs), f"-Wl,-rpath,{root}/lib"],
+                           check=True, capture_output=True, timeout=timeout)
+            os.replace(f"{src}.so", lib)
+        finally:
+            os.remove(src)
+    return lib
+
+
+def load_fake_cuda_guard() -> str | None:
+    """Registers a no-op CUDA device guard in this process (a 2-line C++ library, built once per torch into the
+    temp folder), so fake CUDA tensors can be sliced and indexed on a CPU-only build; torch.cuda stays
+    unavailable. Returns None when it works, else why not (no compiler, no headers): the probe is then skipped."""
+    import ctypes
+    import subprocess
+
+    try:
+        lib = build_torch_library("fake_cuda_guard", GUARD_SOURCE, ["c10"], timeout=120)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"cannot build the no-op CUDA device guard ({type(e).__name__})"
     ctypes.CDLL(lib)  # registration is idempotent: the registry keeps one guard per device type
     return None
 

@@ -41,7 +41,7 @@ from parallelisms.cp.layouts import DOCUMENTS
 from training import step
 from training.batch_plans import CpPlanning, step_loader
 from training.build import stage_ulysses_degree
-from training.planning.cuda_path_probe import LaunchCounter
+from training.planning.cuda_path_probe import LaunchCounter, build_torch_library
 from training.planning.host_syncs import HostSyncCounter
 from training.planning.memory_probe import _forget_dtensor_caches, _sharding_propagation_in_its_own_fake_mode
 from training.metrics import visible_pairs
@@ -75,26 +75,9 @@ C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, FakeCudaHooks);
 
 
 def fake_cuda_runtime() -> str:
-    """The preloadable fake CUDA runtime library (see the module docstring), compiled once per torch version and
-    source into the temp folder; raises when it cannot be built (no compiler or headers)."""
-    import hashlib
-    import os
-    import subprocess
-    import tempfile
-
-    root = os.path.dirname(torch.__file__)
-    digest = hashlib.sha256(FAKE_CUDA_RUNTIME_SOURCE.encode()).hexdigest()[:12]  # a changed source is rebuilt
-    lib = os.path.join(tempfile.gettempdir(), f"fake_cuda_runtime_{torch.__version__.replace('+', '_')}_{digest}.so")
-    if not os.path.exists(lib):
-        src = f"{lib[:-3]}.{os.getpid()}.cpp"  # per process: tests may build it at the same moment
-        with open(src, "w") as f:
-            f.write(FAKE_CUDA_RUNTIME_SOURCE)
-        subprocess.run(["g++", "-shared", "-fPIC", "-std=c++17", f"-I{root}/include", src, "-o", f"{src}.so",
-                        f"-L{root}/lib", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root}/lib"],
-                       check=True, capture_output=True, timeout=300)
-        os.replace(f"{src}.so", lib)
-        os.remove(src)
-    return lib
+    """The preloadable fake CUDA runtime library (see the module docstring), built once per torch (version and
+    library folder) and source into the temp folder; raises when it cannot be built (no compiler or headers)."""
+    return build_torch_library("fake_cuda_runtime", FAKE_CUDA_RUNTIME_SOURCE, ["c10", "torch_cpu"])
 
 
 def fake_cuda_env(env: dict) -> dict:
