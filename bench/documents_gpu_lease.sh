@@ -7,6 +7,8 @@
 #   8K: plain causal vs documents (FA2 varlen, and cuDNN THD with attention_kernel = "cudnn") eager, the step profiled,
 #   and plain vs documents compiled.
 # part "64k": the same trainer runs at 64K.
+# part "thd": after the THD bindings were cached per batch: its GPU tests, the kernels, documents runs on THD at 8K
+#   and 64K, eager and compiled.
 set -u
 OUT="${OUT:-gpu-out}"
 WHEELS="${WHEELS:-gpu-wheels}"
@@ -37,6 +39,12 @@ if [ "$PART" = "tests-8k" ]; then
     --attention-kernel auto,cudnn --profile-step 5 --timeout 70 --measured "$OUT/predictions_8k.json"
   step predictions_8k_compiled 150 $PY bench/bench_predictions.py --seqs 8192 --ac none --documents off,on \
     --compile true --timeout 90 --measured "$OUT/predictions_8k.json"
+elif [ "$PART" = "thd" ]; then
+  step gpu_tests_thd 70 $PY -m pytest -q -m gpu -p no:cacheprovider --durations=0 tests/gpu/test_gpu_cudnn_thd.py \
+    -k "graphs_match or cp1 or frontend"
+  step attention_kernels_thd 60 $PY bench/bench_attention_kernels.py --seqs 8192,65536 --reps 5
+  step predictions_thd 150 $PY bench/bench_predictions.py --seqs 8192,65536 --ac none --documents on \
+    --compile false,true --attention-kernel cudnn --timeout 60 --measured "$OUT/predictions_thd.json"
 else
   step predictions_64k_eager 170 $PY bench/bench_predictions.py --seqs 65536 --ac none --documents off,on \
     --attention-kernel auto,cudnn --timeout 80 --measured "$OUT/predictions_64k.json"

@@ -17,7 +17,7 @@ The convention, read from the frontend's 1.32.0 wheel (re-checked on a GPU by te
 - it loads the libcudnn torch already loaded: its backend version must equal torch's, else it is refused.
 
 Graphs cost 55 ms to 1 s to build, so they are built per shape BUCKET, never per batch: the number of sequences,
-the longest sequence and the total tokens are rounded up to powers of two (unused batch entries get length 0: the
+the longest sequence and the total tokens are rounded up (`ThdCall.shape`; unused batch entries get length 0: the
 offsets repeat their last value), and each bucket's graph is cached for the process (`ThdGraphs.built` counts them,
 reported in metrics.jsonl). A query row that sees no key would come back NaN on cuDNN < 9.25; the CP plans never
 hand such rows to a kernel (an empty piece is not a call), and every sequence here has as many keys as queries or
@@ -26,7 +26,7 @@ more.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,12 +35,16 @@ THD_MIN_CUDNN = 90600
 THD_CAPABILITY_MAJORS = (9, 10)
 """Hopper and datacenter Blackwell: token-major ragged stats in the backward (SM 8.x / 12.x refuse them)."""
 FRONTEND_MODULE = "cudnn"
-BATCH_FLOOR, TOKENS_FLOOR = 8, 64
+BATCH_FLOOR, TOKENS_FLOOR = 16, 64
+RECTANGLE_SEQ_FLOOR, RECTANGLE_TOKENS_FLOOR = 1024, 4096
 
 
-def bucket(n: int, floor: int) -> int:
-    """The power of two at or above max(n, floor): a graph serves every shape up to it."""
-    return 1 << (max(int(n), floor, 1) - 1).bit_length()
+def bucket(n: int, floor: int, base: int = 2) -> int:
+    """The first of floor x base^i at or above n: a graph serves every shape up to it."""
+    size = floor
+    while size < n:
+        size *= base
+    return size
 
 
 def thd_problem(device: torch.device, module_found) -> str | None:
@@ -202,7 +206,8 @@ class ThdGraphs:
         workspace = torch.empty(max(workspace_size, 1), dtype=torch.uint8, device=device)
         if device.type == "cuda" and hasattr(self.frontend, "set_stream"):
             self.frontend.set_stream(handle=self.handle, stream=torch.cuda.current_stream(device).cuda_stream)
-        graph.execute(buffers, workspace, handle=self.handle)
+        # the ordered form (buffers with their uids): the frontend caches the binding metadata by value
+        graph.execute(list(buffers.values()), workspace, handle=self.handle, tensor_uids=list(buffers))
 
     def forward(self, q, k, v, call: "ThdCall", scale: float, deterministic: bool = False):
         """(out (Tq, Hq, D), stats (Tq, Hq, 1) float32) of packed q (Tq, Hq, D), k / v (Tk, Hkv, D) (v laid out
@@ -238,23 +243,41 @@ class ThdCall:
     max_q: int
     max_k: int
     is_causal: bool
+    made: dict = field(default_factory=dict, compare=False, repr=False)
+    """Bindings already made, by layout (`bindings`)."""
 
     @property
     def sequences(self) -> int:
         return self.cu_q.numel() - 1
 
     def shape(self, q, k, scale: float, deterministic: bool) -> ThdShape:
-        return ThdShape(q.dtype, q.size(1), k.size(1), q.size(2), bucket(self.sequences, BATCH_FLOOR),
-                        bucket(self.max_q, TOKENS_FLOOR), bucket(self.max_k, TOKENS_FLOOR),
-                        bucket(q.size(0), TOKENS_FLOOR), bucket(k.size(0), TOKENS_FLOOR),
-                        (q.stride(0), q.stride(1)), (k.stride(0), k.stride(1)), self.is_causal, float(scale),
-                        deterministic)
+        """The call's graph bucket. Causal calls (CP 1's whole batch, the ring's diagonal) round the longest
+        sequence and the token count up to powers of two, so their grids stay close to the work; the fused
+        rectangles of CP > 1, whose sizes vary most from batch to batch, round them to powers of four (from 1K and 4K
+        tokens). The sequence count goes up in powers of four from 16 (empty entries cost a grid row each). A 20-step
+        CP 2 run over changing documents then builds 6 graphs per direction (tests/parallelisms/test_cudnn_thd.py)."""
+        tokens = max(q.size(0), k.size(0))
+        longest = max(self.max_q, self.max_k)
+        if self.is_causal:
+            seq, total = bucket(longest, TOKENS_FLOOR), bucket(tokens, TOKENS_FLOOR)
+        else:
+            seq, total = bucket(longest, RECTANGLE_SEQ_FLOOR, 4), bucket(tokens, RECTANGLE_TOKENS_FLOOR, 4)
+        return ThdShape(q.dtype, q.size(1), k.size(1), q.size(2), bucket(self.sequences, BATCH_FLOOR, 4),
+                        seq, seq, total, total, (q.stride(0), q.stride(1)), (k.stride(0), k.stride(1)),
+                        self.is_causal, float(scale), deterministic)
 
     def bindings(self, q, k, backward: bool = False) -> dict:
         """The per-call int columns, padded to the bucket's batch with length-0 sequences: seq_len_q / kv and the
         ragged offsets in elements (cu_seqlens x each tensor's token stride; stats: x heads; the backward's packed
-        dK / dV: x K/V heads x head dim)."""
-        batch = bucket(self.sequences, BATCH_FLOOR)
+        dK / dV: x K/V heads x head dim). Made once per call and layout (a batch's layers share one ThdCall), so
+        their ~10 small kernels run once per batch, not per layer and direction."""
+        key = (q.stride(0), q.size(1), q.size(2), k.stride(0), k.size(1), backward)
+        if key not in self.made:
+            self.made[key] = self._bindings(q, k, backward)
+        return self.made[key]
+
+    def _bindings(self, q, k, backward: bool) -> dict:
+        batch = bucket(self.sequences, BATCH_FLOOR, 4)
         cu_q, cu_k = (_padded(cu, batch) for cu in (self.cu_q, self.cu_k))
         column = lambda x: x.reshape(-1, 1, 1, 1)  # noqa: E731
         q64, k64 = cu_q.to(torch.int64), cu_k.to(torch.int64)

@@ -26,7 +26,7 @@ chooses.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ class VarlenCall:
     max_q: int
     max_k: int
     host_q: tuple[np.ndarray, np.ndarray]  # (batch, row) of the queries on the host: which accumulator rows it writes
+    thd: dict = field(default_factory=dict, compare=False, repr=False)  # its cuDNN THD call, made at first use
 
 
 def _ranges(starts: list[int], ends: list[int]) -> np.ndarray:
@@ -174,7 +175,11 @@ def varlen_forward(q, k_blk, v_blk, call: VarlenCall, scale, packed: str = "flas
 
 
 def _thd_call(call: VarlenCall) -> thd.ThdCall:
-    return thd.ThdCall(call.cum_q, call.cum_k, call.max_q, call.max_k, call.is_causal)
+    """The call as cuDNN THD takes it, made once per batch (the call is cached with the batch's documents), so its
+    bindings are shared by every layer and both directions."""
+    if "call" not in call.thd:
+        call.thd["call"] = thd.ThdCall(call.cum_q, call.cum_k, call.max_q, call.max_k, call.is_causal)
+    return call.thd["call"]
 
 
 def merge_into(acc, out: torch.Tensor, lse: torch.Tensor, call: VarlenCall) -> None:

@@ -20,7 +20,7 @@ contract) has no packed form: `PackedDocuments.from_ids` returns None and the ca
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ class PackedDocuments:
     """cu_seqlens on the host: the per-document calls' rows."""
     batch: int
     seq_len: int
+    thd_calls: dict = field(default_factory=dict, compare=False, repr=False)
+    """The batch's cuDNN THD calls, made at the first layer (`thd_call`)."""
 
     @classmethod
     def from_ids(cls, document_ids) -> "PackedDocuments | None":
@@ -74,6 +76,13 @@ class PackedDocuments:
         """cu_seqlens on the run's device: the batch's one host-to-device copy of it, no sync."""
         return PackedDocuments(self.cu_seqlens.to(device, non_blocking=non_blocking), self.max_seqlen, self.host_cu,
                                self.batch, self.seq_len)
+
+    def thd_call(self, is_causal: bool) -> thd.ThdCall:
+        """The batch's cuDNN THD call, one per causality for all layers (its bindings are made once)."""
+        if is_causal not in self.thd_calls:
+            self.thd_calls[is_causal] = thd.ThdCall(self.cu_seqlens, self.cu_seqlens, self.max_seqlen,
+                                                    self.max_seqlen, is_causal)
+        return self.thd_calls[is_causal]
 
     def pieces(self) -> list[Piece]:
         """One causal-square piece per document (the per-document path): (batch row, its rows) of each."""
@@ -107,7 +116,7 @@ def packed_forward(q, k, v, docs: PackedDocuments, is_causal: bool, scale, kerne
     if one_packed_call(q, kernel):
         qp, kp, vp = _packed(q), _packed(k), _packed(v)
         if packed == "cudnn_thd":
-            call = thd.ThdCall(docs.cu_seqlens, docs.cu_seqlens, docs.max_seqlen, docs.max_seqlen, is_causal)
+            call = docs.thd_call(is_causal)
             out, stats = thd.graphs_for(q.device).forward(qp, kp, vp, call, thd.default_scale(scale, q.size(-1)),
                                                           torch.are_deterministic_algorithms_enabled())
             return _unpacked(out, q.size(0)), (out, stats, call)

@@ -101,7 +101,11 @@ class StandInGraph:
     def get_workspace_size(self):
         return 0
 
-    def execute(self, buffers: dict, workspace, handle=None):
+    def execute(self, buffers, workspace, handle=None, tensor_uids=None):
+        """`buffers`: {uid: tensor}, or a list of tensors with their `tensor_uids` (the frontend's two forms)."""
+        if tensor_uids is not None:
+            assert len(set(tensor_uids)) == len(tensor_uids) == len(buffers), "uids must be distinct, one per buffer"
+            buffers = dict(zip(tensor_uids, buffers))
         direction, t = self.node
         self.frontend.calls.append(direction)
         if any(isinstance(b, FakeTensor) for b in buffers.values()):

@@ -277,10 +277,11 @@ def run_layer(fwd, bwd, q, k, v, spec):
 
 def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtype=torch.bfloat16,
                   expand_gqa: bool = False, memory: bool = False, counter: LaunchCounter | None = None,
-                  head_groups: int = 0, kernel: str = "flash") -> LayerCounts:
+                  head_groups: int = 0, kernel: str = "flash", packed: str = "flash") -> LayerCounts:
     """One layer's attention (forward + backward) of `rank` on fake CUDA tensors. `shape` = (batch, local length,
     query heads, K/V heads, head dim) as this rank's attention sees them (Ulysses: the whole sequence, heads / P).
-    `kernel`: the kernel family the stage runs (cp/kernel_blocks.py, "auto" resolved)."""
+    `kernel`: the kernel family the stage runs (cp/kernel_blocks.py, "auto" resolved); `packed`: the packed calls'
+    kernel (cp/kernel_cudnn_thd.PACKED_KERNELS)."""
     batch, length, heads, kv_heads, head_dim = shape
     cp = len(docs.per_rank)
     pieces = sum(len(docs.layout_pieces(rank, src, True)) for src in range(cp))
@@ -288,10 +289,10 @@ def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtyp
             FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = _qkv(batch, length, heads, kv_heads, head_dim, dtype)
         if impl == "ring":
-            spec, fwd, bwd = BlockSpec(group, True, None, DOCUMENTS, docs, None, head_groups, kernel), \
+            spec, fwd, bwd = BlockSpec(group, True, None, DOCUMENTS, docs, None, head_groups, kernel, packed), \
                 sparse_forward, sparse_backward
         else:  # Ulysses / hybrid on documents: the ring's code at P = 1 over the gathered sequence
-            spec, fwd, bwd = BlockSpec(None, True, None, DOCUMENTS, docs, None, head_groups, kernel), ring_forward, \
+            spec, fwd, bwd = BlockSpec(None, True, None, DOCUMENTS, docs, None, head_groups, kernel, packed), ring_forward, \
                 ring_backward
         tracker = MemTracker() if memory else contextlib.nullcontext()
         counter = counter or LaunchCounter()
