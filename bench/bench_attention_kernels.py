@@ -180,8 +180,8 @@ def report(best: dict, args, device: torch.device) -> list[str]:
         docs = best[(f"ring at CP=1, {auto}", "documents", seq)]
         lines.append(f"ring at CP=1 / SDPA, causal fwd+bwd, bf16, seq {seq}, kernel {auto}: {ring * 1e3:.2f} ms / "
                      f"{sdpa * 1e3:.2f} ms = {ring / sdpa:.3f}; packed documents / plain at CP=1: {docs / ring:.3f}")
-        rates = {packed: packed_tflops(best[(row, "documents", seq)], seq, args)
-                 for packed, row in PACKED_ROWS.items() if (row, "documents", seq) in best}
+        timed = {packed: best.get((row, "documents", seq)) for packed, row in PACKED_ROWS.items()}
+        rates = {packed: packed_tflops(seconds, seq, args) for packed, seconds in timed.items() if seconds}
         text = ", ".join(f"{PACKED_ROWS[p].split(', ')[1]} {r:.0f} TFLOP/s" for p, r in rates.items())
         ratio = (f"; cuDNN THD / flash varlen {rates['cudnn_thd'] / rates['flash']:.2f}x" if len(rates) == 2
                  else "")

@@ -345,17 +345,21 @@ def _thd_problem_on(device_index: int) -> str | None:
 
 def packed_kernel(asked: str, q: torch.Tensor) -> str:
     """The packed-sequence kernel of document pieces for the run's `[parallelism] attention_kernel` (as asked, not
-    resolved): cuDNN THD when asked for by name ("cudnn") and this device serves it (half precision, head dim a
-    multiple of 8 up to 128, the frontend present, SM 9.x / 10.x, cuDNN 9.6+); FlashAttention's varlen ops otherwise,
-    "auto" included, until the THD path has passed its GPU tests (tests/gpu/test_gpu_cudnn_thd.py)."""
+    resolved): cuDNN THD where the run takes cuDNN ("cudnn", or "auto" where torch itself prefers cuDNN: SM 9.x /
+    10.x with cuDNN > 9.15) and this device serves it (half precision, head dim a multiple of 8 up to 128, the
+    frontend installed, cuDNN 9.6+); FlashAttention's varlen ops otherwise. "auto" took THD once its GPU tests had
+    passed on an H200 (bench/measurements/h200_documents_2026-11-28: faster per call than FA2 varlen at 8K and 64K,
+    and faster trainer steps)."""
     return packed_kernel_for(asked, q.device, q.dtype, q.size(-1))
 
 
 def packed_kernel_for(asked: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """`packed_kernel` from the call's device, dtype and head dim (the trainer names it at start-up)."""
-    from parallelisms.cp.kernel_blocks import cudnn_serves
+    from parallelisms.cp.kernel_blocks import cudnn_serves, family_on
 
-    if asked != "cudnn" or device.type != "cuda" or not cudnn_serves(dtype, head_dim, needs_mask=False):
+    if device.type != "cuda" or not cudnn_serves(dtype, head_dim, needs_mask=False):
+        return "flash"
+    if asked != "cudnn" and not (asked == "auto" and family_on(asked, device) == "cudnn"):
         return "flash"
     return "cudnn_thd" if _thd_problem_on(_index(device)) is None else "flash"
 

@@ -84,12 +84,12 @@ def test_cp1_packed_documents_make_one_thd_call_each_way_and_match_float64(devic
     dev = _thd_device(device)
     rng = np.random.default_rng(1)
     lengths = [int(x) for x in np.ceil(rng.lognormal(6.5, 1.0, 64))]
-    ids = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)[:4096])[None]
+    ids = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)[:2048])[None]
     gen = torch.Generator(device=dev).manual_seed(2)
-    make = lambda h: torch.randn(1, 4096, h, 128, generator=gen, device=dev,  # noqa: E731
+    make = lambda h: torch.randn(1, 2048, h, 128, generator=gen, device=dev,  # noqa: E731
                                  dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     q, k, v = make(16), make(8), make(8)
-    dout = torch.randn(1, 16, 4096, 128, generator=gen, device=dev, dtype=torch.bfloat16)
+    dout = torch.randn(1, 16, 2048, 128, generator=gen, device=dev, dtype=torch.bfloat16)
     graphs = thd.graphs_for(dev)
     before = dict(graphs.built)
     with LaunchCounter() as counter:
@@ -112,14 +112,14 @@ def test_documents_layouts_on_thd_match_float64(device, cp, monkeypatch):
     """The CP 2 / CP 4 documents layout gathered as Ulysses sees it: causal squares and fused rectangles, with
     attention_kernel = "cudnn" (THD for the packed calls)."""
     dev = _thd_device(device)
-    lengths = [1365] + np.random.default_rng(cp).integers(1, 300, 4096).tolist()
-    row = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)[:4096])[None]
+    lengths = [683] + np.random.default_rng(cp).integers(1, 300, 2048).tolist()
+    row = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)[:2048])[None]
     docs = concatenated_documents(DocumentShards.from_layout(row, DocumentLayout.plan(row, cp)))
     gen = torch.Generator(device=dev).manual_seed(3)
-    make = lambda h: torch.randn(1, 4096, h, 128, generator=gen, device=dev,  # noqa: E731
+    make = lambda h: torch.randn(1, 2048, h, 128, generator=gen, device=dev,  # noqa: E731
                                  dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     q, k, v = make(16), make(8), make(8)
-    dout = torch.randn(1, 16, 4096, 128, generator=gen, device=dev, dtype=torch.bfloat16)
+    dout = torch.randn(1, 16, 2048, 128, generator=gen, device=dev, dtype=torch.bfloat16)
     with LaunchCounter() as counter:
         out = local_segment_attention(q, k, v, docs, is_causal=True, kernel="cudnn")
         out.backward(dout)

@@ -233,3 +233,31 @@ def test_a_20_step_cp2_run_over_changing_documents_builds_at_most_8_graphs_per_d
             probe.measure_layer(docs, rank, "ring", (1, 8192, 16, 8, 128), packed="cudnn_thd")
     built = thd.graphs_for(torch.device("cuda")).built
     assert 0 < built["forward"] <= 8 and 0 < built["backward"] <= 8, built
+
+
+def test_documents_take_thd_where_the_run_takes_cudnn_and_the_frontend_serves_the_gpu(monkeypatch):
+    """"auto" takes THD where it resolves to cuDNN (Hopper / Blackwell with torch's conditions), "cudnn" by name;
+    FlashAttention varlen otherwise: another family, no frontend, a dtype or head dim cuDNN does not serve, CPU."""
+    import parallelisms.cp.kernel_blocks as kernel_blocks
+
+    gpu, bf16 = torch.device("cuda", 0), torch.bfloat16
+    monkeypatch.setattr(thd, "_thd_problem_on", lambda index: None)
+    monkeypatch.setattr(kernel_blocks, "family_on", lambda asked, device: "cudnn")
+    assert thd.packed_kernel_for("auto", gpu, bf16, 128) == "cudnn_thd"
+    assert thd.packed_kernel_for("cudnn", gpu, bf16, 128) == "cudnn_thd"
+    assert thd.packed_kernel_for("flash", gpu, bf16, 128) == "flash"
+    assert thd.packed_kernel_for("fa3", gpu, bf16, 128) == "flash"
+    assert thd.packed_kernel_for("cudnn", gpu, torch.float32, 128) == "flash"
+    assert thd.packed_kernel_for("cudnn", gpu, bf16, 256) == "flash"  # cuDNN's head dim limit here
+    assert thd.packed_kernel_for("cudnn", torch.device("cpu"), bf16, 128) == "flash"
+    monkeypatch.setattr(kernel_blocks, "family_on", lambda asked, device: "flash")  # an A100, or deterministic
+    assert thd.packed_kernel_for("auto", gpu, bf16, 128) == "flash"
+    monkeypatch.setattr(thd, "_thd_problem_on", lambda index: "the nvidia-cudnn-frontend package is not installed")
+    assert thd.packed_kernel_for("cudnn", gpu, bf16, 128) == "flash"
+    assert thd.documents_kernel_name("cudnn", gpu, bf16, 128) == "flash_varlen"
+    assert thd.documents_kernel_name("auto", torch.device("cpu"), torch.float32, 64) == "per_document"
+
+
+def test_thd_is_refused_where_it_cannot_run():
+    assert "runs on CUDA" in thd.thd_problem(torch.device("cpu"), lambda module: True)
+    assert "nvidia-cudnn-frontend" in thd.thd_problem(torch.device("cuda", 0), lambda module: False)
