@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from parallelisms.context_parallel import ring_attention  # noqa: E402
 from parallelisms.cp.kernel_cudnn_thd import thd_problem  # noqa: E402
 from parallelisms.cp.packed_documents import PackedDocuments, packed_attention  # noqa: E402
-from parallelisms.cp.kernel_blocks import (activate_flash_implementation, concrete_kernel, kernel_for,  # noqa: E402
+from parallelisms.cp.kernel_blocks import (concrete_kernel, flash_implementation, kernel_for,  # noqa: E402
                                            module_installed, runnable_kernels)
 
 DOCUMENT_MIX = "web-like: lognormal(6.5, 1.0) tokens per document (median ~665)"
@@ -129,15 +129,8 @@ def packed_tflops(seconds: float, seq: int, args) -> float:
 
 
 def _run_family(activate: str | None, fn, device) -> float:
-    from torch.nn import attention
-
-    if activate is not None:
-        activate_flash_implementation(activate)
-    try:
+    with flash_implementation(activate or "flash"):
         return timed(fn, device)
-    finally:
-        if activate is not None:
-            attention.restore_flash_attention_impl(_raise_warn=False)
 
 
 def measure(args, device: torch.device) -> dict:

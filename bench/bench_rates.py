@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from bench.bench_attention_kernels import timed  # noqa: E402
-from parallelisms.cp.kernel_blocks import activate_flash_implementation, kernel_for, runnable_kernels  # noqa: E402
+from parallelisms.cp.kernel_blocks import flash_implementation, kernel_for, runnable_kernels  # noqa: E402
 from training.planning.rates import RATES_DIR, rates_path  # noqa: E402
 
 
@@ -82,8 +82,6 @@ def gemm_rates(args, device, make=_bf16_mm, kind="bf16") -> list[dict]:
 
 
 def attention_rates(args, device) -> list[dict]:
-    from torch.nn import attention
-
     rows = []
     for length in args.lengths:
         make = lambda h: torch.randn(1, length, h, args.head_dim, device=device,  # noqa: E731
@@ -91,16 +89,12 @@ def attention_rates(args, device) -> list[dict]:
         q, k, v, grad = make(args.heads), make(args.kv_heads), make(args.kv_heads), make(args.heads)
         forward_flops = 4.0 * length * (length + 1) / 2 * args.heads * args.head_dim
         for family in runnable_kernels(device):
-            activate_flash_implementation(family)
-            try:
+            with flash_implementation(family):
                 block = kernel_for(device.type, q.dtype, args.head_dim, False, prefer=family)
                 out, lse, aux = block.forward(q, k, v, is_causal=True, scale=None, mask=None)
                 fwd = fastest(lambda: block.forward(q, k, v, is_causal=True, scale=None, mask=None), device, args.reps)
                 bwd = fastest(lambda: block.backward(grad, q, k, v, out, lse, aux, is_causal=True, scale=None,
                                                      mask=None), device, args.reps)
-            finally:
-                if family in ("fa3", "fa4"):
-                    attention.restore_flash_attention_impl(_raise_warn=False)
             for phase, seconds, flops in (("fwd", fwd, forward_flops), ("bwd", bwd, 2.5 * forward_flops)):
                 rows.append({"kernel": family, "phase": phase, "causal": True, "length": length,
                              "head_dim": args.head_dim, "q_heads": args.heads, "kv_heads": args.kv_heads,

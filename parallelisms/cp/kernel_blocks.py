@@ -19,6 +19,7 @@ varlen calls (kernel_varlen.py); these per-piece kernels serve CPU, the efficien
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -356,13 +357,35 @@ def runnable_kernels(device: torch.device) -> list[str]:
 
 
 def activate_flash_implementation(kernel: str) -> None:
-    """Re-registers torch's CUDA flash ops with FA3/FA4 (process-wide, once per rank at setup) for "fa3"/"fa4"."""
-    if kernel in FLASH_IMPLEMENTATIONS:
-        import torch.nn.attention as attention
+    """Makes torch's CUDA flash ops the family's (process-wide, once per rank at setup): FA3/FA4 re-registered for
+    "fa3"/"fa4"; for any other family torch's own FA2 again, should an earlier call have switched them."""
+    import torch.nn.attention as attention
 
+    current = attention.current_flash_attention_impl()
+    if kernel in FLASH_IMPLEMENTATIONS:
         name = FLASH_IMPLEMENTATIONS[kernel][0]
-        if attention.current_flash_attention_impl() != name:
+        if current != name:
             attention.activate_flash_attention_impl(name)
+    elif current is not None:
+        attention.restore_flash_attention_impl(_raise_warn=False)
+
+
+@contextlib.contextmanager
+def flash_implementation(kernel: str):
+    """`activate_flash_implementation` for a scope (the benches time one family after another): torch's flash ops
+    are back to what they were on exit."""
+    import torch.nn.attention as attention
+
+    before = attention.current_flash_attention_impl()
+    activate_flash_implementation(kernel)
+    try:
+        yield
+    finally:
+        if attention.current_flash_attention_impl() != before:
+            if before is None:
+                attention.restore_flash_attention_impl(_raise_warn=False)
+            else:
+                attention.activate_flash_attention_impl(before)
 
 
 def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, needs_mask: bool, *, prefer: str = "flash"):

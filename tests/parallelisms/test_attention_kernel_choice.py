@@ -275,3 +275,28 @@ def test_ulysses_whole_sequence_call_runs_sdpa_with_the_familys_backend_order(fa
             with spy:
                 ulysses_attention(q, k, v, group, is_causal=True, load_balancer="zigzag", kernel=kernel)
         assert spy.calls == [(int(first), cudnn_on, 2, 1)], spy.calls  # heads / 2 per rank, K/V unexpanded
+
+
+def test_flash_after_fa4_restores_torchs_own_flash_ops(monkeypatch):
+    """Issue 50, bug 7: activate_flash_implementation("flash") after "fa4" left FA4 registered (no way back but the
+    benches' hand-written restore); the scoped form puts back what was there before."""
+    import torch.nn.attention as attention
+
+    from parallelisms.cp.kernel_blocks import flash_implementation
+
+    active = [None]
+    monkeypatch.setattr(attention, "current_flash_attention_impl", lambda: active[0])
+    monkeypatch.setattr(attention, "activate_flash_attention_impl", lambda name: active.__setitem__(0, name))
+    monkeypatch.setattr(attention, "restore_flash_attention_impl",
+                        lambda _raise_warn=True: active.__setitem__(0, None))
+    activate_flash_implementation("fa4")
+    assert active[0] == "FA4"
+    activate_flash_implementation("flash")
+    assert active[0] is None
+    activate_flash_implementation("fa3")
+    with flash_implementation("fa4"):
+        assert active[0] == "FA4"
+    assert active[0] == "FA3"
+    with flash_implementation("cudnn"):
+        assert active[0] is None
+    assert active[0] == "FA3"

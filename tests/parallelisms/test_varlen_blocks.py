@@ -163,3 +163,16 @@ def test_kernel_calls_per_layer_at_1m_tokens_stay_within_4p(fake_cuda, cp):
     assert ring.attention_kernel_calls_per_layer <= 4 * cp and ring.pieces > 4 * cp
     ulysses = probe.ulysses_counts(ids, cp, (1, 1 << 20, 1, 1, 64))
     assert ulysses.attention_kernel_calls_per_layer <= 4 * cp and ulysses.pieces > 4 * cp
+
+
+def test_the_probes_fake_group_refuses_a_world_of_another_size():
+    """Issue 50, bug 5: fake_group reused any process group already up, whatever its size, so a probe of CP 4 inside
+    a world of 1 planned and counted for the wrong degree without a word."""
+    import torch.distributed as dist
+
+    with probe.fake_group(1, 0):
+        with pytest.raises(RuntimeError, match="already up"):
+            with probe.fake_group(4, 0):
+                pass
+        with probe.fake_group(1, 0) as group:  # the same world: reused
+            assert dist.get_world_size(group) == 1

@@ -48,3 +48,22 @@ def test_trainer_micro_step_at_cp2_dp2_with_documents_and_placement_makes_no_hos
     for record in per_rank:
         assert record["calls"] == {"micro_step": 4, "move_batch": 4}
         assert record["syncs"] == {}, record
+
+
+def test_a_sync_anywhere_in_the_repository_is_named_by_its_file():
+    """Issue 50, bug 1: the repository root was taken as training/ after host_syncs.py moved to training/planning/,
+    so a `.item()` under parallelisms/ was reported as "outside the repository"."""
+    import os
+
+    import torch
+
+    from training.planning.host_syncs import HostSyncCounter
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    namespace: dict = {}
+    exec(compile("def read(x):\n    return x.sum().item()\n", os.path.join(root, "parallelisms", "cp", "rows.py"),
+                 "exec"), namespace)  # a function whose frame lies in parallelisms/cp/rows.py
+    with HostSyncCounter(strict=True, where=True) as syncs:
+        namespace["read"](torch.ones(2))
+    assert syncs.places and all(place.startswith("_local_scalar_dense at parallelisms/cp/rows.py:2 read")
+                                for place in syncs.places), syncs.places

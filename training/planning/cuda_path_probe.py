@@ -193,10 +193,14 @@ class LayerCounts:
 
 @contextlib.contextmanager
 def fake_group(cp: int, rank: int):
-    """A fake process group of `cp` ranks in this process (collectives return at once), unless one is up already."""
+    """A fake process group of `cp` ranks in this process (collectives return at once), unless one of that size is
+    up already (a probe inside a fake world): a group of another size would plan and count for the wrong degree."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
+        if dist.get_world_size() != cp or dist.get_rank() != rank:
+            raise RuntimeError(f"fake_group({cp}, rank {rank}): a process group of {dist.get_world_size()} ranks "
+                               f"(this one rank {dist.get_rank()}) is already up in this process")
         yield dist.group.WORLD
         return
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)

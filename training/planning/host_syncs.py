@@ -25,7 +25,8 @@ _COPIES = (aten._to_copy.default, aten.copy_.default, aten._copy_from.default, a
 _HOST_READS = ("cpu", "numpy", "tolist")
 
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The repository root (this file is training/planning/host_syncs.py): frames anywhere in it are named."""
 _MODE_HOOKS = ("__torch_function__", "__torch_dispatch__")
 """Frames of the repository's own torch modes (context_parallel's routing): they pass calls on, never make them."""
 
@@ -34,7 +35,7 @@ def _where() -> str:
     """The innermost frame of this repository (not this module) that made the call: where to look for the sync."""
     for frame in reversed(traceback.extract_stack()):
         if frame.filename.startswith(_REPO) and not frame.filename.endswith("host_syncs.py") and \
-                frame.name not in _MODE_HOOKS:
+                frame.name not in _MODE_HOOKS and "site-packages" not in frame.filename:  # a .venv in the checkout
             return f"{os.path.relpath(frame.filename, _REPO)}:{frame.lineno} {frame.name}"
     return "outside the repository"
 
