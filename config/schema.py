@@ -184,6 +184,13 @@ class TrainingConfig:
     float8) | rowwise (a scale per row, rounded down to a power of two: more accurate, slower). The embedding and
     the output projection stay in `dtype`. Needs torchao (requirements.txt), imported only when this is not off."""
 
+    cpu_offload: bool = False
+    """FSDP2's CPUOffloadPolicy (parallelisms/data_parallel.py): every parameter shard, its gradient and the AdamW
+    state live in host memory (pinned on CUDA); each block's parameters come to the device for its forward and
+    backward, its gradients go back, and the optimizer steps on the host (torch's fused CPU AdamW, measured ~3x
+    faster than foreach). For models whose state does not fit the GPUs (docs/frontier.md). On a CPU run the host is
+    already the device: the same code path and numbers, no memory saved. Not with float8 or pp > 1."""
+
     def compiles(self, device_type: str = "cuda") -> bool:
         """`compile` resolved for a run on `device_type` ("auto": on for CUDA only)."""
         return device_type == "cuda" if self.compile == "auto" else bool(self.compile)

@@ -182,6 +182,12 @@ def _file_index(sizes: dict[str, int]) -> dict[str, int]:
     return mapping
 
 
+def _on_mesh_device(tensor: DTensor) -> DTensor:
+    """A DTensor on its mesh's device: a host-offloaded shard (training.cpu_offload) of a CUDA mesh cannot be
+    all-gathered by NCCL where it lies."""
+    return tensor if tensor.device.type == tensor.device_mesh.device_type else tensor.to(tensor.device_mesh.device_type)
+
+
 @torch.no_grad()
 def save_hf(model: nn.Module | Sequence[nn.Module], path: str, dtype: torch.dtype | None = None,
             process_group=None, plain=None, **config_fields) -> None:
@@ -203,7 +209,7 @@ def save_hf(model: nn.Module | Sequence[nn.Module], path: str, dtype: torch.dtyp
         tensor = param.detach()
         heads = _qk_heads(name, cfg)
         if heads:
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            full = _on_mesh_device(tensor).full_tensor() if isinstance(tensor, DTensor) else tensor
             tensor = _place_like(interleaved_to_rotate_half(full, heads), param)
         state[hf_name(name)] = tensor.to(out_dtype)
         sizes[hf_name(name)] = param.numel() * torch.finfo(out_dtype).bits // 8
