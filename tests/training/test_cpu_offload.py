@@ -35,3 +35,31 @@ def test_policy_pins_host_memory_only_for_a_cuda_run():
     assert isinstance(cuda, CPUOffloadPolicy) and cuda.pin_memory
     assert isinstance(cpu, CPUOffloadPolicy) and not cpu.pin_memory
     assert type(offload_policy(False, "cuda")) is OffloadPolicy
+
+
+SMOLLM2_135M_16K_CP2 = ["--model.dim", "576", "--model.n_layers", "30", "--model.n_heads", "9", "--model.n_kv_heads",
+                        "3", "--model.intermediate_size", "1536", "--model.vocab_size", "49152",
+                        "--model.tie_embeddings", "tied", "--training.seq_len", "16384", "--training.local_batch_size",
+                        "1", "--parallelism.cp", "2", "--parallelism.dp_shard", "1", "--hardware.device", "cpu",
+                        "--hardware.host_memory_gib", "24"]
+"""The issue's case: SmolLM2-135M's shape at 16K tokens under CP 2 without activation checkpointing on a 24 GiB box,
+which the kernel's OOM killer stopped (26 GiB of live tensors and interpreters, measured by the dry run's probe)."""
+
+
+def test_a_stage_over_the_boxs_memory_stops_before_torchrun_in_one_line(capsys):
+    assert train.main(["--check", "recipes/debug.toml", *SMOLLM2_135M_16K_CP2]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "stage recipe (seq_len 16,384) needs" in err and "GiB of host memory per node (2 rank(s)" in err, err
+    needed, have = (float(err.split(" needs ")[1].split(" GiB")[0]), float(err.split("the node has ")[1].split(" ")[0]))
+    assert needed > have and have <= 24
+    assert 'activation_checkpoint.mode = "full"' in err and "--dry-run" in err, err  # the cheapest fix, the plan
+
+
+def test_a_debug_stage_passes_the_check_without_a_probe(monkeypatch):
+    """Far below the box's memory: the launch check measures nothing (every CI run goes through it)."""
+    from training.planning import memory_probe
+    from training.planning.host_memory import check_host_memory
+
+    monkeypatch.setattr(memory_probe, "measure_memory", lambda *a, **k: pytest.fail("probed a debug stage"))
+    check_host_memory(load_config("recipes/debug.toml"), 2)

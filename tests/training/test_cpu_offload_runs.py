@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from tests.trainer_runs import read_metrics, run_train
+from harness.launch_env import child_env
+from tests.trainer_runs import ROOT, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -74,3 +77,39 @@ def test_resume_an_offloaded_checkpoint_with_and_without_offload(tmp_path, fsdp_
     resumed = train(str(folder), resume_offloaded)
     assert sorted(resumed) == list(range(6, 11))
     assert all(resumed[s] == straight[s] for s in resumed), (straight, resumed)
+
+
+RSS_RUN = ["--training.seq_len", "1024", "--training.local_batch_size", "2", "--activation_checkpoint.mode", "full",
+           "--activation_checkpoint.offload", "true", "--training.steps", "2", "--checkpoint.enable", "false"]
+RETURNING_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+"""glibc returning freed blocks at once: the resident set then follows the live tensors the plan counts (its default
+heap keeps freed pages: training/planning/host_memory.py)."""
+
+
+@pytest.mark.timeout(300)
+def test_dry_run_host_peak_per_rank_matches_the_measured_peak_rss(tmp_path):
+    """2 CPU ranks, AC full + activation offload, with and without cpu_offload: the dry run's host bytes per rank
+    against the ranks' measured peak resident set (ru_maxrss, the larger rank's, metrics.jsonl `memory`)."""
+    import json
+
+    plan = run_train("--dry-run", "--job.dump_folder", str(tmp_path / "plan"), *COMMON, *RSS_RUN,
+                     env={"WORLD_SIZE": "2"})
+    assert plan.returncode == 0, plan.stdout[-2000:] + plan.stderr[-2000:]
+    assert "host memory (cpu run" in plan.stdout
+    with open(tmp_path / "plan" / "dry_run.json") as f:
+        (stage,) = json.load(f)["stages"]
+    for offload in (False, True):
+        folder = tmp_path / f"run-{offload}"
+        # torchrun's own ranks (not forked from this interpreter, whose pages they would share): as run_train.sh
+        # starts them, without its launch check
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", "train.py", "recipes/debug.toml", *COMMON, *RSS_RUN, "--job.dump_folder",
+                                 str(folder), "--training.cpu_offload", str(offload).lower()], cwd=ROOT,
+                                capture_output=True, text=True, timeout=240,
+                                env=child_env(base={**os.environ, **RETURNING_ALLOCATOR}))
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        measured = max(record["memory"] for record in read_metrics(str(folder)))
+        error = stage["host_peak_gib_per_rank"] / measured - 1
+        print(f"cpu_offload {offload}: host per rank predicted {stage['host_peak_gib_per_rank']:.3f} GiB, "
+              f"measured peak RSS {measured:.3f} GiB ({100 * error:+.1f}%)")
+        assert abs(error) <= 0.10, (stage["host_peak_gib_per_rank"], measured)
