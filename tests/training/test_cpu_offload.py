@@ -63,3 +63,13 @@ def test_a_debug_stage_passes_the_check_without_a_probe(monkeypatch):
 
     monkeypatch.setattr(memory_probe, "measure_memory", lambda *a, **k: pytest.fail("probed a debug stage"))
     check_host_memory(load_config("recipes/debug.toml"), 2)
+
+
+def test_offload_price_is_the_host_adamw_and_three_shard_copies_per_micro_step():
+    """By hand: 1e9 fp32 parameter shard elements (4 GB), 8 ranks sharing an H100 node's 614 GB/s of host memory at
+    60-75% of it, 2 micro-steps over 64 GB/s PCIe at 75-85%."""
+    from training.planning.offload_cost import offload_step_s
+
+    cost = offload_step_s(4e9, 2, 8, "h100-sxm", 64e9, (0.75, 0.85))
+    assert cost["host_optimizer"] == pytest.approx((28e9 / (614e9 / 8 * 0.75), 28e9 / (614e9 / 8 * 0.6)))
+    assert cost["host_copies"] == pytest.approx((3 * 4e9 * 2 / (64e9 * 0.85), 3 * 4e9 * 2 / (64e9 * 0.75)))
