@@ -73,3 +73,21 @@ def test_offload_price_is_the_host_adamw_and_three_shard_copies_per_micro_step()
     cost = offload_step_s(4e9, 2, 8, "h100-sxm", 64e9, (0.75, 0.85))
     assert cost["host_optimizer"] == pytest.approx((28e9 / (614e9 / 8 * 0.75), 28e9 / (614e9 / 8 * 0.6)))
     assert cost["host_copies"] == pytest.approx((3 * 4e9 * 2 / (64e9 * 0.85), 3 * 4e9 * 2 / (64e9 * 0.75)))
+
+
+def test_dry_run_proposes_the_offload_when_the_state_alone_does_not_fit():
+    """A GPU whose usable memory is below the rank's training state: the proposed change is cpu_offload, handed back
+    as a config for the dry run to measure (e.g. `--hardware.device_memory_gib 2.06 --parallelism.dp_shard 1` on the
+    debug model: "checked with the same measurement: peak 0.03 GiB, fits")."""
+    from training.planning.dry_run import PlanRow, RowResult, propose_fix
+    from training.planning.memory_probe import GIB, RankMemory
+    from training.planning.preflight import preflight
+
+    cfg = load_config("recipes/debug.toml", ["--activation_checkpoint.mode", "full", "--parallelism.dp_shard", "1"])
+    memory = RankMemory(0.03 * GIB, 0.03 * GIB, 0.06 * GIB, 0.2 * GIB, 0.15 * GIB, None, (6,))
+    result = RowResult(PlanRow("recipe", cfg), 1, preflight(cfg, 1), memory, {}, [0])
+    advice, candidate = propose_fix(result, usable_gib=0.1)
+    assert "training.cpu_offload = true" in advice and candidate.training.cpu_offload
+    cfg.training.cpu_offload = True  # already offloaded: the next advice (more GPUs), nothing to re-measure
+    advice, candidate = propose_fix(RowResult(PlanRow("recipe", cfg), 1, preflight(cfg, 1), memory, {}, [0]), 0.1)
+    assert "cpu_offload" not in advice and candidate is None

@@ -161,6 +161,10 @@ def propose_fix(result: RowResult, usable_gib: float) -> tuple[str, Config | Non
     if cfg.activation_checkpoint.mode != "full":
         return ("set activation_checkpoint.mode = \"full\" (each block keeps only its input)",
                 _with(cfg, "activation_checkpoint", mode="full"))
+    if state_gib >= usable_gib and not cfg.training.cpu_offload and dims.pp == 1 and cfg.training.float8 == "off":
+        return (f"parameters, gradients and AdamW state take {state_gib:.1f} GiB per GPU: keep them in host memory "
+                f"with training.cpu_offload = true (FSDP2's CPU offload; the step then pays the host's AdamW and "
+                f"the per-block copies), or shard them over more GPUs", _with(cfg, "training", cpu_offload=True))
     if state_gib >= usable_gib:
         need = math.ceil(dims.dp_shard * dims.cp * state_gib / (0.5 * usable_gib))
         return (f"parameters, gradients and optimizer state alone take {state_gib:.1f} GiB: shard them over more "
