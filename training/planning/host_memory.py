@@ -16,8 +16,9 @@ These are the bytes a rank uses. glibc's heap may hold more: its mmap threshold 
 later tensors come from the heap, which returns little. Measured on the debug model (torch 2.13, 2 ranks): peak
 resident sets 0.50 and 0.66 GiB with MALLOC_MMAP_THRESHOLD_=65536 (freed blocks go back at once; the plan said 0.51 and
 0.67), 0.68 and 0.83 GiB without. A CPU run near its box's limit sets that variable (docs/frontier.md).
-A node holds `min(world, hardware.gpus_per_node)` ranks (a CPU run: all of them, on one machine). The limit is `hardware.host_memory_gib`, and on a CPU run
-also what the box has available now (/proc/meminfo MemAvailable: what the kernel can give without swapping).
+A node holds `min(world, hardware.gpus_per_node)` ranks (a CPU run: all of them, on one machine). The limit is
+`hardware.host_memory_gib`, and on a CPU run also what the box has available now (/proc/meminfo MemAvailable: what
+the kernel can give without swapping).
 """
 from __future__ import annotations
 
