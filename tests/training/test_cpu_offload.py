@@ -91,3 +91,12 @@ def test_dry_run_proposes_the_offload_when_the_state_alone_does_not_fit():
     cfg.training.cpu_offload = True  # already offloaded: the next advice (more GPUs), nothing to re-measure
     advice, candidate = propose_fix(RowResult(PlanRow("recipe", cfg), 1, preflight(cfg, 1), memory, {}, [0]), 0.1)
     assert "cpu_offload" not in advice and candidate is None
+
+
+def test_measured_host_rates_replace_the_published_ones():
+    """bench/bench_rates.py --host's figures (the node's AdamW bytes/s, a GPU's copy bytes/s) price at their value."""
+    from training.planning.offload_cost import offload_step_s
+
+    cost = offload_step_s(4e9, 2, 8, "h100-sxm", 64e9, (0.75, 0.85), measured_host=400e9, measured_copy=50e9)
+    assert cost["host_optimizer"] == pytest.approx((28e9 / 50e9, 28e9 / 50e9))
+    assert cost["host_copies"] == pytest.approx((24e9 / 50e9, 24e9 / 50e9))

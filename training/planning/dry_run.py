@@ -137,7 +137,8 @@ def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float |
     if t.cpu_offload:  # the host's AdamW and the per-block copies (training/planning/offload_cost.py)
         shard = 4 * parameter_count(recipe_model_config(cfg)) / (dims.dp_shard * dims.cp * dims.tp * dims.pp)
         host = offload_step_s(shard, grad_accum, min(dims.world_size, gpus_per_node), cfg.hardware.accelerator,
-                              spec.pcie_bytes_per_s, spec.pcie_fraction)
+                              spec.pcie_bytes_per_s, spec.pcie_fraction, rates and rates.host_optimizer,
+                              rates and rates.host_copy)
         moved = parts.pop("optimizer", 0.0)  # AdamW runs on the host, not on the device
         step_s, band = step_s - moved, [band[0] - moved, band[1] - moved]
         for name, (fast, slow) in host.items():

@@ -4,7 +4,8 @@ Kept apart from training/planning/step_model.py (which prices the device's work)
 dry run, because neither part runs on the GPU:
 - the optimizer: torch's fused CPU AdamW is memory-bound: per fp32 parameter element it reads the parameter, its
   gradient and both moments and writes the parameter and both moments, 28 bytes. A node's ranks share its host memory
-  bandwidth (`HOST_MEMORY_BYTES_PER_S`, published figures until `bench/bench_rates.py --host` measures one).
+  bandwidth (`HOST_MEMORY_BYTES_PER_S`, published figures; `bench/bench_rates.py --host` measures the kernel itself
+  and the copies, and the rates file's figures replace these).
 - the copies: per micro-step every block's parameter shards go host -> device for the forward's all-gather and, the
   block resharded after its forward, again for the backward's; its reduced gradient shards go device -> host once.
   Three times the rank's parameter shard bytes over PCIe at the accelerator's pinned-copy rate.
@@ -24,11 +25,16 @@ HOST_MEMORY_FRACTION = (0.6, 0.75)
 
 
 def offload_step_s(param_shard_bytes: float, grad_accum: int, ranks_per_node: int, accelerator: str,
-                   pcie_bytes_per_s: float, pcie_fraction: tuple[float, float]) -> dict[str, tuple[float, float]]:
+                   pcie_bytes_per_s: float, pcie_fraction: tuple[float, float], measured_host: float | None = None,
+                   measured_copy: float | None = None) -> dict[str, tuple[float, float]]:
     """{"host_optimizer": (fast, slow) s, "host_copies": (fast, slow) s} for one optimizer step of one rank holding
-    `param_shard_bytes` of fp32 parameter shards."""
-    host = HOST_MEMORY_BYTES_PER_S[accelerator] / max(1, ranks_per_node)
+    `param_shard_bytes` of fp32 parameter shards. `measured_host` / `measured_copy`: bench/bench_rates.py --host's
+    bytes/s (the rates file's host_optimizer, per node, and host_copy, per GPU), used at their value where given."""
+    host = (measured_host or HOST_MEMORY_BYTES_PER_S[accelerator]) / max(1, ranks_per_node)
+    host_fractions = (1.0, 1.0) if measured_host else tuple(reversed(HOST_MEMORY_FRACTION))
+    copy_rates = (measured_copy, measured_copy) if measured_copy else tuple(pcie_bytes_per_s * f
+                                                                            for f in reversed(pcie_fraction))
     elements = param_shard_bytes / 4
-    optimizer = tuple(ADAMW_BYTES_PER_PARAMETER * elements / (host * f) for f in reversed(HOST_MEMORY_FRACTION))
-    copies = tuple(3 * param_shard_bytes * grad_accum / (pcie_bytes_per_s * f) for f in reversed(pcie_fraction))
+    optimizer = tuple(ADAMW_BYTES_PER_PARAMETER * elements / (host * f) for f in host_fractions)
+    copies = tuple(3 * param_shard_bytes * grad_accum / rate for rate in copy_rates)
     return {"host_optimizer": optimizer, "host_copies": copies}
