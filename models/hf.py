@@ -155,7 +155,11 @@ def load_hf_weights(model_parts: Sequence[nn.Module], path: str, process_group=N
     for key, full in whole.items():
         for name, param in targets[key]:
             heads = _qk_heads(name, cfg)
-            param.copy_(_place_like(rotate_half_to_interleaved(full, heads) if heads else full, param))
+            placed = _place_like(rotate_half_to_interleaved(full, heads) if heads else full, param)
+            if isinstance(param, DTensor):  # shard into shard, across devices for a host-offloaded one (cpu_offload)
+                param.to_local().copy_(placed.to_local())
+            else:
+                param.copy_(placed)
 
 
 def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Llama:
