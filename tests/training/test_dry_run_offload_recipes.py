@@ -1,7 +1,8 @@
-"""The two cpu_offload recipes' dry runs, and --plan-ramp choosing the offload, (slow tier: the 8B one measures 512K-token blocks on fake tensors, about a
-minute): every stage fits, with the host line, and the host plan holds at least what an independent count says
+"""The two cpu_offload recipes' dry runs (slow tier: the 8B one measures 512K-token blocks on fake tensors, about half
+a minute): every stage fits, with the host line, and the host plan holds at least what an independent count says
 must be on the host (16 bytes of fp32 master weight, gradient and two AdamW moments per parameter, Meta's published
-parameter counts; for the 8B one also its offloaded block inputs: 512K tokens x 4,096 x 2 bytes x 32 blocks)."""
+parameter counts; for the 8B one also its offloaded block inputs: 512K tokens x 4,096 x 2 bytes x 32 blocks). And
+--plan-ramp choosing the offload where nothing fits without it."""
 from __future__ import annotations
 
 import json
