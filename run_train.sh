@@ -36,5 +36,21 @@ cores="$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NPROC > 0 ? cores / NPROC : 1 ))}"
 # MAX_RESTARTS=N: torchrun restarts the job after a rank dies and it resumes from the newest complete checkpoint. A
 # restarted job needs a fresh rendezvous store: torch 2.13's shared one hands it the dead ranks' stale gloo addresses.
-exec env TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-$(( ${MAX_RESTARTS:-0} > 0 ))}" \
-  "$PY" -m torch.distributed.run "${launch[@]}" --max-restarts "${MAX_RESTARTS:-0}" --nproc-per-node "$NPROC" "$HERE/train.py" "$@"
+# torchrun's stderr is also kept in a temporary file: a rank the kernel's OOM killer SIGKILLed leaves no word of its
+# own, so its failure summary ("rank : R", "exitcode : -9") becomes one line naming the signal, the rank and the plan.
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+set +e
+{ env TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-$(( ${MAX_RESTARTS:-0} > 0 ))}" \
+  "$PY" -m torch.distributed.run "${launch[@]}" --max-restarts "${MAX_RESTARTS:-0}" --nproc-per-node "$NPROC" \
+  "$HERE/train.py" "$@" 2>&1 1>&3 3>&- | tee "$log" >&2; } 3>&1
+rc=${PIPESTATUS[0]}
+set -e
+killed="$(awk '/^ *rank *:/ {rank = $3} /^ *exitcode *: -9 / {print rank; exit}' "$log")"
+if [ "$rc" -ne 0 ] && [ -n "$killed" ]; then
+  recipe="recipes/debug.toml"
+  case "${1:-}" in --*|"") ;; *) recipe="$1" ;; esac
+  echo "error: rank $killed was killed by signal 9 (SIGKILL), as the kernel's OOM killer stops a process when the" \
+    "host runs out of memory: ./run_train.sh $recipe --dry-run shows each stage's host memory per node." >&2
+fi
+exit "$rc"

@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         check_sources(cfg)  # data paths (after the GPU check: on a laptop the GPU count is the news)
         preflight_checkpoint(cfg, model_cfg)
         if "--check" in flags:
+            from training.planning.host_memory import check_host_memory
+
+            check_host_memory(cfg, world)  # a stage the node's host memory cannot hold: one line, not the OOM killer
             if cfg.data.dataset == "text" or cfg.eval.niah:  # before any process group: tokenizer and data errors,
                 tokenizer = build_run_tokenizer(cfg, model_cfg.vocab_size)  # stale stores, too short NIAH lengths
             if cfg.data.dataset == "text":  # and a missing store prepared here, once

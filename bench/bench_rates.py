@@ -11,11 +11,13 @@ accelerator's rates file (training/planning/rates/<accelerator>.json, read by tr
   pairs x heads x head dim, backward 2.5x);
 - hbm: bytes/s of a 1 GiB device-to-device copy (read + write);
 - optimizer: bytes/s of fused AdamW over --optimizer-params float32 parameters, counted as the step model counts them
-  (32 bytes per parameter: read p, g, m, v, write p, m, v).
+  (32 bytes per parameter: read p, g, m, v, write p, m, v);
+- with --host, what training.cpu_offload runs off the GPU (training/planning/offload_cost.py): the host's fused CPU
+  AdamW (host_optimizer) and pinned host/device copies (host_copy, CUDA only).
 
     python bench/bench_rates.py --accelerator h100-sxm [--gemm-shapes 2048x5632,4096x11008,4096x14336
         --heads 16 --kv-heads 8 --head-dim 128 --tokens 8192 --lengths 8192,32768,65536 --reps 10] [--out DIR]
-        [--device cpu]
+        [--device cpu] [--host]
 
 Each rate is the fastest of --reps, and is written with its shape. `--device cpu` runs the same code on the CPU
 (small shapes; for the tests): the file then names the CPU and is not one to ship.
@@ -120,6 +122,31 @@ def optimizer_rate(args, device) -> dict:
             "shape": f"fused AdamW over {n:,} float32 parameters, 32 bytes each"}
 
 
+def host_rates(args, device) -> dict:
+    """--host: what training.cpu_offload runs off the GPU. host_optimizer: fused CPU AdamW over
+    --host-optimizer-params float32 parameters with every core of this process (28 bytes each: read p, g, m, v, write
+    p, m, v), the node's host rate its ranks share; host_copy (CUDA): pinned host -> device and device -> host copies
+    of --copy-bytes, the slower direction."""
+    n = args.host_optimizer_params
+    params = [torch.nn.Parameter(torch.randn(n))]
+    params[0].grad = torch.randn(n)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    with torch.no_grad():
+        seconds = fastest(opt.step, torch.device("cpu"), args.reps)
+    out = {"host_optimizer": {"value": 28.0 * n / seconds, "unit": "bytes/s",
+                              "shape": f"fused CPU AdamW over {n:,} float32 parameters, {torch.get_num_threads()} "
+                                       f"threads, 28 bytes each"}}
+    if device.type == "cuda":
+        host = torch.empty(args.copy_bytes // 4).pin_memory()
+        gpu = torch.empty(args.copy_bytes // 4, device=device)
+        down = fastest(lambda: gpu.copy_(host, non_blocking=True), device, args.reps)
+        up = fastest(lambda: host.copy_(gpu, non_blocking=True), device, args.reps)
+        out["host_copy"] = {"value": host.nbytes / max(down, up), "unit": "bytes/s",
+                            "shape": f"pinned copies of {host.nbytes / 2**30:.2f} GiB, the slower direction "
+                                     f"(H2D {host.nbytes / down / 1e9:.1f}, D2H {host.nbytes / up / 1e9:.1f} GB/s)"}
+    return out
+
+
 def float8_gemm_problem(device) -> str | None:
     """Why float8 GEMMs are not timed here (CUDA needs compute capability 8.9+), or None."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -144,6 +171,8 @@ def parse(argv=None):
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
     p.add_argument("--optimizer-params", type=int, default=1 << 28)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--host", action="store_true", help="also the host's AdamW and pinned copies (cpu_offload)")
+    p.add_argument("--host-optimizer-params", type=int, default=1 << 27)
     p.add_argument("--out", default=RATES_DIR)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args(argv)
@@ -176,6 +205,10 @@ def main(argv=None) -> int:
         rates[component] = measure(args, device)
         print(f"{component}: {rates[component]['value']:.4g} {rates[component]['unit']} ({rates[component]['shape']})",
               flush=True)
+    if args.host:
+        for component, row in host_rates(args, device).items():
+            rates[component] = row
+            print(f"{component}: {row['value']:.4g} {row['unit']} ({row['shape']})", flush=True)
     rates["attention"] = attention_rates(args, device)
     for row in rates["attention"]:
         print(f"attention {row['kernel']} {row['phase']} at {row['length']}: {row['seconds'] * 1e3:.3f} ms, "

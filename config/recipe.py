@@ -279,6 +279,7 @@ def validate(cfg: Config) -> None:
     if ck.load_step > 0 and not ck.enable:
         raise RecipeError(f"{where}: checkpoint.load_step = {ck.load_step} needs checkpoint.enable = true.")
     check_offload(cfg)
+    check_cpu_offload(cfg)
     if cfg.data.placement == "work" and not (cfg.data.document_masking and cfg.data.dataset == "text"):
         raise RecipeError(f"{where}: data.placement = \"work\" moves document segments between rows, which needs "
                           f"data.document_masking = true and data.dataset = \"text\". Set those or placement = "
@@ -303,6 +304,23 @@ def check_offload(cfg: Config) -> None:
     if cfg.activation_checkpoint.offload and cfg.activation_checkpoint.mode == "none":
         raise RecipeError(f"{cfg.recipe_path}: activation_checkpoint.offload = true needs activation_checkpoint.mode "
                           f"full, selective or op (it is \"none\"). Set a mode or offload = false.")
+
+
+def check_cpu_offload(cfg: Config) -> None:
+    """Where FSDP2's CPU offload cannot serve here, one line before any process group: torchao's float8 weights
+    compute their scales with all-reduces on the device (host-resident shards would go to NCCL on the host), and a
+    pipeline's stages are materialised on the device (the offload wants them built on the host) and not measured by
+    the dry run."""
+    if not cfg.training.cpu_offload:
+        return
+    if cfg.training.float8 != "off":
+        raise RecipeError(f"{cfg.recipe_path}: training.cpu_offload = true does not combine with training.float8 = "
+                          f"\"{cfg.training.float8}\" (float8 scales are reduced on the device, offloaded weights "
+                          f"live on the host). Set float8 = \"off\" or cpu_offload = false.")
+    if cfg.parallelism.pp > 1:
+        raise RecipeError(f"{cfg.recipe_path}: training.cpu_offload = true is not supported with parallelism.pp = "
+                          f"{cfg.parallelism.pp} (pipeline stages are built on the device). Set pp = 1 (FSDP over "
+                          f"the same GPUs) or cpu_offload = false.")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -184,6 +184,13 @@ class TrainingConfig:
     float8) | rowwise (a scale per row, rounded down to a power of two: more accurate, slower). The embedding and
     the output projection stay in `dtype`. Needs torchao (requirements.txt), imported only when this is not off."""
 
+    cpu_offload: bool = False
+    """FSDP2's CPUOffloadPolicy (parallelisms/data_parallel.py): every parameter shard, its gradient and the AdamW
+    state live in host memory (pinned on CUDA); each block's parameters come to the device for its forward and
+    backward, its gradients go back, and the optimizer steps on the host (torch's fused CPU AdamW, measured ~3x
+    faster than foreach). For models whose state does not fit the GPUs (docs/frontier.md). On a CPU run the host is
+    already the device: the same code path and numbers, no memory saved. Not with float8 or pp > 1."""
+
     def compiles(self, device_type: str = "cuda") -> bool:
         """`compile` resolved for a run on `device_type` ("auto": on for CUDA only)."""
         return device_type == "cuda" if self.compile == "auto" else bool(self.compile)
@@ -341,8 +348,10 @@ class HardwareConfig:
     device_memory_gib: float = 0.0
     """Memory per GPU the dry run holds every stage's peak against (0 = the accelerator's: H100 80, H200 141)."""
     host_memory_gib: float = 0.0
-    """Host memory per node that pinned activation offload may use (0 = the accelerator's node: 2048 for 8-GPU
-    H100/H200 nodes, 1024 for A100)."""
+    """Host memory per node the dry run and the launch check hold each stage's host plan against: the ranks'
+    processes, cpu_offload's training state, pinned activation offload, batches (training/planning/host_memory.py;
+    a CPU run also against what the machine has available). 0 = the accelerator's node: 2048 for 8-GPU H100/H200
+    nodes, 1024 for A100."""
     nvlink_gb_per_s: float = 0.0
     """NVLink per GPU and direction, GB/s (0 = the accelerator's)."""
     network_gb_per_s: float = 0.0

@@ -155,7 +155,11 @@ def load_hf_weights(model_parts: Sequence[nn.Module], path: str, process_group=N
     for key, full in whole.items():
         for name, param in targets[key]:
             heads = _qk_heads(name, cfg)
-            param.copy_(_place_like(rotate_half_to_interleaved(full, heads) if heads else full, param))
+            placed = _place_like(rotate_half_to_interleaved(full, heads) if heads else full, param)
+            if isinstance(param, DTensor):  # shard into shard, across devices for a host-offloaded one (cpu_offload)
+                param.to_local().copy_(placed.to_local())
+            else:
+                param.copy_(placed)
 
 
 def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Llama:
@@ -182,6 +186,12 @@ def _file_index(sizes: dict[str, int]) -> dict[str, int]:
     return mapping
 
 
+def _on_mesh_device(tensor: DTensor) -> DTensor:
+    """A DTensor on its mesh's device: a host-offloaded shard (training.cpu_offload) of a CUDA mesh cannot be
+    all-gathered by NCCL where it lies."""
+    return tensor if tensor.device.type == tensor.device_mesh.device_type else tensor.to(tensor.device_mesh.device_type)
+
+
 @torch.no_grad()
 def save_hf(model: nn.Module | Sequence[nn.Module], path: str, dtype: torch.dtype | None = None,
             process_group=None, plain=None, **config_fields) -> None:
@@ -203,7 +213,7 @@ def save_hf(model: nn.Module | Sequence[nn.Module], path: str, dtype: torch.dtyp
         tensor = param.detach()
         heads = _qk_heads(name, cfg)
         if heads:
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            full = _on_mesh_device(tensor).full_tensor() if isinstance(tensor, DTensor) else tensor
             tensor = _place_like(interleaved_to_rotate_half(full, heads), param)
         state[hf_name(name)] = tensor.to(out_dtype)
         sizes[hf_name(name)] = param.numel() * torch.finfo(out_dtype).bits // 8

@@ -264,6 +264,9 @@ class Llama(nn.Module):
             if isinstance(param, DTensor):
                 full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements,
                                          src_data_rank=None)
+                # shard into shard: a host-resident one (training.cpu_offload) gets the device's copy of its values
+                param.to_local().copy_(full.to_local())
+                continue
             param.copy_(full)
 
 

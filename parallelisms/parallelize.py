@@ -17,7 +17,7 @@ import torch.distributed as dist
 from config.schema import Config
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import CP_EAGER_REASON
-from parallelisms.data_parallel import apply_fsdp
+from parallelisms.data_parallel import apply_fsdp, offload_policy
 from parallelisms.float8 import apply_float8, cast_under_autocast, float8_tp_styles
 from parallelisms.parallel_dims import TrainingMesh
 from parallelisms.tensor_parallel import apply_tp
@@ -25,8 +25,10 @@ from parallelisms.tensor_parallel import apply_tp
 
 def uses_fsdp(cfg: Config, mesh: TrainingMesh) -> bool:
     """FSDP whenever gradients cross ranks, and for bf16 under TP or PP on one data-parallel rank (its mixed precision
-    keeps fp32 master weights); a single-device bf16 run uses autocast instead (`uses_autocast`)."""
-    return mesh.dims.fsdp_enabled or (cfg.training.dtype != "float32" and not uses_autocast(cfg, mesh))
+    keeps fp32 master weights); a single-device bf16 run uses autocast instead (`uses_autocast`). Always with
+    `training.cpu_offload`: the offload is FSDP2's (on one GPU a mesh of one)."""
+    return (mesh.dims.fsdp_enabled or cfg.training.cpu_offload
+            or (cfg.training.dtype != "float32" and not uses_autocast(cfg, mesh)))
 
 
 def uses_autocast(cfg: Config, mesh: TrainingMesh) -> bool:
@@ -37,7 +39,8 @@ def uses_autocast(cfg: Config, mesh: TrainingMesh) -> bool:
     FSDP2 on a mesh of one made a float8 step at dim 4096 no faster than bf16's (0.0995 vs 0.0979 s: its copies
     and torchao's weight wrapper outside the compiled regions) where torchao's own layers ran 1.41x faster."""
     d = mesh.dims
-    return cfg.training.dtype != "float32" and d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp == 1
+    return (cfg.training.dtype != "float32" and not cfg.training.cpu_offload
+            and d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp == 1)
 
 
 def uses_loss_parallel(cfg: Config, mesh: TrainingMesh) -> bool:
@@ -119,13 +122,23 @@ def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torc
         apply_autocast(model, getattr(torch, cfg.training.dtype))
     if uses_fsdp(cfg, mesh):
         apply_fsdp(model, mesh.fsdp_mesh(), getattr(torch, cfg.training.dtype),
-                   cfg.parallelism.reshard_after_forward)
+                   cfg.parallelism.reshard_after_forward,
+                   offload_policy(cfg.training.cpu_offload, mesh.world.device_type))
     return model
 
 
 def materialize(model: torch.nn.Module, device: torch.device, cfg: Config, mesh: TrainingMesh) -> None:
-    """Meta -> real storage on `device`, then the mesh-independent per-parameter init from the job seed."""
-    model.to_empty(device=device)
+    """Meta -> real storage on `device`, then the mesh-independent per-parameter init from the job seed. With
+    `training.cpu_offload` the parameters are made in host memory (FSDP2's offload refuses device-resident shards)
+    and only the buffers (RoPE's frequencies) go to `device`, where the forward reads them."""
+    if cfg.training.cpu_offload:
+        model.to_empty(device="cpu")
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module.register_buffer(name, buffer.to(device), persistent=name not in
+                                       module._non_persistent_buffers_set)
+    else:
+        model.to_empty(device=device)
     if not uses_fsdp(cfg, mesh) and not uses_autocast(cfg, mesh):
         model.to(getattr(torch, cfg.training.dtype))
     model.tie_weights()  # to_empty / to replace parameters module by module (FSDP2 keeps a shared one itself)

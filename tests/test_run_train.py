@@ -60,3 +60,62 @@ def test_debug_recipe_learns(tmp_path):
     losses = [r["loss"] for r in read_metrics(out)]
     assert len(losses) == 20
     assert losses[0] - sum(losses[-3:]) / 3 >= 1.0, losses
+
+
+def _cmdline(pid) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
+
+
+def _rank_pids(folder: str) -> list[int]:
+    """The training ranks of the run writing to `folder`: train.py processes whose parent is torchrun (their data
+    workers, forked from them, carry the same command line)."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        if folder.encode() not in _cmdline(entry) or b"--check" in _cmdline(entry):
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = f.read().rpartition(")")[2].split()[1]
+        except OSError:
+            continue
+        if b"torch.distributed.run" in _cmdline(parent):
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_rank_killed_like_the_oom_killer_leaves_one_line(tmp_path):
+    """SIGKILL, the OOM killer's signal, sent to one rank of a 2-rank run: the launcher's last stderr line names the
+    signal, the rank and the dry run to try."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.trainer_runs import ROOT
+
+    out = str(tmp_path / "run")
+    env = dict(os.environ, PYTHON=sys.executable, NPROC="2")
+    launcher = subprocess.Popen([os.path.join(ROOT, "run_train.sh"), "--training.steps", "100000", "--job.dump_folder",
+                                 out, "--training.seq_len", "128", "--metrics.enable_tensorboard", "false"], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(out, "metrics.jsonl")) and time.monotonic() < deadline:
+            time.sleep(0.5)  # training has started when the first step is logged
+        pids = _rank_pids(out)
+        assert len(pids) == 2, pids
+        os.kill(max(pids), signal.SIGKILL)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last.startswith("error: rank ") and "signal 9 (SIGKILL)" in last and "OOM killer" in last, last
+    assert "./run_train.sh recipes/debug.toml --dry-run" in last, last

@@ -65,7 +65,7 @@ class Trainer:
         self.model = self.model_parts[0]
         self.offloaders = [part.activation_offloader for part in self.model_parts
                            if hasattr(part, "activation_offloader")]
-        self.optimizer, self.scheduler = build_optimizer(cfg, self.model_parts)
+        self.optimizer, self.scheduler = build_optimizer(cfg, self.model_parts, self.device.type)
         self.comm_stats = CommStats()
         self.compiled = cfg.training.compiles(self.device.type)
         self.float8 = cfg.training.float8 != "off"

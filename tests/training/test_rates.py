@@ -111,11 +111,12 @@ def test_bench_rates_writes_what_load_rates_reads(tmp_path):
         [sys.executable, os.path.join("bench", "bench_rates.py"), "--accelerator", "h100-sxm", "--device", "cpu",
          "--gemm-shapes", "64x128,128x256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64",
          "--lengths", "64,128", "--copy-bytes", "65536", "--optimizer-params", "1000", "--reps", "1",
-         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+         "--host", "--host-optimizer-params", "1000", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=child_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     rates = load_rates("h100-sxm", str(tmp_path))
-    assert rates.device_name == "cpu" and min(rates.hbm, rates.optimizer) > 0
+    assert rates.device_name == "cpu" and min(rates.hbm, rates.optimizer, rates.host_optimizer) > 0
+    assert rates.host_copy is None  # pinned copies need a GPU
     assert [row[:2] for row in rates.gemm_rows] == [row[:2] for row in rates.fp8_gemm_rows] == [(64, 128), (128, 256)]
     assert min(row[2] for row in rates.gemm_rows + rates.fp8_gemm_rows) > 0
     assert set(rates.attention) == {("flash", "fwd"), ("flash", "bwd")}

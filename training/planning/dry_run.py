@@ -29,6 +29,9 @@ from training.planning.rates import load_rates, rates_source, rates_warnings
 from training.ramp import resolve_stages
 from training.planning.roofline import ROOFLINE_STATEMENT, Accelerator, Layout, parameter_count, step_cost
 from training.planning.float8_cost import float8_problem, float8_statement
+from training.planning.offload_cost import offload_step_s
+from training.planning.host_memory import (HostPlan, host_plan, host_refusal, launch_device_type, node_limit,
+                                           resident_bytes)
 from training.planning.step_model import PREDICTION_STATEMENT, accelerator_for, predict_step, workload_for
 
 RUNTIME_RESERVE_GIB = 2.0
@@ -58,17 +61,30 @@ class RowResult:
     times: dict
     ranks: list[int]
     """The ranks measured (the table shows the one with the highest peak)."""
+    host: HostPlan | None = None
+    """The stage's host memory per rank and node (training/planning/host_memory.py)."""
     cuda: dict = dataclasses.field(default_factory=dict)
     """The CUDA path on fake CUDA tensors (training/planning/cuda_path_probe.py): launches, syncs, attention transients."""
 
     @property
     def peak_gib(self) -> float:
-        """Device memory: offloaded block inputs are not in it (they are `host_gib`)."""
-        return self.memory.peak / GIB
+        """Device memory: offloaded block inputs are not in it (they are `host_gib`), nor, with cpu_offload on a GPU,
+        the training state (`device_peak`)."""
+        return device_peak(self.row.cfg, self.memory) / GIB
 
     @property
     def host_gib(self) -> float:
         return self.memory.host / GIB
+
+
+def device_peak(cfg: Config, memory: RankMemory) -> float:
+    """A GPU rank's device bytes. With `training.cpu_offload` the parameter shards, gradients and AdamW state are on
+    the host; the device holds, beyond the measured transients, one block's shards on their way in and its reduced
+    gradients on their way out (FSDP2 copies them per block; on the probe's CPU tensors those copies are no-ops)."""
+    if not cfg.training.cpu_offload:
+        return memory.peak
+    per_block = memory.params / max(1, recipe_model_config(cfg).n_layers)
+    return max(memory.peak - memory.state, 0.0) + 2 * per_block
 
 
 def ranks_that_matter(dims) -> list[int]:
@@ -78,7 +94,8 @@ def ranks_that_matter(dims) -> list[int]:
     return sorted({0, first_rank_of_last_pipeline_stage})
 
 
-def measure_row(row: PlanRow, world: int, gpus_per_node: int) -> RowResult:
+def measure_row(row: PlanRow, world: int, gpus_per_node: int, process_bytes: float = 0.0) -> RowResult:
+    """`process_bytes`: one rank's interpreter with the trainer imported (host_memory.resident_bytes)."""
     cfg = row.cfg
     dims = preflight(cfg, world)  # no data check: the data lives where the recipe will run
     if dims.pp > 1:  # a schedule's stages exchange tensor shapes at run time, which a fake process group cannot answer
@@ -92,7 +109,8 @@ def measure_row(row: PlanRow, world: int, gpus_per_node: int) -> RowResult:
     memories = [measure_memory(cfg, world, mcfg.n_layers, rank) for rank in ranks]
     memory = max(memories, key=lambda m: m.peak)
     times = roofline_times(cfg, dims, gpus_per_node, memory.cp_ring_bytes, memory.host, memory.bandwidth_bytes)
-    return RowResult(row, world, dims, memory, times, ranks)
+    host = host_plan(cfg, memory, world, launch_device_type(cfg), process_bytes)
+    return RowResult(row, world, dims, memory, times, ranks, host)
 
 
 def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float | None,
@@ -115,8 +133,20 @@ def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float |
     workload = workload_for(cfg, dims, gpus_per_node, cp_ring_bytes, offload_bytes, bandwidth_bytes)
     rates = load_rates(cfg.hardware.accelerator)
     prediction = predict_step(workload, spec, rates)
-    times.update(predicted_s=prediction.step_s, predicted_band=list(prediction.band),
-                 predicted_tokens_per_gpu_s=prediction.tokens_per_sec_per_gpu, predicted_parts=prediction.parts,
+    step_s, band, parts = prediction.step_s, list(prediction.band), dict(prediction.parts)
+    if t.cpu_offload:  # the host's AdamW and the per-block copies (training/planning/offload_cost.py)
+        shard = 4 * parameter_count(recipe_model_config(cfg)) / (dims.dp_shard * dims.cp * dims.tp * dims.pp)
+        host = offload_step_s(shard, grad_accum, min(dims.world_size, gpus_per_node), cfg.hardware.accelerator,
+                              spec.pcie_bytes_per_s, spec.pcie_fraction, rates and rates.host_optimizer,
+                              rates and rates.host_copy)
+        moved = parts.pop("optimizer", 0.0)  # AdamW runs on the host, not on the device
+        step_s, band = step_s - moved, [band[0] - moved, band[1] - moved]
+        for name, (fast, slow) in host.items():
+            parts[name] = (fast + slow) / 2
+            step_s, band = step_s + parts[name], [band[0] + fast, band[1] + slow]
+    times.update(predicted_s=step_s, predicted_band=band,
+                 predicted_tokens_per_gpu_s=prediction.tokens_per_sec_per_gpu * prediction.step_s / step_s,
+                 predicted_parts=parts,
                  rates_source=rates_source(rates, workload.attention_kernel, workload.float8 != "off"))
     return times
 
@@ -132,6 +162,10 @@ def propose_fix(result: RowResult, usable_gib: float) -> tuple[str, Config | Non
     if cfg.activation_checkpoint.mode != "full":
         return ("set activation_checkpoint.mode = \"full\" (each block keeps only its input)",
                 _with(cfg, "activation_checkpoint", mode="full"))
+    if state_gib >= usable_gib and not cfg.training.cpu_offload and dims.pp == 1 and cfg.training.float8 == "off":
+        return (f"parameters, gradients and AdamW state take {state_gib:.1f} GiB per GPU: keep them in host memory "
+                f"with training.cpu_offload = true (FSDP2's CPU offload; the step then pays the host's AdamW and "
+                f"the per-block copies), or shard them over more GPUs", _with(cfg, "training", cpu_offload=True))
     if state_gib >= usable_gib:
         need = math.ceil(dims.dp_shard * dims.cp * state_gib / (0.5 * usable_gib))
         return (f"parameters, gradients and optimizer state alone take {state_gib:.1f} GiB: shard them over more "
@@ -185,6 +219,11 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
         lines.append("  activation offload: each checkpointed block's input lives in host memory between forward "
                      "and backward (host GiB; not in the device peak). The host GiB cross PCIe each way per "
                      "micro-batch, overlapped with compute on a side stream: not in the roofline's step time")
+    if cfg.training.cpu_offload:
+        lines.append("  cpu offload: parameters, gradients and AdamW state in pinned host memory (not in the device "
+                     "peak, which holds one block's shards in and its gradients out beyond the rest); the step adds "
+                     "the host's fused AdamW at the node's host memory bandwidth and 3 x the parameter shards over "
+                     "PCIe per micro-step, unoverlapped (training/planning/offload_cost.py; an upper bound)")
     if cfg.training.float8 != "off":
         lines.append(f"  {float8_statement(cfg.training.float8, mcfg, cfg.model.mlp_chunk_tokens > 0)}")
     if cfg.data.document_masking:
@@ -208,7 +247,8 @@ def _row(result: RowResult, index: int, usable_gib: float) -> list[str]:
     d, m, t = result.dims, result.memory, result.times
     return [f"{index} {result.row.name}", f"{result.row.cfg.training.seq_len:,}", str(d.cp), str(d.dp_shard),
             str(d.tp), str(d.pp), _gib(m.params), _gib(m.grads), _gib(m.optimizer), _gib(m.activations),
-            _gib(m.peak), _gib(m.peak_eval), _gib(m.host), "yes" if result.peak_gib <= usable_gib else "NO",
+            _gib(result.peak_gib * GIB), _gib(m.peak_eval), _gib(m.host),
+            "yes" if result.peak_gib <= usable_gib else "NO",
             f"{t['predicted_s']:.2f} ({t['predicted_band'][0]:.2f}..{t['predicted_band'][1]:.2f})",
             f"{t['predicted_tokens_per_gpu_s']:,.0f}", f"{t['overlap_s']:.2f}..{t['serial_s']:.2f}",
             f"{100 * t['mfu_overlap']:.0f}%..{100 * t['mfu_serial']:.0f}%", f"{t['tokens_per_gpu_s']:,.0f}",
@@ -237,7 +277,9 @@ def write_json(cfg: Config, results: list[RowResult], usable_gib: float) -> str:
                "rates_source": r.times["rates_source"], "float8": r.row.cfg.training.float8,
                "predicted_parts_s": r.times["predicted_parts"],
                "host_gib_per_node": node_host_gib(r, cfg.hardware.gpus_per_node),
-               "host_memory_gib_per_node": cfg.hardware.host_memory_gib, **cuda_json(r.cuda, r.peak_gib)}
+               "host_memory_gib_per_node": cfg.hardware.host_memory_gib,
+               "host_peak_gib_per_rank": r.host.per_rank / GIB, "host_peak_gib_per_node": r.host.per_node / GIB,
+               "cpu_offload": r.row.cfg.training.cpu_offload, **cuda_json(r.cuda, r.peak_gib)}
               for r in results]
     path = os.path.join(cfg.job.dump_folder, "dry_run.json")
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
@@ -260,13 +302,26 @@ def host_memory_refusal(cfg: Config, result: RowResult) -> str:
             f"hardware.host_memory_gib to the node's real memory.")
 
 
+def print_host_plan(cfg: Config, results: list[RowResult]) -> RowResult | None:
+    """One line per stage: its host bytes per node against the node's; returns the first stage over it."""
+    device_type = launch_device_type(cfg)
+    limit, source = node_limit(cfg, device_type)
+    print(f"  host memory ({device_type} run; training/planning/host_memory.py), of {limit / GIB:,.1f} GiB per node "
+          f"({source}):")
+    for index, r in enumerate(results):
+        print(f"    stage {index + 1} ({r.row.name}): {r.host.describe()}"
+              f"{'' if r.host.per_node <= limit else '  DOES NOT FIT'}")
+    return next((r for r in results if r.host.per_node > limit), None)
+
+
 def run_dry_run(cfg: Config, world: int) -> int:
     start = time.perf_counter()
+    process = resident_bytes()  # before any probe: a rank's interpreter with the trainer imported
     usable = cfg.hardware.device_memory_gib - RUNTIME_RESERVE_GIB
     results = []
     for index, row in enumerate(plan_rows(cfg, world)):
         try:
-            results.append(measure_row(row, world, cfg.hardware.gpus_per_node))
+            results.append(measure_row(row, world, cfg.hardware.gpus_per_node, process))
         except RecipeError:
             raise
         except Exception as e:  # the real step failed: that is what a dry run is for
@@ -288,10 +343,16 @@ def run_dry_run(cfg: Config, world: int) -> int:
     if over_host is not None:
         print(host_memory_refusal(cfg, over_host))
         return 1
+    over_host = print_host_plan(cfg, results)
+    if over_host is not None:
+        limit, source = node_limit(cfg, launch_device_type(cfg))
+        print(host_refusal(over_host.row.cfg, over_host.row.name, over_host.row.cfg.training.seq_len, over_host.host,
+                           limit, source, launch_device_type(cfg)))
+        return 1
     failing = next((i for i, r in enumerate(results) if r.peak_gib > usable), None)
     if failing is None:
         worst = max(results, key=lambda r: r.peak_gib)
-        print(f"every stage fits: highest peak {_gib(worst.memory.peak)} GiB of {usable:g} GiB usable "
+        print(f"every stage fits: highest peak {_gib(worst.peak_gib * GIB)} GiB of {usable:g} GiB usable "
               f"(stage {results.index(worst) + 1}, {worst.memory.peak_phase}). "
               f"dry run took {time.perf_counter() - start:.0f}s")
         return 0
@@ -302,11 +363,11 @@ def run_dry_run(cfg: Config, world: int) -> int:
         return 1
     advice, candidate = propose_fix(bad, usable)
     print(f"stage {failing + 1} ({bad.row.name}, seq_len {bad.row.cfg.training.seq_len:,}) does NOT fit: "
-          f"peak {_gib(bad.memory.peak)} GiB > {usable:g} GiB usable, reached in the {bad.memory.peak_phase}.")
+          f"peak {_gib(bad.peak_gib * GIB)} GiB > {usable:g} GiB usable, reached in the {bad.memory.peak_phase}.")
     print(f"  change: {advice}")
     if candidate is not None:
         checked = measure_row(PlanRow(bad.row.name, candidate), world, cfg.hardware.gpus_per_node)
         verdict = "fits" if checked.peak_gib <= usable else "still does not fit"
-        print(f"  checked with the same measurement: peak {_gib(checked.memory.peak)} GiB, {verdict}")
+        print(f"  checked with the same measurement: peak {_gib(checked.peak_gib * GIB)} GiB, {verdict}")
     print(f"dry run took {time.perf_counter() - start:.0f}s")
     return 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from config import RecipeError, Refusal
-from config.recipe import check_offload
+from config.recipe import check_cpu_offload, check_offload
 from config.schema import Config
 from data.sources import check_sources
 from models.llama import recipe_model_config
@@ -58,6 +58,7 @@ def preflight(cfg: Config, world_size: int):
         check_tp_degree(mcfg.n_heads, mcfg.num_kv_heads, p.tp, where=cfg.recipe_path)
     check_sequence_split(cfg)
     check_offload(cfg)  # a dry run's candidate or a ramp stage is a Config that load_config did not validate
+    check_cpu_offload(cfg)
     if p.cp_impl == "ulysses" and p.cp > 1:  # hybrid and auto fall back to what the heads allow
         try:
             kv_replication(mcfg.n_heads // p.tp, mcfg.num_kv_heads // p.tp, p.cp)

@@ -49,11 +49,16 @@ class MemoryLine:
         return max(self.fixed + self.slope * tokens + (self.grads if accumulating else 0.0), self.optimizer)
 
     @classmethod
-    def through(cls, small: RankMemory, large: RankMemory, t_small: int, t_large: int) -> "MemoryLine":
+    def through(cls, small: RankMemory, large: RankMemory, t_small: int, t_large: int,
+                cpu_offload: bool = False) -> "MemoryLine":
+        """With `cpu_offload` the state is on the host (the probe's fake tensors count it): off the device line,
+        and the optimizer step runs there."""
         slope = (large.peak_forward_backward - small.peak_forward_backward) / GIB / (t_large - t_small)
-        return cls(fixed=small.peak_forward_backward / GIB - slope * t_small, slope=slope,
-                   optimizer=max(small.peak_optimizer_step, large.peak_optimizer_step) / GIB,
-                   grads=large.grads / GIB, host_slope=large.host / GIB / t_large, state=large.state / GIB)
+        on_host = large.state / GIB if cpu_offload else 0.0
+        return cls(fixed=small.peak_forward_backward / GIB - slope * t_small - on_host, slope=slope,
+                   optimizer=0.0 if cpu_offload else max(small.peak_optimizer_step, large.peak_optimizer_step) / GIB,
+                   grads=0.0 if cpu_offload else large.grads / GIB, host_slope=large.host / GIB / t_large,
+                   state=large.state / GIB)
 
 
 @dataclass
@@ -95,6 +100,8 @@ class RampPlan:
     tokens_per_step: int
     stages: list[PlannedStage]
     usable_gib: float
+    note: str = ""
+    """What the planner turned on beyond the base recipe and why (printed, and in the recipe's header)."""
 
     def total_gpu_hours(self) -> float:
         return sum(s.gpu_hours(self.request.gpus) for s in self.stages)
@@ -120,7 +127,7 @@ class ProbeCache:
                 cfg.training.seq_len, cfg.training.local_batch_size = tokens * cp, 1
                 cfg.training.global_batch_size, cfg.training.tokens_per_step = -1, 0
                 points.append(measure_memory(cfg, self.gpus, recipe_model_config(cfg).n_layers))
-            self.lines[tp, offload] = MemoryLine.through(*points, *self.points)
+            self.lines[tp, offload] = MemoryLine.through(*points, *self.points, self.base.training.cpu_offload)
         return self.lines[tp, offload]
 
 
@@ -197,6 +204,8 @@ def plan_stage(base: Config, gpus: int, tp: int, seq_len: int, theta: float, tok
     for candidate in candidates(base, gpus, tp, offload, seq_len, theta, tokens_per_step, probes, usable, rejected):
         result = measure_row(PlanRow(f"{seq_len}", candidate.cfg), gpus, base.hardware.gpus_per_node)
         host = node_host_gib(result, base.hardware.gpus_per_node)
+        if base.training.cpu_offload:  # the offloaded state too (training/planning/host_memory.py)
+            host = host + result.host.tensors * result.host.ranks / GIB
         if result.peak_gib <= usable and host <= base.hardware.host_memory_gib:
             return candidate, result
         if result.peak_gib > usable:
@@ -209,9 +218,22 @@ def plan_stage(base: Config, gpus: int, tp: int, seq_len: int, theta: float, tok
 def plan_ramp(base: Config, request: PlanRequest) -> RampPlan:
     """The plan, or a RecipeError naming the smallest GPU count (or the feature) that would make it fit."""
     plan, failing_seq_len, probes = _plan(base, request)
+    if plan is None and offloadable(base):  # the state on the host: FSDP2's CPU offload, for the whole run
+        offloaded = copy.deepcopy(base)
+        offloaded.training.cpu_offload = True
+        plan = _plan(offloaded, request)[0]
+        if plan is not None:
+            plan.note = (f"training.cpu_offload = true, chosen by the planner: {failing_seq_len:,} tokens fit no "
+                         f"layout with the parameters, gradients and AdamW state on the GPUs")
     if plan is None:
         raise RecipeError(what_would_fit(base, request, failing_seq_len, probes))
     return plan
+
+
+def offloadable(base: Config) -> bool:
+    """Where the planner may turn FSDP2's CPU offload on (config/recipe.py check_cpu_offload refuses the rest)."""
+    t = base.training
+    return not t.cpu_offload and t.float8 == "off" and base.parallelism.pp == 1
 
 
 def _plan(base: Config, request: PlanRequest) -> tuple[RampPlan | None, int, ProbeCache]:

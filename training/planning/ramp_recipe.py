@@ -78,7 +78,8 @@ def _header(plan: RampPlan, out: str, base_path: str, argv_tail: str) -> list[st
         "its calibrated prediction:") + _comment(f"{PREDICTION_STATEMENT}.", "#   ") + _comment(
         f"tokens_per_step = {plan.tokens_per_step:,} in every stage (the optimizer sees the same step); "
         f"{plan.usable_gib:g} GiB usable per GPU. {ROPE_RULE_SOURCE}. Total: {plan.total_gpu_hours():,.0f} "
-        f"GPU-hours (predicted; the roofline bound would say {plan.total_roofline_gpu_hours():,.0f}).")
+        f"GPU-hours (predicted; the roofline bound would say {plan.total_roofline_gpu_hours():,.0f}).") + (
+        _comment(f"{plan.note}.") if plan.note else [])
 
 
 def _comment(text: str, prefix: str = "# ") -> list[str]:
@@ -149,6 +150,8 @@ def run_plan_ramp(cfg: Config, request: PlanRequest, argv_tail: str = "") -> int
           f"(tokens_per_step {plan.tokens_per_step:,}, {plan.usable_gib:g} GiB usable per GPU; peaks measured by the "
           f"dry run's probe, step times its calibrated prediction):")
     print(format_plan_table(plan))
+    if plan.note:
+        print(plan.note)
     print(f"total: {plan.total_gpu_hours():,.1f} GPU-hours; wrote {out}; planning took "
           f"{time.perf_counter() - start:.0f}s")
     return 0

@@ -48,6 +48,10 @@ class MeasuredRates:
     """The same for float8 GEMMs."""
     hbm: float | None = None
     optimizer: float | None = None
+    host_optimizer: float | None = None
+    """bytes/s of torch's fused CPU AdamW on the node's host, every core (28 bytes per parameter; --host)."""
+    host_copy: float | None = None
+    """bytes/s of pinned host <-> device copies, the slower direction (--host)."""
     attention: dict = field(default_factory=dict)
     """{(kernel, phase): ((FLOP/s, block length, head dim), ...)} of causal calls, one per measured length."""
 
@@ -89,7 +93,8 @@ def load_rates(accelerator: str, directory: str = RATES_DIR) -> MeasuredRates | 
         for r in data.get("attention", []):
             attention.setdefault((r["kernel"], r["phase"]), []).append(
                 (float(r["flops_per_s"]), float(r["length"]), int(r["head_dim"])))
-        single = {name: float(data[name]["value"]) for name in ("hbm", "optimizer") if name in data}
+        single = {name: float(data[name]["value"]) for name in ("hbm", "optimizer", "host_optimizer", "host_copy")
+                  if name in data}
         gemms = {name: tuple(_gemm_rows(data[name])) for name in ("gemm", "fp8_gemm") if name in data}
         return MeasuredRates(path, data["accelerator"], data["device_name"], data["torch"], data.get("cuda", ""),
                              data["date"], attention={k: tuple(v) for k, v in attention.items()},
