@@ -1,7 +1,7 @@
 """`./run_tests.sh --gpu --report DIR` without a GPU: the summary page from canned logs (pytest's closing line, a
 timeout, a crash with no closing line, a wheel install refused, a bench log, the 64K step's figures), the runner on
 real processes (pytest's own closing line and pytest-timeout's stack dump, a process group killed at its limit),
-the 64K step's plumbing on the CPU with a tiny shape, and the limits adding up to the 8 minutes the report promises.
+the 64K step's plumbing on the CPU with a tiny shape, and the limits adding up to the 9 minutes the report promises.
 The entry itself (one line and exit 0 without a GPU) is tested in tests/gpu/test_gpu_tier_entry.py."""
 from __future__ import annotations
 
@@ -159,9 +159,9 @@ def _gone(pid: int, within_s: float = 5.0) -> bool:
     return True
 
 
-def test_the_limits_add_up_to_8_minutes_and_every_gpu_test_file_is_in_the_report():
+def test_the_limits_add_up_to_9_minutes_and_every_gpu_test_file_is_in_the_report():
     steps = plan("/out", ["w.whl"])
-    assert sum(s.limit_s for s in steps) <= TOTAL_LIMIT_S == 480, [(s.name, s.limit_s) for s in steps]
+    assert sum(s.limit_s for s in steps) <= TOTAL_LIMIT_S == 540, [(s.name, s.limit_s) for s in steps]
     names = {s.name for s in steps}
     on_disk = {f for f in os.listdir(os.path.join(ROOT, "tests", "gpu")) if f.startswith("test_gpu_")
                and f.endswith(".py")}
