@@ -34,8 +34,8 @@ import numpy as np  # noqa: E402
 from parallelisms.context_parallel import ring_attention  # noqa: E402
 from parallelisms.cp.kernel_cudnn_thd import thd_problem  # noqa: E402
 from parallelisms.cp.packed_documents import PackedDocuments, packed_attention  # noqa: E402
-from parallelisms.cp.kernel_blocks import (concrete_kernel, flash_implementation, kernel_for,  # noqa: E402
-                                           module_installed, runnable_kernels)
+from parallelisms.cp.flash_impls import flash_implementation  # noqa: E402
+from parallelisms.cp.kernel_blocks import concrete_kernel, kernel_for, module_installed, runnable_kernels  # noqa: E402
 
 DOCUMENT_MIX = "web-like: lognormal(6.5, 1.0) tokens per document (median ~665)"
 

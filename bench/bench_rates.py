@@ -36,7 +36,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from bench.bench_attention_kernels import timed  # noqa: E402
-from parallelisms.cp.kernel_blocks import flash_implementation, kernel_for, runnable_kernels  # noqa: E402
+from parallelisms.cp.flash_impls import flash_implementation  # noqa: E402
+from parallelisms.cp.kernel_blocks import kernel_for, runnable_kernels  # noqa: E402
 from training.planning.rates import RATES_DIR, rates_path  # noqa: E402
 
 

@@ -18,7 +18,8 @@ from parallelisms.context_parallel import CommStats
 from parallelisms.float8 import describe_float8, precompute_float8_scales
 from parallelisms.parallelize import compile_counters, compile_surprises, uses_loss_parallel
 from parallelisms.stage_meshes import release_stage
-from parallelisms.cp.kernel_blocks import activate_flash_implementation, family_on
+from parallelisms.cp.flash_impls import activate_flash_implementation
+from parallelisms.cp.kernel_blocks import family_on
 from parallelisms.cp.kernel_cudnn_thd import documents_kernel_name
 from parallelisms.cp.layouts import DOCUMENTS
 from training import step

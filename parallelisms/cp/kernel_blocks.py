@@ -19,7 +19,6 @@ varlen calls (kernel_varlen.py); these per-piece kernels serve CPU, the efficien
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -356,43 +355,11 @@ def runnable_kernels(device: torch.device) -> list[str]:
             if kernel_problem(k, "cuda", capability, torch.backends.cudnn.is_available(), module_installed) is None]
 
 
-def activate_flash_implementation(kernel: str) -> None:
-    """Makes torch's CUDA flash ops the family's (process-wide, once per rank at setup): FA3/FA4 re-registered for
-    "fa3"/"fa4"; for any other family torch's own FA2 again, should an earlier call have switched them."""
-    import torch.nn.attention as attention
-
-    current = attention.current_flash_attention_impl()
-    if kernel in FLASH_IMPLEMENTATIONS:
-        name = FLASH_IMPLEMENTATIONS[kernel][0]
-        if current != name:
-            attention.activate_flash_attention_impl(name)
-    elif current is not None:
-        attention.restore_flash_attention_impl(_raise_warn=False)
-
-
-@contextlib.contextmanager
-def flash_implementation(kernel: str):
-    """`activate_flash_implementation` for a scope (the benches time one family after another): torch's flash ops
-    are back to what they were on exit."""
-    import torch.nn.attention as attention
-
-    before = attention.current_flash_attention_impl()
-    activate_flash_implementation(kernel)
-    try:
-        yield
-    finally:
-        if attention.current_flash_attention_impl() != before:
-            if before is None:
-                attention.restore_flash_attention_impl(_raise_warn=False)
-            else:
-                attention.activate_flash_attention_impl(before)
-
-
 def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, needs_mask: bool, *, prefer: str = "flash"):
     """CPU flash on CPU; on CUDA flash for half precision without a mask (head dim a multiple of 8, at most 256),
     else memory-efficient. `prefer="cudnn"` takes cuDNN's fused attention (CudnnBlock, about twice flash's speed
     on Hopper) wherever it serves the case, and the same choice as "flash" elsewhere; "fa3"/"fa4" are the flash
-    ops (re-registered by `activate_flash_implementation`)."""
+    ops (re-registered by flash_impls.activate_flash_implementation)."""
     if prefer not in CONCRETE_KERNELS:
         raise Refusal(f"attention kernel {prefer!r} is none of {CONCRETE_KERNELS} (resolve 'auto' with "
                       "concrete_kernel first)")

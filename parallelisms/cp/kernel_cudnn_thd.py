@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from config.errors import Refusal
+
 THD_MIN_CUDNN = 90600
 """cuDNN 9.6: THD with GQA, int64 ragged offsets, per-sequence causal bands, token-major stats."""
 THD_CAPABILITY_MAJORS = (9, 10)
@@ -290,10 +292,10 @@ class ThdCall:
 
 def _check_operands(q, k, v) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or v.stride() != k.stride():
-        raise ValueError(f"cuDNN THD takes packed (T, H, D) q, k, v with v laid out like k, got {tuple(q.shape)}, "
+        raise Refusal(f"cuDNN THD takes packed (T, H, D) q, k, v with v laid out like k, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)} {k.stride()}, {tuple(v.shape)} {v.stride()}")
     if any(x.stride(-1) != 1 for x in (q, k, v)):
-        raise ValueError("cuDNN THD needs each token's head dim contiguous")
+        raise Refusal("cuDNN THD needs each token's head dim contiguous")
 
 
 def _padded(cu: torch.Tensor, batch: int) -> torch.Tensor:
@@ -313,7 +315,7 @@ def _io_type(cudnn, dtype: torch.dtype):
     types = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16,
              torch.float32: cudnn.data_type.FLOAT}
     if dtype not in types:
-        raise ValueError(f"cuDNN THD attention takes float16 / bfloat16, got {dtype}")
+        raise Refusal(f"cuDNN THD attention takes float16 / bfloat16, got {dtype}")
     return types[dtype]
 
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from parallelisms.cp.kernel_blocks import CudaFlashBlock, choose_block_kernel
+from config.errors import Refusal
 from parallelisms.cp import kernel_cudnn_thd as thd
+from parallelisms.cp.kernel_blocks import CudaFlashBlock, choose_block_kernel
 from parallelisms.cp.kernel_calls import block_backward, block_forward
 from parallelisms.cp.plan_piece import Piece
 
@@ -53,7 +54,7 @@ class PackedDocuments:
         """From (B, S) document ids (numpy or a host tensor); None when some row holds one id in two separate runs."""
         ids = np.asarray(document_ids)
         if ids.ndim != 2 or ids.size == 0:
-            raise ValueError(f"document ids must be (batch, seq) and not empty, got shape {ids.shape}")
+            raise Refusal(f"document ids must be (batch, seq) and not empty, got shape {ids.shape}")
         batch, seq_len = ids.shape
         starts = np.ones(ids.shape, dtype=bool)
         starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
@@ -187,6 +188,6 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Pa
     GQA allowed), causal within each document when `is_causal`. `kernel`: the run's concrete kernel family;
     `packed`: the packed-sequence kernel (kernel_cudnn_thd.packed_kernel)."""
     if (docs.batch, docs.seq_len) != (q.size(0), q.size(2)):
-        raise ValueError(f"packed documents of a ({docs.batch}, {docs.seq_len}) batch given q of shape "
+        raise Refusal(f"packed documents of a ({docs.batch}, {docs.seq_len}) batch given q of shape "
                          f"{tuple(q.shape)}")
     return PackedDocumentAttention.apply(q, k, v, docs, is_causal, scale, kernel, packed)

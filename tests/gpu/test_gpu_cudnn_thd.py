@@ -56,8 +56,8 @@ def _float64_varlen(q, k, v, dout, cu_q, cu_k, is_causal, scale):
     return out, [x.grad for x in leaves]
 
 
-@pytest.mark.parametrize("device", CUDA_ONLY)
 @pytest.mark.parametrize("rectangles", [False, True], ids=["causal-squares", "full-rectangles"])
+@pytest.mark.parametrize("device", CUDA_ONLY)
 def test_thd_graphs_match_float64(device, rectangles):
     dev = _thd_device(device)
     lengths_q = [1, 8192, 0, 63, 65, 2000, 129, 0, 7]
@@ -106,8 +106,8 @@ def test_cp1_packed_documents_make_one_thd_call_each_way_and_match_float64(devic
         assert relative_error(got.cpu(), ref.grad) < TOLERANCE
 
 
-@pytest.mark.parametrize("device", CUDA_ONLY)
 @pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("device", CUDA_ONLY)
 def test_documents_layouts_on_thd_match_float64(device, cp, monkeypatch):
     """The CP 2 / CP 4 documents layout gathered as Ulysses sees it: causal squares and fused rectangles, with
     attention_kernel = "cudnn" (THD for the packed calls)."""

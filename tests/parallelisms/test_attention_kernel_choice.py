@@ -18,7 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from parallelisms.cp.block_spec import BlockSpec
 from parallelisms.cp.exchange_allgather import allgather_backward, allgather_forward
 from parallelisms.cp.exchange_ring import ring_backward, ring_forward
-from parallelisms.cp.kernel_blocks import CudnnBlock, activate_flash_implementation, concrete_kernel, kernel_problem
+from parallelisms.cp.flash_impls import activate_flash_implementation, flash_implementation
+from parallelisms.cp.kernel_blocks import CudnnBlock, concrete_kernel, kernel_problem
 from parallelisms.cp.plan_layout import DocumentLayout
 from parallelisms.cp.plan_pieces import DocumentShards
 from training.planning import cuda_path_probe as probe
@@ -281,8 +282,6 @@ def test_flash_after_fa4_restores_torchs_own_flash_ops(monkeypatch):
     """Issue 50, bug 7: activate_flash_implementation("flash") after "fa4" left FA4 registered (no way back but the
     benches' hand-written restore); the scoped form puts back what was there before."""
     import torch.nn.attention as attention
-
-    from parallelisms.cp.kernel_blocks import flash_implementation
 
     active = [None]
     monkeypatch.setattr(attention, "current_flash_attention_impl", lambda: active[0])
