@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Train from a recipe:  ./run_train.sh [RECIPE.toml] [--section.key value ...] [--print-config | --dry-run | --prepare-data]
+#   --help [SECTION], -h  the modes, overrides and sections; with a section, its keys (type, default, meaning)
 #   --dry-run       plan check in one process: memory per rank and step time per stage on a fake process group
 #   --prepare-data  tokenize the recipe's sources once into the memory-mapped store (data.cache_dir), then stop
 #   --show-rows N [--json]  print the first N training rows of the first stage (label spans, sources), then stop
@@ -12,7 +13,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/bootstrap.sh" requirements.txt
 
 for arg in "$@"; do  # one process, no torchrun: printing the config, or the dry run on a fake process group
-  case "$arg" in --print-config|--dry-run|--prepare-data|--show-rows|--plan-ramp) exec "$PY" "$HERE/train.py" "$@" ;; esac
+  case "$arg" in --help|-h|--print-config|--dry-run|--prepare-data|--show-rows|--plan-ramp) exec "$PY" "$HERE/train.py" "$@" ;; esac
 done
 # Inside a job of slurm/train.sbatch (one task per node; it exports RDZV_ENDPOINT and NPROC = ranks per node), every
 # node's torchrun meets the others at the head node's c10d rendezvous, keyed by the job id. Elsewhere: one machine.

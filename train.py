@@ -1,6 +1,7 @@
 """Entry point: recipe -> mesh -> data -> model -> parallelize -> train loop.
 
 Launched by run_train.sh under torchrun:  train.py [RECIPE.toml] [--section.key value ...] [--print-config]
+`--help [SECTION]` prints the modes and overrides, or one section's keys from the schema (config/help.py).
 `--dry-run` (one process, no torchrun) measures every stage's memory per rank on a fake process group and prints it
 with a roofline step time (training/planning/dry_run.py).
 `--check` validates the recipe and the launch (data paths, degrees vs ranks), prepares any missing token store and
@@ -56,6 +57,13 @@ def show_rows_count(argv: list[str]) -> tuple[int | None, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if "--help" in argv or "-h" in argv:  # before the recipe is read: help never starts or checks anything
+            from config.help import help_text
+
+            at = argv.index("--help" if "--help" in argv else "-h")
+            section = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else None
+            print(help_text(section), end="")
+            return 0
         show_count, argv = show_rows_count(argv)
         recipe, overrides, flags = parse_cli(argv)
         if "--plan-ramp" in flags:  # one process: probes on a fake process group, then a recipe is written
