@@ -37,5 +37,10 @@ cores="$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NPROC > 0 ? cores / NPROC : 1 ))}"
 # MAX_RESTARTS=N: torchrun restarts the job after a rank dies and it resumes from the newest complete checkpoint. A
 # restarted job needs a fresh rendezvous store: torch 2.13's shared one hands it the dead ranks' stale gloo addresses.
+# Signals: torchrun forwards SIGTERM and SIGUSR1 to the ranks, which finish their step, save it and exit; it waits
+# STOP_GRACE_S seconds (default 600) for that before it kills them. training/launcher.py runs torchrun so that the exit
+# code says why the run stopped: 0 after a save on SIGTERM, 75 (requeue) after a save on SIGUSR1.
 exec env TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-$(( ${MAX_RESTARTS:-0} > 0 ))}" \
-  "$PY" -m torch.distributed.run "${launch[@]}" --max-restarts "${MAX_RESTARTS:-0}" --nproc-per-node "$NPROC" "$HERE/train.py" "$@"
+  PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m training.launcher "${launch[@]}" \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "${STOP_GRACE_S:-600}" \
+  --max-restarts "${MAX_RESTARTS:-0}" --nproc-per-node "$NPROC" "$HERE/train.py" "$@"

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        trainer.run()
+        trainer.run()  # stopped on a signal or not, every rank exits 0: training/launcher.py sets the exit code
     finally:
         trainer.close()
     return 0

@@ -132,6 +132,8 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self._executor = ThreadPoolExecutor(1, "checkpoint") if config.async_mode == "async" else None
         self._pending: Future | None = None
+        self.saved_step: int | None = None
+        """The step of the last save started (published once `wait()` returns)."""
 
     def register(self, name: str, stateful) -> None:
         """Checkpoint one more object with state_dict() / load_state_dict() (identical on every rank); register
@@ -187,6 +189,7 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         self.wait()  # one save in flight at a time; the previous one is published first
+        self.saved_step = step
         start = time.perf_counter()
         partial = files.step_dir(self.folder, step) + files.PARTIAL_SUFFIX
         if self.rank == 0:
