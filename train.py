@@ -28,6 +28,7 @@ from data.sources import build_run_tokenizer, check_sources, open_stores, prepar
 from models.llama import recipe_model_config  # noqa: E402
 from parallelisms.float8 import check_float8  # noqa: E402
 from training.checkpoint import preflight_checkpoint  # noqa: E402
+from training.checkpoint_disk import DISK_EXIT_CODE, CheckpointDiskError, check_checkpoint_disk  # noqa: E402
 from training.planning.device_check import check_attention_kernel, check_gpus  # noqa: E402
 from training.planning.preflight import preflight_stages, required_ranks  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
@@ -99,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         check_float8(cfg)  # and float8 linear layers without a torchao that runs them
         check_sources(cfg)  # data paths (after the GPU check: on a laptop the GPU count is the news)
         preflight_checkpoint(cfg, model_cfg)
+        nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+        disk_warning = check_checkpoint_disk(cfg, model_cfg, world, nodes)  # refuses when not one save fits
+        if disk_warning and "RANK" not in os.environ:  # said once, by the launch check
+            print(disk_warning, file=sys.stderr)
         if "--check" in flags:
             if cfg.data.dataset == "text" or cfg.eval.niah:  # before any process group: tokenizer and data errors,
                 tokenizer = build_run_tokenizer(cfg, model_cfg.vocab_size)  # stale stores, too short NIAH lengths
@@ -117,16 +122,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.run()  # stopped on a signal or not, every rank exits 0: training/launcher.py sets the exit code
+    except CheckpointDiskError as e:  # a save failed on the disk: one line, not DCP's traceback of every rank
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return DISK_EXIT_CODE
     finally:
         trainer.close()
     return 0
 
 
 if __name__ == "__main__":
-    exit_code = main()
+    try:
+        exit_code = main()
+    except BaseException:  # printed as Python would, but the exit below is taken in any case
+        import traceback
+
+        traceback.print_exc()
+        exit_code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # Everything is written and the process group is gone; skip interpreter teardown, where a c10d/gloo thread still
     # alive at static destruction now and then aborts a run that succeeded ("terminate called without an active
-    # exception", seen once in ~300 CI launches).
+    # exception", seen once in ~300 CI launches), and where, after an error, multiprocessing would join the data
+    # loader's workers forever: they ignore the SIGTERM it ends them with (training/preemption.py); left alone, they
+    # see their rank gone and exit.
     os._exit(exit_code)

@@ -41,6 +41,7 @@ from models.hf import (from_hf_config, load_hf_weights, quiet_single_process_dcp
 from models.llama import Llama
 from parallelisms.float8 import plain_weights
 from training import checkpoint_files as files
+from training.checkpoint_disk import raise_if_disk_failure
 
 _OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -198,15 +199,19 @@ class Checkpointer:
         self._barrier()
         state = self._state(step)
         writer = FileSystemWriter(partial)
-        with quiet_single_process_dcp():
-            if self._executor is None:
-                metadata = dcp.save(state, storage_writer=writer, process_group=self.group,
-                                    no_dist=not self.distributed)
-                self._publish(step, metadata, start)
-            else:  # async_save copies the state to CPU memory before it returns; the write happens behind
-                upload = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+        try:
+            with quiet_single_process_dcp():
+                if self._executor is None:
+                    metadata = dcp.save(state, storage_writer=writer, process_group=self.group,
                                         no_dist=not self.distributed)
-                self._pending = self._executor.submit(self._publish_when_written, step, upload, start)
+                    self._publish(step, metadata, start)
+                else:  # async_save copies the state to CPU memory before it returns; the write happens behind
+                    upload = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+                                            no_dist=not self.distributed)
+                    self._pending = self._executor.submit(self._publish_when_written, step, upload, start)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            raise_if_disk_failure(e, step, self.folder, self.rank)  # no space, read-only, quota: one line
+            raise
 
     def _publish_when_written(self, step: int, upload: Future, start: float) -> None:
         self._publish(step, upload.result(), start)
@@ -239,7 +244,8 @@ class Checkpointer:
         if pending is not None:
             try:
                 pending.result()
-            except Exception as e:
+            except BaseException as e:
+                raise_if_disk_failure(e, self.saved_step, self.folder, self.rank)
                 raise RuntimeError(f"asynchronous checkpoint save failed: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:

@@ -6,7 +6,8 @@ and only then kills them; but after that it raises its SignalException, a traceb
 ranks did. Here that exception is caught and the exit code is the one training/preemption.py gives the signal the
 ranks saved on (rank 0 names it in the file of TRAIN_STOP_FILE): 0 for SIGTERM, 75 (requeue) for SIGUSR1. A signal
 that came before the ranks could save (still starting, say) exits 128 + its number, in one line. Every other
-outcome (success, a failed rank) is torchrun's own, unchanged.
+outcome (success, a failed rank) is torchrun's own, unchanged, but for a save that failed on the disk
+(training/checkpoint_disk.py): its ranks' exit code, quietly, after rank 0's one line.
 """
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import sys
 import tempfile
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
+from training.checkpoint_disk import DISK_EXIT_CODE
 from training.preemption import EXIT_CODES, STOP_FILE_ENV
 
 
@@ -30,6 +33,10 @@ def main(argv: list[str]) -> int:
             torchrun(argv)
         except SignalException as e:
             signalled = e.sigval
+        except ChildFailedError as e:  # a save failed on the disk: rank 0 said so in one line
+            if any(f.exitcode == DISK_EXIT_CODE for f in e.failures.values()):
+                return DISK_EXIT_CODE
+            raise
         with open(path) as f:
             saved_on = f.read().strip()
     finally:

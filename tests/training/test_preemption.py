@@ -26,8 +26,9 @@ CP2_DOCUMENTS = ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--data
 ASYNC = ["--checkpoint.interval", "2", "--checkpoint.async_mode", "async"]
 
 
-def launch(folder: str, *extra: str, recipe: tuple = ()) -> subprocess.Popen:
-    env = child_env(base=dict(os.environ, PYTHON=sys.executable, NPROC="2"))
+def launch(folder: str, *extra: str, recipe: tuple = (), first: tuple = ()) -> subprocess.Popen:
+    """run_train.sh on 2 ranks; `first`: folders ahead on PYTHONPATH (a test's sitecustomize.py hook)."""
+    env = child_env(*first, base=dict(os.environ, PYTHON=sys.executable, NPROC="2"))
     return subprocess.Popen([os.path.join(ROOT, "run_train.sh"), *recipe, *ARGS, *extra, "--job.dump_folder", folder],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -114,3 +115,43 @@ def test_a_signal_saves_the_step_in_progress_and_the_resume_matches(tmp_path, un
     assert code == 0, out[-2000:] + err[-3000:]
     assert f"(step {step})" in out
     assert losses(folder) == reference  # every step, those after the resume included, bit for bit
+
+
+# Loaded by every Python process of the run through PYTHONPATH: rank 1's write of the step-4 checkpoint fails as a
+# full disk does (the same OSError an ENOSPC write raises), after the step-2 checkpoint was saved.
+DISK_FULL_AT_STEP_4 = """
+import errno, os
+if os.environ.get("RANK") == "1":
+    from torch.distributed.checkpoint import filesystem
+
+    original = filesystem._FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if str(self.path).endswith("step-4.partial"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(self, plan, planner)
+
+    filesystem._FileSystemWriter.write_data = write_data
+"""
+
+
+def test_a_save_on_a_full_disk_stops_in_one_line_and_the_earlier_checkpoint_resumes(tmp_path, uninterrupted):
+    reference = uninterrupted("plain", (), ())
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(DISK_FULL_AT_STEP_4)
+    folder = str(tmp_path / "run")
+    process = launch(folder, "--checkpoint.interval", "2", first=(str(hook),))
+    code, out, err = finish(process, timeout=300)
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 74 and len(errors) == 1, out[-2000:] + err[-4000:]
+    assert errors[0].startswith(f"error: checkpoint: saving step 4 into '{folder}/checkpoints' failed: No space left "
+                                f"on device (errno 28); "), errors[0]
+    assert f"the last complete checkpoint is step 2 ({folder}/checkpoints/step-2)" in errors[0]
+    assert "Traceback" not in err and "CheckpointException" not in err, err[-4000:]
+    assert sorted(os.listdir(os.path.join(folder, "checkpoints"))) == ["step-2"]  # the partial one removed
+
+    code, out, err = finish(launch(folder, "--checkpoint.interval", "2"))
+    assert code == 0, out[-2000:] + err[-3000:]
+    assert "(step 2)" in out
+    assert losses(folder) == reference
