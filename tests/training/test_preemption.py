@@ -155,3 +155,42 @@ def test_a_save_on_a_full_disk_stops_in_one_line_and_the_earlier_checkpoint_resu
     assert code == 0, out[-2000:] + err[-3000:]
     assert "(step 2)" in out
     assert losses(folder) == reference
+
+
+KILLS = 10
+KILL_STEPS = 20
+
+
+def test_a_run_sigkilled_at_random_instants_resumes_every_time_and_matches(tmp_path, uninterrupted):
+    """Every process of the run SIGKILLed (as a node dies) 10 times, each at a random instant after the relaunched
+    run logged its first new step: with a save and a log write every step, the instants fall in steps, saves and log
+    writes. Every relaunch must resume (a torn metrics line, a half-written checkpoint left behind) and the losses at
+    the end equal an uninterrupted run's bit for bit."""
+    import random
+
+    steps = ("--training.steps", str(KILL_STEPS))
+    reference = uninterrupted("plain-40", steps, ())
+    folder = str(tmp_path / "run")
+    every_step = (*steps, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2")
+    chance = random.Random(49)
+    kills, said = [], ""
+    for kill in range(KILLS):
+        before = logged_step(folder)
+        process = launch(folder, *every_step)
+        while logged_step(folder) <= before:
+            assert process.poll() is None, f"relaunch {kill} ended:\n" + process.communicate()[1][-3000:]
+            time.sleep(0.02)
+        delay = chance.uniform(0, 0.8)
+        time.sleep(delay)
+        assert process.poll() is None, "the run finished before its kill: raise KILL_STEPS"
+        for pid in group_processes(process.pid):
+            os.kill(pid, signal.SIGKILL)
+        said += process.communicate()[1]
+        kills.append((logged_step(folder), round(delay, 2)))
+    code, out, err = finish(launch(folder, *every_step))
+    said += err
+    print(f"killed after (logged step, delay s): {kills}; torn metrics lines dropped: "
+          f"{said.count('dropped its torn last line')}, checkpoints skipped: {said.count('falling back')}")
+    assert code == 0, out[-2000:] + err[-3000:]
+    assert sorted(losses(folder)) == list(range(1, KILL_STEPS + 1))
+    assert losses(folder) == reference
