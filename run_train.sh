@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Train from a recipe:  ./run_train.sh [RECIPE.toml] [--section.key value ...] [--print-config | --dry-run | --prepare-data]
+#   --help [SECTION], -h  the modes, overrides and sections; with a section, its keys (type, default, meaning)
 #   --dry-run       plan check in one process: memory per rank and step time per stage on a fake process group
 #   --prepare-data  tokenize the recipe's sources once into the memory-mapped store (data.cache_dir), then stop
 #   --show-rows N [--json]  print the first N training rows of the first stage (label spans, sources), then stop
@@ -12,7 +13,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/bootstrap.sh" requirements.txt
 
 for arg in "$@"; do  # one process, no torchrun: printing the config, or the dry run on a fake process group
-  case "$arg" in --print-config|--dry-run|--prepare-data|--show-rows|--plan-ramp) exec "$PY" "$HERE/train.py" "$@" ;; esac
+  case "$arg" in --help|-h|--print-config|--dry-run|--prepare-data|--show-rows|--plan-ramp) exec "$PY" "$HERE/train.py" "$@" ;; esac
 done
 # Inside a job of slurm/train.sbatch (one task per node; it exports RDZV_ENDPOINT and NPROC = ranks per node), every
 # node's torchrun meets the others at the head node's c10d rendezvous, keyed by the job id. Elsewhere: one machine.
@@ -36,21 +37,11 @@ cores="$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NPROC > 0 ? cores / NPROC : 1 ))}"
 # MAX_RESTARTS=N: torchrun restarts the job after a rank dies and it resumes from the newest complete checkpoint. A
 # restarted job needs a fresh rendezvous store: torch 2.13's shared one hands it the dead ranks' stale gloo addresses.
-# torchrun's stderr is also kept in a temporary file: a rank the kernel's OOM killer SIGKILLed leaves no word of its
-# own, so its failure summary ("rank : R", "exitcode : -9") becomes one line naming the signal, the rank and the plan.
-log="$(mktemp)"
-trap 'rm -f "$log"' EXIT
-set +e
-{ env TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-$(( ${MAX_RESTARTS:-0} > 0 ))}" \
-  "$PY" -m torch.distributed.run "${launch[@]}" --max-restarts "${MAX_RESTARTS:-0}" --nproc-per-node "$NPROC" \
-  "$HERE/train.py" "$@" 2>&1 1>&3 3>&- | tee "$log" >&2; } 3>&1
-rc=${PIPESTATUS[0]}
-set -e
-killed="$(awk '/^ *rank *:/ {rank = $3} /^ *exitcode *: -9 / {print rank; exit}' "$log")"
-if [ "$rc" -ne 0 ] && [ -n "$killed" ]; then
-  recipe="recipes/debug.toml"
-  case "${1:-}" in --*|"") ;; *) recipe="$1" ;; esac
-  echo "error: rank $killed was killed by signal 9 (SIGKILL), as the kernel's OOM killer stops a process when the" \
-    "host runs out of memory: ./run_train.sh $recipe --dry-run shows each stage's host memory per node." >&2
-fi
-exit "$rc"
+# Signals: torchrun forwards SIGTERM and SIGUSR1 to the ranks, which finish their step, save it and exit; it waits
+# STOP_GRACE_S seconds (default 600) for that before it kills them. training/launcher.py runs torchrun so that the exit
+# code says why the run stopped: 0 after a save on SIGTERM, 75 (requeue) after a save on SIGUSR1; a rank the kernel's
+# OOM killer SIGKILLed (it leaves no word of its own) gets one last line naming the signal, the rank and the plan.
+exec env TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-$(( ${MAX_RESTARTS:-0} > 0 ))}" \
+  PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m training.launcher "${launch[@]}" \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "${STOP_GRACE_S:-600}" \
+  --max-restarts "${MAX_RESTARTS:-0}" --nproc-per-node "$NPROC" "$HERE/train.py" "$@"

@@ -1,6 +1,7 @@
 """Entry point: recipe -> mesh -> data -> model -> parallelize -> train loop.
 
 Launched by run_train.sh under torchrun:  train.py [RECIPE.toml] [--section.key value ...] [--print-config]
+`--help [SECTION]` prints the modes and overrides, or one section's keys from the schema (config/help.py).
 `--dry-run` (one process, no torchrun) measures every stage's memory per rank on a fake process group and prints it
 with a roofline step time (training/planning/dry_run.py).
 `--check` validates the recipe and the launch (data paths, degrees vs ranks), prepares any missing token store and
@@ -27,6 +28,7 @@ from data.sources import build_run_tokenizer, check_sources, open_stores, prepar
 from models.llama import recipe_model_config  # noqa: E402
 from parallelisms.float8 import check_float8  # noqa: E402
 from training.checkpoint import preflight_checkpoint  # noqa: E402
+from training.checkpoint_disk import DISK_EXIT_CODE, CheckpointDiskError, check_checkpoint_disk  # noqa: E402
 from training.planning.device_check import check_attention_kernel, check_gpus  # noqa: E402
 from training.planning.preflight import preflight_stages, required_ranks  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
@@ -56,6 +58,13 @@ def show_rows_count(argv: list[str]) -> tuple[int | None, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if "--help" in argv or "-h" in argv:  # before the recipe is read: help never starts or checks anything
+            from config.help import help_text
+
+            at = argv.index("--help" if "--help" in argv else "-h")
+            section = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else None
+            print(help_text(section), end="")
+            return 0
         show_count, argv = show_rows_count(argv)
         recipe, overrides, flags = parse_cli(argv)
         if "--plan-ramp" in flags:  # one process: probes on a fake process group, then a recipe is written
@@ -91,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         check_float8(cfg)  # and float8 linear layers without a torchao that runs them
         check_sources(cfg)  # data paths (after the GPU check: on a laptop the GPU count is the news)
         preflight_checkpoint(cfg, model_cfg)
+        nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+        disk_warning = check_checkpoint_disk(cfg, model_cfg, world, nodes)  # refuses when not one save fits
+        if disk_warning and "RANK" not in os.environ:  # said once, by the launch check
+            print(disk_warning, file=sys.stderr)
         if "--check" in flags:
             from training.planning.host_memory import check_host_memory
 
@@ -111,17 +124,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        trainer.run()
+        trainer.run()  # stopped on a signal or not, every rank exits 0: training/launcher.py sets the exit code
+    except CheckpointDiskError as e:  # a save failed on the disk: one line, not DCP's traceback of every rank
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return DISK_EXIT_CODE
     finally:
         trainer.close()
     return 0
 
 
 if __name__ == "__main__":
-    exit_code = main()
+    try:
+        exit_code = main()
+    except BaseException:  # printed as Python would, but the exit below is taken in any case
+        import traceback
+
+        traceback.print_exc()
+        exit_code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # Everything is written and the process group is gone; skip interpreter teardown, where a c10d/gloo thread still
     # alive at static destruction now and then aborts a run that succeeded ("terminate called without an active
-    # exception", seen once in ~300 CI launches).
+    # exception", seen once in ~300 CI launches), and where, after an error, multiprocessing would join the data
+    # loader's workers forever: they ignore the SIGTERM it ends them with (training/preemption.py); left alone, they
+    # see their rank gone and exit.
     os._exit(exit_code)

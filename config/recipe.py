@@ -14,7 +14,8 @@ import typing
 
 from config.errors import RecipeError
 from config.rope import RAMP_KEEP_TYPE, ROPE_SCALING_TYPES, is_scaling_type
-from config.schema import ACCELERATOR_MEMORY_GIB, CHOICES, DOCUMENTS, MIN_SEQ_LEN, SECTIONS, Config, RampTable
+from config.schema import (ACCELERATOR_MEMORY_GIB, CHOICES, DOCUMENTS, MIN_SEQ_LEN, SECTIONS, Config, RampTable,
+                           StopSignal, choices)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -243,6 +244,10 @@ def validate(cfg: Config) -> None:
     for section, key in positive:
         if getattr(getattr(cfg, section), key) < 1:
             raise RecipeError(f"{where}: {section}.{key} must be >= 1, got {getattr(getattr(cfg, section), key)}.")
+    for name in cfg.checkpoint.save_on_signal:
+        if name not in choices(StopSignal):
+            raise RecipeError(f"{where}: checkpoint.save_on_signal names '{name}', which the trainer does not handle; "
+                              f"use any of {list(choices(StopSignal))} (or [] for none).")
     for key in ("host_memory_gib", "nvlink_gb_per_s", "network_gb_per_s"):
         if getattr(cfg.hardware, key) < 0:
             raise RecipeError(f"{where}: hardware.{key} must be >= 0 (0 = the accelerator's), got "

@@ -34,6 +34,8 @@ TieMode = Literal["auto", "tied", "untied"]
 RopeScaling = Literal["auto", "llama3", "yarn"]
 CompileSetting = Literal["auto", True, False]
 Float8Recipe = Literal["off", "tensorwise", "rowwise"]
+StopSignal = Literal["SIGTERM", "SIGUSR1"]
+"""The signals `checkpoint.save_on_signal` may name (training/preemption.py)."""
 
 
 LOSS_TILE_LOGITS = 2**28
@@ -331,6 +333,10 @@ class CheckpointConfig:
     scratch) | bfloat16 | float32 | float16."""
     hf_export_interval: int = 0
     """Export every this many steps as well as at the end of training; 0 = only at the end."""
+    save_on_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """On these signals every rank finishes its step, a checkpoint of it is saved and the run stops: SIGTERM
+    (preemption, scancel, the time limit) exits 0, SIGUSR1 (slurm/train.sbatch's warning ahead of the time limit)
+    exits 75 for a requeue. Empty = no handlers (the signal kills the run). Needs enable = true."""
 
 
 @dataclass

@@ -93,13 +93,14 @@ class PackedRowLoader(StatefulDataLoader):
     """A StatefulDataLoader whose checkpoint state is the global number of rows consumed (see module docstring)."""
 
     def __init__(self, dataset: GlobalRowStream, batch_sampler: DataParallelBatchSampler, num_workers: int = 0,
-                 collate_fn=None, pin_memory: bool = False):
+                 collate_fn=None, pin_memory: bool = False, worker_init_fn=None):
         """`collate_fn` runs in the workers (training/batch_plans.py makes each step's plans there); the batch
-        sampler's `global_batch_rows` is what one yielded item counts as consumed."""
+        sampler's `global_batch_rows` is what one yielded item counts as consumed. `worker_init_fn(worker_id)`
+        runs first in each worker (the trainer's makes workers ignore the signals their rank saves on)."""
         with warnings.catch_warnings():  # torchdata 0.11 calls a torch API that torch 2.13 deprecates; not ours
             warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
             super().__init__(dataset, batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
-                             pin_memory=pin_memory)
+                             pin_memory=pin_memory, worker_init_fn=worker_init_fn)
         self.packed = dataset.packed
         self.global_rows_consumed = 0
 

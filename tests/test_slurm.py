@@ -223,10 +223,12 @@ def _uninterrupted_losses(args: list[str], folder: str) -> dict[int, float]:
 @pytest.mark.timeout(1680)  # installing Slurm if this test runs first (600 s) + the runs and waits below (1020 s)
 def test_usr1_requeues_the_job_and_it_resumes_with_identical_losses(slurm, tmp_path):
     """The time-limit path of slurm/train.sbatch for real: USR1 to the batch shell (what --signal=B:USR1 sends) ->
-    its trap runs `scontrol requeue` -> Slurm starts the job again (restart count 1), which resumes from its newest
-    complete checkpoint. Every loss either run logged equals an uninterrupted run's, bit for bit."""
+    its trap passes it to the ranks, which save the step they are in and exit 75 -> the script runs `scontrol
+    requeue` -> Slurm starts the job again (restart count 1), which resumes from that very step: with a checkpoint
+    interval longer than the run, no step is lost. Every loss either run logged equals an uninterrupted run's, bit
+    for bit."""
     args = ["--parallelism.dp_shard", "-1", "--training.steps", "14", "--training.seq_len", "128",
-            "--training.local_batch_size", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+            "--training.local_batch_size", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
             "--metrics.enable_tensorboard", "false"]
     reference = _uninterrupted_losses(args, str(tmp_path / "reference"))
 
@@ -265,13 +267,16 @@ def test_usr1_requeues_the_job_and_it_resumes_with_identical_losses(slurm, tmp_p
               "the requeued job to finish", [log])
     text = open(log).read()
     assert _job_state(env, job) == "COMPLETED", text[-4000:]
-    assert f"caught USR1: requeueing job {job}" in text, text[-4000:]
+    assert "caught USR1: the ranks save the step they are in" in text, text[-4000:]
+    assert f"step saved: requeueing job {job}" in text, text[-4000:]
     first_run = text.split("caught USR1")[0]
     signalled_at = max(int(m) for m in re.findall(r"step +(\d+)/14", first_run))
+    saved = re.search(r"checkpoint: saved step (\d+) on SIGUSR1; resume with the same command", text)
     resumed = re.search(r"resumed from .*\(step (\d+)\)", text)
-    assert resumed, text[-4000:]
+    assert saved and resumed, text[-4000:]
     resumed_step = int(resumed.group(1))
-    assert resumed_step % 3 == 0 and 3 <= resumed_step <= signalled_at, (resumed_step, signalled_at)
+    assert resumed_step == int(saved.group(1)) and 4 <= signalled_at <= resumed_step < 14, (resumed_step,
+                                                                                             signalled_at)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == list(range(1, 15)), records

@@ -100,11 +100,11 @@ class StepPlanner:
 
 
 def step_loader(micro_loader: PackedRowLoader, micro_steps: int, slots: StepSlots | None, dp_rank: int,
-                cp: CpPlanning | None, num_workers: int, pin_memory: bool) -> PackedRowLoader:
+                cp: CpPlanning | None, num_workers: int, pin_memory: bool, worker_init_fn=None) -> PackedRowLoader:
     """A loader of whole steps over the same row stream as `micro_loader` (built by training/build.py for this rank,
     or for the whole global micro-batch when placing by work), at the same count of rows consumed."""
     loader = PackedRowLoader(micro_loader.dataset, StepBatchSampler(micro_loader.batch_sampler, micro_steps),
                              num_workers=num_workers, collate_fn=StepPlanner(micro_steps, slots, dp_rank, cp),
-                             pin_memory=pin_memory)
+                             pin_memory=pin_memory, worker_init_fn=worker_init_fn)
     loader.global_rows_consumed = micro_loader.global_rows_consumed
     return loader

@@ -41,6 +41,7 @@ from models.hf import (from_hf_config, load_hf_weights, quiet_single_process_dcp
 from models.llama import Llama
 from parallelisms.float8 import plain_weights
 from training import checkpoint_files as files
+from training.checkpoint_disk import raise_if_disk_failure
 
 _OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -132,6 +133,8 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self._executor = ThreadPoolExecutor(1, "checkpoint") if config.async_mode == "async" else None
         self._pending: Future | None = None
+        self.saved_step: int | None = None
+        """The step of the last save started (published once `wait()` returns)."""
 
     def register(self, name: str, stateful) -> None:
         """Checkpoint one more object with state_dict() / load_state_dict() (identical on every rank); register
@@ -187,6 +190,7 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         self.wait()  # one save in flight at a time; the previous one is published first
+        self.saved_step = step
         start = time.perf_counter()
         partial = files.step_dir(self.folder, step) + files.PARTIAL_SUFFIX
         if self.rank == 0:
@@ -195,15 +199,19 @@ class Checkpointer:
         self._barrier()
         state = self._state(step)
         writer = FileSystemWriter(partial)
-        with quiet_single_process_dcp():
-            if self._executor is None:
-                metadata = dcp.save(state, storage_writer=writer, process_group=self.group,
-                                    no_dist=not self.distributed)
-                self._publish(step, metadata, start)
-            else:  # async_save copies the state to CPU memory before it returns; the write happens behind
-                upload = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+        try:
+            with quiet_single_process_dcp():
+                if self._executor is None:
+                    metadata = dcp.save(state, storage_writer=writer, process_group=self.group,
                                         no_dist=not self.distributed)
-                self._pending = self._executor.submit(self._publish_when_written, step, upload, start)
+                    self._publish(step, metadata, start)
+                else:  # async_save copies the state to CPU memory before it returns; the write happens behind
+                    upload = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+                                            no_dist=not self.distributed)
+                    self._pending = self._executor.submit(self._publish_when_written, step, upload, start)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            raise_if_disk_failure(e, step, self.folder, self.rank)  # no space, read-only, quota: one line
+            raise
 
     def _publish_when_written(self, step: int, upload: Future, start: float) -> None:
         self._publish(step, upload.result(), start)
@@ -236,7 +244,8 @@ class Checkpointer:
         if pending is not None:
             try:
                 pending.result()
-            except Exception as e:
+            except BaseException as e:
+                raise_if_disk_failure(e, self.saved_step, self.folder, self.rank)
                 raise RuntimeError(f"asynchronous checkpoint save failed: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:

@@ -66,7 +66,8 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_json_atomically(path: str, content: dict) -> None:
+def write_json_atomically(path: str, content: dict | list) -> None:
+    """Written beside `path`, synced, then renamed over it: a kill at any instant leaves the old file or the new."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(content, f, indent=1, sort_keys=True)

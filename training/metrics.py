@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+from config import RecipeError
 from models.llama import flops_per_token
 from parallelisms.comm import Collectives
 from parallelisms.context_parallel import CommStats
@@ -28,15 +30,38 @@ def format_eta(seconds: float) -> str:
 
 
 def _drop_records_after(path: str, step: int) -> None:
-    """Keeps the records of steps <= `step` (all of them when starting fresh at step 0 in a new folder)."""
+    """Keeps the records of steps <= `step` (all of them when starting fresh at step 0 in a new folder).
+
+    A run killed while writing a record leaves a torn last line: it is dropped with a warning, since the step it held
+    is replayed after the checkpoint anyway, and a resume must never die on it. A damaged line elsewhere is not a
+    torn write but an edited or corrupted file, and stops the run naming the line. The file is rewritten through a
+    temporary file and a rename, so a kill during this rewrite leaves the old file or the new one, never half."""
     if not os.path.exists(path):
         return
     with open(path) as f:
         lines = f.readlines()
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-    if len(kept) != len(lines):
-        with open(path, "w") as f:
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                print(f"warning: {path}: dropped its torn last line {number} (the run was killed while writing it; "
+                      f"that step is logged again after the resume)", file=sys.stderr, flush=True)
+                continue
+            raise RecipeError(f"{path} line {number} is not a JSON record; repair or remove that line (or move the "
+                              f"file away) and resume.") from None
+        if record.get("step", 0) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        temporary = path + ".tmp"
+        with open(temporary, "w") as f:
             f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
 
 
 class MetricsLogger:

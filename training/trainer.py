@@ -34,6 +34,7 @@ from training.evaluation.niah import run_niah_eval
 from training.loss import global_label_tokens
 from training.metrics import MetricsLogger, StepMetrics, visible_pairs
 from training.planning.preflight import preflight_stages
+from training.preemption import StopSignals, ignore_stop_signals
 from training.ramp import RampStage, model_build_config, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_
 from training.step_profile import profile_line, profiled_step
@@ -43,6 +44,8 @@ class Trainer:
     def __init__(self, cfg: Config):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.stages = preflight_stages(cfg, world)
+        # First: a signal from here on stops the run after a step, with a checkpoint of it (training/preemption.py).
+        self.stop_signals = StopSignals(cfg.checkpoint.save_on_signal if cfg.checkpoint.enable else [])
         # The model is built on the first stage's mesh; later stages only trade dp_shard for cp, so its FSDP, TP and
         # PP groups hold the same ranks in every stage.
         first = self.stage = self.stages[0]
@@ -135,7 +138,8 @@ class Trainer:
             cp = CpPlanning(p.cp, self.mesh.cp_mesh.get_local_rank(), p.cp_impl, varlen=self.device.type == "cuda",
                             documents_layout=documents_layout)
         return step_loader(micro_loader, stage.grad_accum_steps, slots, self.mesh.dp_rank, cp,
-                           num_workers=max(1, cfg.data.num_workers), pin_memory=self.device.type == "cuda")
+                           num_workers=max(1, cfg.data.num_workers), pin_memory=self.device.type == "cuda",
+                           worker_init_fn=ignore_stop_signals if self.stop_signals.names else None)
 
     def _switch_stage(self, stage: RampStage, rows_consumed: int = 0) -> None:
         self.dataloader = self.checkpointer.dataloader = self._enter_stage(stage, rows_consumed)
@@ -167,7 +171,9 @@ class Trainer:
             self.dist.comm.all_reduce_(loss, group=pp_group)
         return loss.item(), float(grad_norm)
 
-    def run(self) -> None:
+    def run(self) -> str | None:
+        """Trains to the last step and evaluates; returns None, or the signal the run stopped on after saving a
+        checkpoint of the step it was in (training/preemption.py)."""
         self._announce()
         data_iter = iter(self.dataloader)
         resumed_at = self.step
@@ -222,6 +228,10 @@ class Trainer:
                     for offloader in self.offloaders:
                         offloader.reset_peak()
                 self.logger.log(self.step, {**record, **evaluation})
+            stop = self.stop_signals.agreed(self.dist.comm, self.device.torch_device)
+            if stop and not last:  # at the last step the run ends as usual, its checkpoint saved above
+                self._save_and_stop(stop)
+                return stop
         if self.cfg.eval.niah and self.step == resumed_at:
             # resumed at the last step (nothing to train): evaluate the checkpoint, e.g. on another mesh
             run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
@@ -229,6 +239,15 @@ class Trainer:
         if self.cfg.eval.passkey:
             run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0,
                              self.dist.comm)
+        return None
+
+    def _save_and_stop(self, name: str) -> None:
+        """Every rank, after the same step: a synchronous checkpoint of it (unless this step's interval save is it),
+        published before the line that says so."""
+        if self.checkpointer.saved_step != self.step:
+            self.checkpointer.save(self.step)
+        self.checkpointer.wait()  # an async save (this one or the one in flight) is published first
+        self.stop_signals.report(name, self.step, self.rank)
 
     def _profiled(self):
         """The step about to run under torch.profiler (training/step_profile.py), its summary per rank in the dump
@@ -291,6 +310,7 @@ class Trainer:
                 print(line, flush=True)
 
     def close(self) -> None:
+        self.stop_signals.close()
         self.checkpointer.close()  # waits for an async save in flight
         self.logger.close()
         if dist.is_initialized():

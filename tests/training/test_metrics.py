@@ -1,5 +1,8 @@
 import json
 
+import pytest
+
+from config import RecipeError
 from training.metrics import MetricsLogger
 
 
@@ -18,6 +21,31 @@ def test_resume_replaces_the_replayed_steps(tmp_path):
     second.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0), (6, 16.0)]
+
+
+def test_a_torn_last_line_is_dropped_with_a_warning_and_the_resume_goes_on(tmp_path, capsys):
+    """A kill in the middle of a record's write: the resume keeps every whole record and logs on after them."""
+    first = MetricsLogger(str(tmp_path), 6, enable_tensorboard=False, is_writer=True)
+    for step in range(1, 4):
+        first.log(step, record(float(step)))
+    first.close()
+    path = tmp_path / "metrics.jsonl"
+    whole = path.read_text()
+    path.write_text(whole + json.dumps({"step": 4, **record(4.0)})[:25])  # step 4 torn mid-string
+    second = MetricsLogger(str(tmp_path), 6, enable_tensorboard=False, is_writer=True, start_step=3)
+    second.log(4, record(14.0))
+    second.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0)]
+    assert "dropped its torn last line 4" in capsys.readouterr().err
+
+
+def test_a_damaged_line_inside_the_file_is_one_line_naming_it(tmp_path):
+    lines = [json.dumps({"step": n, **record(float(n))}) for n in (1, 2, 3)]
+    lines[1] = lines[1][:10]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(RecipeError, match="metrics.jsonl line 2 is not a JSON record; repair or remove"):
+        MetricsLogger(str(tmp_path), 6, enable_tensorboard=False, is_writer=True, start_step=3)
 
 
 def brute_force_pairs(document_ids, queries) -> int:

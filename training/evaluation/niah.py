@@ -14,6 +14,7 @@ from data.niah import NiahRows
 from data.sources import heldout_haystack
 from training.evaluation.passkey import EVAL_SEED_OFFSET, answer_hits, format_passkey_table
 from training.evaluation.rows import eval_spread
+from training.checkpoint_files import write_json_atomically
 from training.evaluation.heatmap import log_heatmap_image, write_heatmap
 from training.step import StepSetup, cp_context
 
@@ -87,8 +88,7 @@ def write_niah_outputs(cfg: Config, results: dict, step: int, own_documents: boo
                     "haystack": "held-out documents" if own_documents else "passkey filler",
                     "cells": [{"context_length": n, "depth": d, "accuracy": a, "answer_token_accuracy": t}
                               for (n, d), (a, t) in results.items()]})
-    with open(path, "w") as f:
-        json.dump(history, f, indent=1)
+    write_json_atomically(path, history)  # read back by the next evaluation: a kill mid-write must not tear it
     title = f"Needle in a haystack ({variant}), step {step}"
     pixels = write_heatmap(exact, title, os.path.join(folder, "niah_heatmap.png"))
     if cfg.metrics.enable_tensorboard:

@@ -6,7 +6,6 @@ are never training rows.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch
 from config.schema import Config
 from data.passkey import IGNORE_INDEX, PasskeyRows
 from data.sources import heldout_rows
+from training.checkpoint_files import write_json_atomically
 from training.evaluation.rows import (DEFAULT_EVAL_CHUNK_TOKENS, eval_chunk_tokens, eval_spread, padded_batch,
                                  rank_batches, score_tokens)
 from training.step import StepSetup, cp_context
@@ -157,8 +157,8 @@ def run_passkey_eval(cfg: Config, setup: StepSetup, tokenizer, device: torch.dev
         batch_size=cfg.training.local_batch_size, **eval_spread(setup, comm))
     if is_writer:
         print(format_passkey_table(results), flush=True)
-        with open(os.path.join(cfg.job.dump_folder, "passkey_eval.json"), "w") as f:
-            json.dump([{"context_length": n, "depth": d, "accuracy": a} for (n, d), a in results.items()], f)
+        write_json_atomically(os.path.join(cfg.job.dump_folder, "passkey_eval.json"),
+                              [{"context_length": n, "depth": d, "accuracy": a} for (n, d), a in results.items()])
 
 
 def run_long_doc_eval(cfg: Config, setup: StepSetup, stores: dict, device: torch.device, comm, is_writer: bool) -> dict:

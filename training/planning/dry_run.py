@@ -27,6 +27,7 @@ from training.planning.memory_probe import GIB, RankMemory, measure_memory
 from training.planning.preflight import preflight
 from training.planning.rates import load_rates, rates_source, rates_warnings
 from training.ramp import resolve_stages
+from training.checkpoint_disk import check_checkpoint_disk, disk_summary, preemption_lead
 from training.planning.roofline import ROOFLINE_STATEMENT, Accelerator, Layout, parameter_count, step_cost
 from training.planning.float8_cost import float8_problem, float8_statement
 from training.planning.offload_cost import offload_step_s
@@ -337,6 +338,16 @@ def run_dry_run(cfg: Config, world: int) -> int:
           "stage runs none); host = offloaded block inputs in host memory); comm = bytes sent per step")
     print(format_table([_row(r, i + 1, usable) for i, r in enumerate(results)]))
     print_cuda_path(cfg, results, usable)
+    if cfg.checkpoint.enable:  # the checkpoint folder's disk, and the lead a SIGUSR1 ahead of the time limit needs
+        model, nodes = recipe_model_config(cfg), max(1, world // cfg.hardware.gpus_per_node)
+        try:  # the dry run may run far from the cluster's disk: what the launch check would refuse is a warning
+            fits = check_checkpoint_disk(cfg, model, world, nodes)
+        except RecipeError as e:
+            fits = f"warning: {e}"
+        for line in (disk_summary(cfg, model, world, nodes), fits,
+                     preemption_lead(max(r.times["predicted_s"] for r in results), model, world, nodes)):
+            if line:
+                print(line)
     print(f"wrote {write_json(cfg, results, usable)}")
     over_host = next((r for r in results if node_host_gib(r, cfg.hardware.gpus_per_node)
                       > cfg.hardware.host_memory_gib), None)

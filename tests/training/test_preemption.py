@@ -1,0 +1,196 @@
+"""Preemption and the time limit (slow tier): SIGTERM or SIGUSR1, sent to torchrun, to one rank or to every process
+of the run at once (as Slurm signals a job step), makes a 2-rank run save the step in progress and stop in one line;
+resuming with the same command gives every step's loss bit for bit as the same run uninterrupted."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness.launch_env import child_env
+from harness.process_tree import group_processes
+from tests.trainer_runs import ROOT, read_metrics, short_documents_recipe
+from tests.training.test_checkpoint_runs import losses
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+STEPS = 10
+ARGS = ["--training.steps", str(STEPS), "--training.seq_len", "128", "--training.local_batch_size", "2",
+        "--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--metrics.enable_tensorboard", "false"]
+CP2_DOCUMENTS = ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--data.document_masking", "true",
+                 "--parallelism.cp_load_balancer", "documents", "--training.local_batch_size", "1"]
+ASYNC = ["--checkpoint.interval", "2", "--checkpoint.async_mode", "async"]
+
+
+def launch(folder: str, *extra: str, recipe: tuple = (), first: tuple = ()) -> subprocess.Popen:
+    """run_train.sh on 2 ranks; `first`: folders ahead on PYTHONPATH (a test's sitecustomize.py hook)."""
+    env = child_env(*first, base=dict(os.environ, PYTHON=sys.executable, NPROC="2"))
+    return subprocess.Popen([os.path.join(ROOT, "run_train.sh"), *recipe, *ARGS, *extra, "--job.dump_folder", folder],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in group_processes(process.pid):
+            os.kill(pid, signal.SIGKILL)
+        out, err = process.communicate()
+        raise AssertionError(f"the run did not end in {timeout} s:\n{out[-2000:]}\n{err[-3000:]}")
+    return process.returncode, out, err
+
+
+def logged_step(folder: str) -> int:
+    try:
+        return max(losses(folder), default=0)
+    except (FileNotFoundError, ValueError):  # not written yet, or a line caught half-written
+        return 0
+
+
+def ranks(process: subprocess.Popen) -> list[int]:
+    """The trainer ranks: torchrun's children."""
+    return [pid for pid in group_processes(process.pid) if _parent(pid) == process.pid]
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """Each configuration's losses without a signal, run once for the module when a test first needs it."""
+    cache = {}
+
+    def get(name: str, extra: tuple, recipe: tuple) -> dict[int, float]:
+        if name not in cache:
+            folder = str(tmp_path_factory.mktemp(f"uninterrupted-{name}"))
+            code, out, err = finish(launch(folder, *extra, recipe=recipe))
+            assert code == 0, out[-2000:] + err[-3000:]
+            cache[name] = losses(folder)
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name, target, sig, extra", [
+    ("plain", "torchrun", signal.SIGTERM, ()),
+    ("plain", "one rank", signal.SIGUSR1, ASYNC),  # an asynchronous save may be in flight: it is published first
+    ("cp2-documents", "every process", signal.SIGTERM, CP2_DOCUMENTS),
+], ids=lambda v: v.name if isinstance(v, signal.Signals) else (str(v).replace(" ", "-") if isinstance(v, str) else ""))
+def test_a_signal_saves_the_step_in_progress_and_the_resume_matches(tmp_path, uninterrupted, name, target, sig,
+                                                                     extra):
+    recipe = (short_documents_recipe(str(tmp_path)),) if name == "cp2-documents" else ()
+    reference = uninterrupted(name, () if extra is ASYNC else extra, recipe)  # saving never changes a loss
+    folder = str(tmp_path / "run")
+    process = launch(folder, *extra, recipe=recipe)
+    while logged_step(folder) < 3:
+        assert process.poll() is None, "the run ended before the signal:\n" + process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    pids = {"torchrun": [process.pid], "one rank": ranks(process)[-1:],
+            "every process": sorted(group_processes(process.pid))}[target]
+    assert pids
+    sent = time.perf_counter()
+    for pid in pids:
+        os.kill(pid, sig)
+    code, out, err = finish(process, timeout=60)
+    took = time.perf_counter() - sent
+    print(f"{name}: {sig.name} to {target} ({len(pids)} process(es)): exit {code} after {took:.1f} s")
+    assert code == {signal.SIGTERM: 0, signal.SIGUSR1: 75}[sig], out[-2000:] + err[-3000:]
+    assert took < 30
+    saved = [line for line in out.splitlines() if "; resume with the same command" in line]
+    assert len(saved) == 1, out[-3000:]
+    step = int(saved[0].split("saved step ")[1].split(" ")[0])
+    assert saved[0] == f"checkpoint: saved step {step} on {sig.name}; resume with the same command"
+    assert 3 <= step < STEPS
+    assert os.path.isdir(os.path.join(folder, "checkpoints", f"step-{step}"))
+    assert [r["step"] for r in read_metrics(folder)][-1] == step  # the step saved is the last one logged
+    assert "Traceback" not in err, err[-3000:]
+
+    code, out, err = finish(launch(folder, *extra, recipe=recipe))
+    assert code == 0, out[-2000:] + err[-3000:]
+    assert f"(step {step})" in out
+    assert losses(folder) == reference  # every step, those after the resume included, bit for bit
+
+
+# Loaded by every Python process of the run through PYTHONPATH: rank 1's write of the step-4 checkpoint fails as a
+# full disk does (the same OSError an ENOSPC write raises), after the step-2 checkpoint was saved.
+DISK_FULL_AT_STEP_4 = """
+import errno, os
+if os.environ.get("RANK") == "1":
+    from torch.distributed.checkpoint import filesystem
+
+    original = filesystem._FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if str(self.path).endswith("step-4.partial"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(self, plan, planner)
+
+    filesystem._FileSystemWriter.write_data = write_data
+"""
+
+
+def test_a_save_on_a_full_disk_stops_in_one_line_and_the_earlier_checkpoint_resumes(tmp_path, uninterrupted):
+    reference = uninterrupted("plain", (), ())
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(DISK_FULL_AT_STEP_4)
+    folder = str(tmp_path / "run")
+    process = launch(folder, "--checkpoint.interval", "2", first=(str(hook),))
+    code, out, err = finish(process, timeout=300)
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 74 and len(errors) == 1, out[-2000:] + err[-4000:]
+    assert errors[0].startswith(f"error: checkpoint: saving step 4 into '{folder}/checkpoints' failed: No space left "
+                                f"on device (errno 28); "), errors[0]
+    assert f"the last complete checkpoint is step 2 ({folder}/checkpoints/step-2)" in errors[0]
+    assert "Traceback" not in err and "CheckpointException" not in err, err[-4000:]
+    assert sorted(os.listdir(os.path.join(folder, "checkpoints"))) == ["step-2"]  # the partial one removed
+
+    code, out, err = finish(launch(folder, "--checkpoint.interval", "2"))
+    assert code == 0, out[-2000:] + err[-3000:]
+    assert "(step 2)" in out
+    assert losses(folder) == reference
+
+
+KILLS = 10
+KILL_STEPS = 20
+
+
+def test_a_run_sigkilled_at_random_instants_resumes_every_time_and_matches(tmp_path, uninterrupted):
+    """Every process of the run SIGKILLed (as a node dies) 10 times, each at a random instant after the relaunched
+    run logged its first new step: with a save and a log write every step, the instants fall in steps, saves and log
+    writes. Every relaunch must resume (a torn metrics line, a half-written checkpoint left behind) and the losses at
+    the end equal an uninterrupted run's bit for bit."""
+    import random
+
+    steps = ("--training.steps", str(KILL_STEPS))
+    reference = uninterrupted("plain-40", steps, ())
+    folder = str(tmp_path / "run")
+    every_step = (*steps, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2")
+    chance = random.Random(49)
+    kills, said = [], ""
+    for kill in range(KILLS):
+        before = logged_step(folder)
+        process = launch(folder, *every_step)
+        while logged_step(folder) <= before:
+            assert process.poll() is None, f"relaunch {kill} ended:\n" + process.communicate()[1][-3000:]
+            time.sleep(0.02)
+        delay = chance.uniform(0, 0.8)
+        time.sleep(delay)
+        assert process.poll() is None, "the run finished before its kill: raise KILL_STEPS"
+        for pid in group_processes(process.pid):
+            os.kill(pid, signal.SIGKILL)
+        said += process.communicate()[1]
+        kills.append((logged_step(folder), round(delay, 2)))
+    code, out, err = finish(launch(folder, *every_step))
+    said += err
+    print(f"killed after (logged step, delay s): {kills}; torn metrics lines dropped: "
+          f"{said.count('dropped its torn last line')}, checkpoints skipped: {said.count('falling back')}")
+    assert code == 0, out[-2000:] + err[-3000:]
+    assert sorted(losses(folder)) == list(range(1, KILL_STEPS + 1))
+    assert losses(folder) == reference
