@@ -71,8 +71,8 @@ def _cmdline(pid) -> list[bytes]:
 
 
 def _rank_pids(folder: str) -> list[int]:
-    """The training ranks of the run writing to `folder`: train.py processes whose parent is torchrun (their data
-    workers, forked from them, carry the same command line)."""
+    """The training ranks of the run writing to `folder`: train.py processes whose parent is torchrun, run by
+    training/launcher.py (their data workers, forked from them, carry the same command line)."""
     pids = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         if folder.encode() not in _cmdline(entry) or b"--check" in _cmdline(entry):
@@ -82,7 +82,7 @@ def _rank_pids(folder: str) -> list[int]:
                 parent = f.read().rpartition(")")[2].split()[1]
         except OSError:
             continue
-        if b"torch.distributed.run" in _cmdline(parent):
+        if b"torch.distributed.run" in _cmdline(parent) or b"training.launcher" in _cmdline(parent):
             pids.append(int(entry))
     return pids
 
