@@ -52,10 +52,11 @@ def run_in_session(cmd: list[str], timeout: float, env: dict | None = None) -> s
 
 def dry_run_stage(overrides, accelerator: str, timeout: float) -> dict:
     """dry_run.json's first stage for train.py with `overrides(dump_folder)` (the recipe and its overrides) on
-    `accelerator`; RuntimeError with the dry run's last error line when it fails."""
+    `accelerator`; RuntimeError with the dry run's last error line when it fails. The runs it predicts are GPU runs
+    (hardware.device = "cuda"), planned as such wherever it runs: their host memory is a GPU node's, not this box's."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), *overrides(out), "--dry-run", "--hardware.accelerator",
-               accelerator]
+               accelerator, "--hardware.device", "cuda"]
         done = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if done.returncode:
             raise RuntimeError(last_error(done.stderr or done.stdout))

@@ -55,6 +55,18 @@ def _entry(fn, rank, world_size, port, args, queue, threads, backend, stacks_aft
 
 def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, threads: int = 1,
               backend: str = "gloo") -> list:
+    """`fn(rank, world_size, *args)` on `world_size` spawned ranks of one process group; their results by rank. The
+    store's port is picked free but may be taken before rank 0 listens on it (other tests start processes at the same
+    time): a run whose rank 0 found it taken (EADDRINUSE) is started once more on a new port."""
+    try:
+        return _run_ranks_once(fn, world_size, args, timeout, threads, backend)
+    except RuntimeError as err:
+        if "EADDRINUSE" not in str(err):
+            raise
+        return _run_ranks_once(fn, world_size, args, timeout, threads, backend)
+
+
+def _run_ranks_once(fn, world_size: int, args: tuple, timeout: float, threads: int, backend: str) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

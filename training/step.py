@@ -137,7 +137,10 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     norm = torch.linalg.vector_norm(torch.stack(per_tensor))
     if isinstance(norm, DTensor):  # a partial norm over the sharded mesh dims: sum the squares over each of them
         # on the mesh's device: host-offloaded gradients (training.cpu_offload) give a host norm NCCL cannot reduce
-        squared = norm.to_local().to(norm.device_mesh.device_type) ** 2
+        local = norm.to_local()
+        if local.device.type != norm.device_mesh.device_type:
+            local = local.to(norm.device_mesh.device_type)
+        squared = local ** 2
         for dim, placement in enumerate(norm.placements):
             if placement.is_partial():
                 all_reduce_(squared, group=norm.device_mesh.get_group(dim))
