@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from config.schema_hardware import (ACCELERATOR_MEMORY_GIB, AcceleratorName, DeviceKind,  # noqa: F401
+                                    HardwareConfig)
 from config.schema_data import (ChatTruncation, DataConfig, Dataset, EvalConfig, Placement, SourceConfig,  # noqa: F401
                                 SourceFormat)
 
@@ -28,8 +30,6 @@ PipelineSchedule = Literal[SingleStageSchedule, MultiStageSchedule]
 ActivationCheckpointMode = Literal["none", "full", "selective", "op"]
 AsyncMode = Literal["disabled", "async"]
 ExportDtype = Literal["auto", "bfloat16", "float32", "float16"]
-DeviceKind = Literal["auto", "cuda", "cpu"]
-AcceleratorName = Literal["h100-sxm", "h100-sxm-500w", "h200", "a100-80gb", "a100-40gb"]
 TieMode = Literal["auto", "tied", "untied"]
 RopeScaling = Literal["auto", "llama3", "yarn"]
 CompileSetting = Literal["auto", True, False]
@@ -337,37 +337,6 @@ class CheckpointConfig:
     """On these signals every rank finishes its step, a checkpoint of it is saved and the run stops: SIGTERM
     (preemption, scancel, the time limit) exits 0, SIGUSR1 (slurm/train.sbatch's warning ahead of the time limit)
     exits 75 for a requeue. Empty = no handlers (the signal kills the run). Needs enable = true."""
-
-
-@dataclass
-class HardwareConfig:
-    """The machines a recipe is meant for: the launch check and the dry run read these (training itself picks CUDA or
-    CPU at run time)."""
-    device: DeviceKind = "auto"
-    """auto: CUDA when visible, else CPU | cuda: a GPU-sized recipe; without enough GPUs the launcher refuses in one
-    line (and suggests --dry-run) instead of starting | cpu: never look for GPUs."""
-    gpus_per_node: int = 8
-    """GPUs per node: nodes to ask Slurm for, and which collectives the dry run puts on NVLink vs InfiniBand."""
-    accelerator: AcceleratorName = "h100-sxm"
-    """The GPU the dry run and --plan-ramp predict for: its peak, HBM, NVLink, network, device and host memory
-    (training/planning/accelerators.py). h100-sxm-500w: the H100 96GB capped at 500 W of TorchTitan's published runs."""
-    device_memory_gib: float = 0.0
-    """Memory per GPU the dry run holds every stage's peak against (0 = the accelerator's: H100 80, H200 141)."""
-    host_memory_gib: float = 0.0
-    """Host memory per node the dry run and the launch check hold each stage's host plan against: the ranks'
-    processes, cpu_offload's training state, pinned activation offload, batches (training/planning/host_memory.py;
-    a CPU run also against what the machine has available). 0 = the accelerator's node: 2048 for 8-GPU H100/H200
-    nodes, 1024 for A100."""
-    nvlink_gb_per_s: float = 0.0
-    """NVLink per GPU and direction, GB/s (0 = the accelerator's)."""
-    network_gb_per_s: float = 0.0
-    """Inter-node network per GPU and direction, GB/s (0 = the accelerator's)."""
-
-
-ACCELERATOR_MEMORY_GIB = {"h100-sxm": (80.0, 2048.0), "h100-sxm-500w": (96.0, 2048.0), "h200": (141.0, 2048.0),
-                          "a100-80gb": (80.0, 1024.0), "a100-40gb": (40.0, 1024.0)}
-"""(device GiB per GPU, host GiB per 8-GPU node) by accelerator: what hardware.device_memory_gib and host_memory_gib
-default to."""
 
 
 @dataclass
