@@ -20,6 +20,7 @@ contract) has no packed form: `PackedDocuments.from_ids` returns None and the ca
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,8 +86,13 @@ class PackedDocuments:
                                                     self.max_seqlen, is_causal)
         return self.thd_calls[is_causal]
 
-    def pieces(self) -> list[Piece]:
-        """One causal-square piece per document (the per-document path): (batch row, its rows) of each."""
+    def pieces(self, is_causal: bool) -> list[Piece]:
+        """One piece per document (the per-document path): (batch row, its rows) of each, causal or full."""
+        return self._pieces if is_causal else [Piece(p.batch, p.q_rows, p.kv_rows, False) for p in self._pieces]
+
+    @functools.cached_property
+    def _pieces(self) -> list[Piece]:
+        """The causal pieces, made once per batch (every layer, forward and backward, reads them)."""
         starts, ends = self.host_cu[:-1], self.host_cu[1:]
         rows = starts // self.seq_len
         return [Piece(slice(int(b), int(b) + 1), slice(int(s - b * self.seq_len), int(e - b * self.seq_len)),
@@ -128,8 +134,7 @@ def packed_forward(q, k, v, docs: PackedDocuments, is_causal: bool, scale, kerne
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     auxes = []
-    for piece in docs.pieces():
-        piece = Piece(piece.batch, piece.q_rows, piece.kv_rows, is_causal)
+    for piece in docs.pieces(is_causal):
         o, l, aux = block_forward(q, k, v, piece, scale, kernel)
         out[piece.batch, :, piece.q_rows], lse[piece.batch, :, piece.q_rows] = o, l
         auxes.append(aux)
@@ -154,8 +159,7 @@ def packed_backward(dout, q, k, v, saved, docs: PackedDocuments, is_causal: bool
         return _unpacked(dq, batch), _unpacked(dk, batch), _unpacked(dv, batch)
     out, lse, auxes = saved
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for piece, aux in zip(docs.pieces(), auxes):
-        piece = Piece(piece.batch, piece.q_rows, piece.kv_rows, is_causal)
+    for piece, aux in zip(docs.pieces(is_causal), auxes):
         gq, gk, gv = block_backward(dout, q, k, v, out, lse, aux, piece, scale, kernel)
         dq[piece.batch, :, piece.q_rows] = gq
         dk[piece.batch, :, piece.kv_rows], dv[piece.batch, :, piece.kv_rows] = gk, gv

@@ -42,7 +42,7 @@ def test_ids_become_sequence_offsets_over_the_flattened_batch():
     docs = PackedDocuments.from_ids(ids)
     assert docs.host_cu.tolist() == [0, 2, 5, 6, 12] and docs.cu_seqlens.dtype == torch.int32
     assert docs.max_seqlen == 6 and docs.documents == 4
-    assert [(p.batch.start, p.q_rows.start, p.q_rows.stop) for p in docs.pieces()] == [(0, 0, 2), (0, 2, 5),
+    assert [(p.batch.start, p.q_rows.start, p.q_rows.stop) for p in docs.pieces(True)] == [(0, 0, 2), (0, 2, 5),
                                                                                         (0, 5, 6), (1, 0, 6)]
     # one id in two separate runs of a row is one document (the CP contract): no packed form
     assert PackedDocuments.from_ids(np.array([[0, 0, 1, 1, 0, 0]])) is None
