@@ -9,6 +9,10 @@ accelerator's rates file (training/planning/rates/<accelerator>.json, read by tr
 - attention: FLOP/s of one causal call per kernel family this GPU can run (cudnn, flash, fa3/fa4 when installed),
   forward and backward timed apart, at each --lengths block length (the step model's FLOP count: forward 4 x visible
   pairs x heads x head dim, backward 2.5x);
+- packed_attention: seconds of one packed-sequence call forward + backward (the CP 1 documents path,
+  parallelisms/cp/packed_documents.py) per documents kernel this GPU runs (cuDNN THD where the frontend serves it,
+  FlashAttention-2 varlen; the per-document calls on CPU), over web-like documents filling each --packed-lengths
+  total (training/planning/documents_cost.py turns them into each kernel's overhead over its per-piece price);
 - hbm: bytes/s of a 1 GiB device-to-device copy (read + write);
 - optimizer: bytes/s of fused AdamW over --optimizer-params float32 parameters, counted as the step model counts them
   (32 bytes per parameter: read p, g, m, v, write p, m, v);
@@ -105,6 +109,30 @@ def attention_rates(args, device) -> list[dict]:
     return rows
 
 
+def packed_attention_rates(args, device) -> list[dict]:
+    """One row per documents kernel and --packed-lengths total: the fastest packed call forward + backward."""
+    from bench.bench_attention_kernels import PACKED_ROWS, _document_ids, _inputs, packed_kernels
+    from parallelisms.cp.kernel_cudnn_thd import documents_kernel_name
+    from parallelisms.cp.packed_documents import PackedDocuments, packed_attention
+
+    rows = []
+    for tokens in args.packed_lengths:
+        q, k, v, grad = _inputs(tokens, args, device)
+        docs = PackedDocuments.from_ids(_document_ids(tokens, device).cpu().numpy()).to(device)
+        for packed in packed_kernels(device):
+            def call(p=packed):
+                packed_attention(q, k, v, docs, kernel="cudnn" if p == "cudnn_thd" else "flash",
+                                 packed=p).backward(grad)
+                q.grad = k.grad = v.grad = None
+            name = "cudnn_thd" if packed == "cudnn_thd" else documents_kernel_name("flash", device, q.dtype,
+                                                                                    args.head_dim)
+            rows.append({"kernel": name, "tokens": tokens, "seconds": fastest(call, device, args.reps),
+                         "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                         "documents": "web-like (training/planning/cuda_path_probe.web_like_row)",
+                         "call": PACKED_ROWS[packed]})
+    return rows
+
+
 def hbm_rate(args, device) -> dict:
     n = args.copy_bytes // 4
     src, dst = torch.empty(n, device=device), torch.empty(n, device=device)
@@ -169,6 +197,8 @@ def parse(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--lengths", default="8192,32768,65536")
+    p.add_argument("--packed-lengths", default="8192,65536",
+                   help="tokens of the packed-documents calls (web-like documents)")
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
     p.add_argument("--optimizer-params", type=int, default=1 << 28)
     p.add_argument("--reps", type=int, default=10)
@@ -178,6 +208,7 @@ def parse(argv=None):
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.packed_lengths = [int(x) for x in args.packed_lengths.split(",")]
     args.gemm_shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.gemm_shapes.split(",")]
     return args
 
@@ -214,6 +245,10 @@ def main(argv=None) -> int:
     for row in rates["attention"]:
         print(f"attention {row['kernel']} {row['phase']} at {row['length']}: {row['seconds'] * 1e3:.3f} ms, "
               f"{row['flops_per_s'] / 1e12:.1f} TFLOP/s", flush=True)
+    rates["packed_attention"] = packed_attention_rates(args, device)
+    for row in rates["packed_attention"]:
+        print(f"packed_attention {row['kernel']} at {row['tokens']}: {row['seconds'] * 1e3:.3f} ms fwd+bwd",
+              flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = rates_path(args.accelerator, args.out)
     with open(path, "w") as f:

@@ -1,0 +1,71 @@
+"""The price of packed documents at CP 1 (training/planning/documents_cost.py): rows cut from a document stream as
+the packer cuts them, each piece at its own length's rate, times the kernel's measured overhead per call."""
+import numpy as np
+import pytest
+
+from training.planning.accelerators import ACCELERATORS
+from training.planning.documents_cost import (PUBLISHED, PackedCall, _web_like_pieces, call_overhead,
+                                              packed_attention_seconds, pieces_seconds, row_pieces)
+
+
+def _packed_rows_by_hand(lengths: list[int], seq_len: int, rows: int) -> list[list[int]]:
+    """The reference: walk the documents (repeated) and fill rows token by token."""
+    out, row, room, i = [], [], seq_len, 0
+    while len(out) < rows:
+        left = lengths[i % len(lengths)]
+        i += 1
+        while left and len(out) < rows:
+            take = min(left, room)
+            row.append(take)
+            left, room = left - take, room - take
+            if room == 0:
+                out.append(row)
+                row, room = [], seq_len
+    return out
+
+
+@pytest.mark.parametrize("lengths,seq_len", [([300, 50, 1000, 7], 256), ([5000], 1024), ([1, 2, 3], 16),
+                                             ([1024, 1024], 1024)])
+def test_row_pieces_are_the_packers_cuts_averaged_over_rows(lengths, seq_len):
+    rows = 8
+    expected: dict[int, float] = {}
+    for row in _packed_rows_by_hand(lengths, seq_len, rows):
+        for piece in row:
+            expected[piece] = expected.get(piece, 0) + 1 / rows
+    got = row_pieces(np.array(lengths), seq_len, rows)
+    assert got.keys() == expected.keys() and all(got[k] == pytest.approx(expected[k]) for k in got), (got, expected)
+    assert sum(k * v for k, v in got.items()) == pytest.approx(seq_len)
+
+
+def test_an_empty_corpus_is_one_row_long_document():
+    assert row_pieces(np.array([], dtype=np.int64), 4096) == {4096: 1.0}
+
+
+def test_each_published_call_is_priced_at_its_measured_time():
+    for call in PUBLISHED:
+        pieces = dict(_web_like_pieces(call.tokens))
+        seconds = packed_attention_seconds(ACCELERATORS[call.accelerator], call.kernel, pieces, call.heads,
+                                           call.head_dim, forwards=1.0)
+        assert seconds == pytest.approx(call.seconds, rel=1e-9), call
+
+
+def test_the_overhead_is_interpolated_in_log_tokens_and_flat_beyond_the_measured_totals():
+    low, high = call_overhead("flash_varlen", 8192), call_overhead("flash_varlen", 65536)
+    assert call_overhead("flash_varlen", 2048) == low and call_overhead("flash_varlen", 1 << 20) == high
+    assert call_overhead("flash_varlen", 8192 * 2 ** 1.5) == pytest.approx((low + high) / 2, rel=1e-9)
+    assert call_overhead("per_document", 8192) == 1.0  # nothing measured: the per-piece price alone
+    own = (PackedCall("cudnn_thd", 4096, 1.0, "h200"),)
+    web_like = dict(_web_like_pieces(4096))
+    assert call_overhead("cudnn_thd", 4096, own) == pytest.approx(
+        1.0 / pieces_seconds(ACCELERATORS["h200"], "cudnn_thd", web_like, 16, 128))
+
+
+def test_short_documents_cost_less_than_one_long_one_and_thd_less_than_varlen_at_64k():
+    """The same 64K tokens: 64 documents of 1K tokens have 1/64 of one causal 64K document's pairs; the packed call
+    over them must cost a small fraction of it, though more than 1/64 (short pieces run below the long one's rate)."""
+    acc = ACCELERATORS["h200"]
+    one = packed_attention_seconds(acc, "cudnn_thd", {65536: 1}, 16, 128, 1.0)
+    many = packed_attention_seconds(acc, "cudnn_thd", {1024: 64}, 16, 128, 1.0)
+    assert one / 64 < many < one / 16
+    varlen = packed_attention_seconds(acc, "flash_varlen", {1024: 64}, 16, 128, 1.0)
+    assert varlen > 1.3 * many
