@@ -42,9 +42,9 @@ def breakdown(cfg, world: int) -> BreakdownMode:
     """One micro-step of `cfg` on rank 0 of a fake world of `world` (training/planning/fake/world.py), under the
     breakdown mode."""
     with fake_world(cfg, world) as fake:
-        modules = ModTracker()
+        batch, modules = fake_batch(cfg), ModTracker()
         with modules, BreakdownMode(modules) as mode:
-            step.micro_step(fake.setup, fake_batch(cfg), fake.global_tokens)
+            step.micro_step(fake.setup, batch, fake.global_tokens)
     return mode
 
 
