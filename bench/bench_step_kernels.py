@@ -9,13 +9,13 @@ no kernels), so the whole step (forward, backward, gradient clipping, optimizer 
 a CPU, and a TorchDispatchMode sees every aten op it dispatches. Fake tensors take no time: these are counts, not
 timings. More ops means more launches and more passes over memory, not a measured slowdown.
 
-What a count means (training/planning/op_census.py, the census the dry run also prices an eager step from): one
+What a count means (training/planning/fake/counter.py, the counter the dry run also prices an eager step from): one
 aten op reaching the dispatcher is one or more device kernels on a GPU; ops that launch nothing go to the "no
 kernel" bucket, so "total kernels" is the rest. "MiB moved" sums the bytes of each op's tensor inputs and outputs.
 
 The device is fake CUDA. A CPU-only torch build runs a fake CUDA forward with a no-op device guard, but its
 autograd engine asks for the accelerator's streams. So both steps run in a child process with
-training/planning/step_sync_probe.py's fake CUDA runtime preloaded (a device guard with no-op streams and events,
+training/planning/fake/cuda.py's fake CUDA runtime preloaded (a device guard with no-op streams and events,
 CUDA hooks that report a device). Three things a CPU build cannot decide are set as an H100 would:
 - autocast on "cuda" is allowed in bf16 (torch asks torch.cuda.is_available() and is_bf16_supported());
 - SDPA calls go to the op its dispatcher picks on an H100 with torch 2.11, cuDNN's fused attention
@@ -25,8 +25,8 @@ CUDA hooks that report a device). Three things a CPU build cannot decide are set
   tensors (the check is `type(grad) is Tensor`, which a fake tensor is not).
 `--device cpu` counts on fake CPU tensors instead, in this process, with the CPU's own autocast and SDPA.
 
-Our step is the trainer's own machinery, exactly as training/planning/memory_probe.py runs it: the real model on
-meta, the real composer (parallelisms.parallelize.parallelize) under a fake process group of world 1, then
+Our step is the trainer's own machinery in the memory probe's fake world (training/planning/fake/world.py): the real
+model on meta, the real composer (parallelisms.parallelize.parallelize) under a fake process group of world 1, then
 training.step.micro_step + clip_grad_norm_ + build_optimizer's AdamW. Both sides make their optimizer state with a
 first, uncounted step, as every training step after the first has it. At world 1 in bf16 that is what a one-GPU run
 does since issue 36: float32 parameters under torch.autocast (no FSDP2 on a mesh of one) and fused AdamW (the fake
@@ -48,7 +48,8 @@ import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-from training.planning.op_census import KINDS, OpCensus  # noqa: E402
+from training.planning.fake.counter import KINDS, DispatchCounter  # noqa: E402
+from training.planning.fake.cuda import fake_cuda_preloaded  # noqa: E402
 
 MIB = 2**20
 CHILD_MARK = "BENCH_STEP_KERNELS_RESULT="
@@ -68,14 +69,14 @@ def our_config(dim: int, layers: int, n_heads: int, n_kv_heads: int, vocab: int,
 
 def count_ours(cfg, device: str) -> dict:
     """One optimizer step of our trainer at world 1, built and run as the dry run's memory probe does
-    (training/planning/memory_probe.fake_rank: the real composer on a fake process group, optimizer state made by a
+    (training/planning/fake/world.fake_world: the real composer on a fake process group, optimizer state made by a
     first, uncounted step), on fake `device` tensors."""
     from training import step
-    from training.planning.memory_probe import fake_batch, fake_rank
+    from training.planning.fake.world import fake_batch, fake_world
     from training.step import clip_grad_norm_
 
-    with fake_rank(cfg, world_size=1, device=device) as fake:
-        counter = OpCensus()
+    with fake_world(cfg, world_size=1, device=device, optimizer=True) as fake:
+        counter = DispatchCounter()
         with counter:
             step.micro_step(fake.setup, fake_batch(cfg, device), fake.global_tokens)
             if cfg.training.max_norm > 0:
@@ -108,7 +109,7 @@ def count_transformers(dim: int, layers: int, n_heads: int, n_kv_heads: int, seq
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tokens = torch.zeros((1, seq), dtype=torch.long, device=device)
-        counter = OpCensus()
+        counter = DispatchCounter()
         with counter:
             with torch.autocast(device, dtype=torch.bfloat16):
                 loss = model(input_ids=tokens, labels=tokens).loss
@@ -148,10 +149,8 @@ def fake_h100():
     torch.cuda.amp.common.amp_definitely_not_available = lambda: False
     torch.cuda.is_bf16_supported = lambda *args, **kwargs: True
     masking_utils.find_packed_sequence_indices = _as_on_real_tensors(saved[2])
-    from training.planning.step_sync_probe import _fsdp_streams_on_fake_cuda
-
     try:
-        with SdpaAsOnHopper(), _fsdp_streams_on_fake_cuda():  # FSDP2's streams, where a recipe still uses it
+        with SdpaAsOnHopper():  # FSDP2's streams on fake CUDA come with the fake world
             yield
     finally:
         (torch.cuda.amp.common.amp_definitely_not_available, torch.cuda.is_bf16_supported,
@@ -170,17 +169,13 @@ def _as_on_real_tensors(find_packed):
     return find
 
 
-def _fake_cuda_preloaded() -> bool:
-    return "fake_cuda_runtime" in os.environ.get("LD_PRELOAD", "")
-
-
 def run(seq: int = 8192, layers: int = 8, dim: int = 2048, n_heads: int = 16, n_kv_heads: int = 8,
         vocab: int = 2048, overrides: list[str] | None = None, device: str = "cuda") -> dict:
     """Both sides' counts at this shape; `overrides` are extra recipe overrides for our side only. On "cuda" it
     runs in a child process with the fake CUDA runtime preloaded (unless this one has it)."""
     kwargs = dict(seq=seq, layers=layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab=vocab,
                   overrides=overrides, device=device)
-    if device == "cuda" and not _fake_cuda_preloaded():
+    if device == "cuda" and not fake_cuda_preloaded():
         return _in_child(kwargs)
     from models.llama import recipe_model_config
 
@@ -199,7 +194,7 @@ def _in_child(kwargs: dict) -> dict:
     """`run(**kwargs)` in a child process with the fake CUDA runtime preloaded; its result comes back as JSON."""
     import subprocess
 
-    from training.planning.step_sync_probe import fake_cuda_env
+    from training.planning.fake.cuda import fake_cuda_env
 
     code = ("import json, sys; from bench.bench_step_kernels import run, CHILD_MARK; "
             "print(CHILD_MARK + json.dumps(run(**json.loads(sys.stdin.read()))))")

@@ -24,7 +24,7 @@ def hand_gemms(layers: int, output_chunks: int = 1) -> int:
 
 
 def _needs_fake_cuda():
-    from training.planning.step_sync_probe import fake_cuda_runtime
+    from training.planning.fake.cuda import fake_cuda_runtime
     try:
         fake_cuda_runtime()
     except Exception as e:  # noqa: BLE001 - no compiler or headers
@@ -105,14 +105,14 @@ LOOP_8K_H100_S = 8192 / 95_540
 
 def test_the_step_model_prices_the_counted_loop_near_its_h100_step(bench_shape):
     """The dry run prices an eager step's elementwise work from the bytes its kernels move (training/planning/
-    op_census.py, counted by the memory probe). Priced the same way (GEMMs, attention and optimizer from the model's
+    fake/counter.py, counted by the memory probe). Priced the same way (GEMMs, attention and optimizer from the model's
     rates, the counted bytes over HBM bandwidth), the transformers loop's counted step lands within 15% of its
     measured H100 step; ours, which moves fewer bytes, is predicted faster."""
     import dataclasses
 
     from config.recipe import load_config
     from parallelisms.parallel_dims import ParallelDims
-    from training.planning.op_census import BANDWIDTH_KINDS
+    from training.planning.fake.counter import BANDWIDTH_KINDS
     from training.planning.rates import load_rates
     from training.planning.step_model import accelerator_for, predict_step, workload_for
 

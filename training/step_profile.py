@@ -2,9 +2,9 @@
 
 The dry run prices each class of work separately (training/planning/step_model.py: GEMMs and attention from their
 FLOP rates, copy/cast and elementwise work from their bytes over bandwidth, the optimizer and the collectives from
-their own rates), with the classes training/planning/op_census.py gives every aten op. A profiled step measures the
+their own rates), with the classes training/planning/fake/counter.py gives every aten op. A profiled step measures the
 same classes on the device: each aten op's self device time (CUDA: the kernels it launched itself; CPU: its self CPU
-time) goes to the kind op_census gives its name, so a prediction can be checked class by class instead of only as
+time) goes to the kind that counter gives its name, so a prediction can be checked class by class instead of only as
 one step time. `[metrics] profile_step = N` turns it on for step N (training/trainer.py); the step's metrics.jsonl
 record says `profiled`, since the profiler slows the step it watches.
 """
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from training.planning.op_census import kind_of_name
+from training.planning.fake.counter import kind_of_name
 
 TOP_OPS = 15
 ATEN = "aten::"
@@ -33,7 +33,7 @@ class StepProfile:
 
 
 def _is_view(name: str) -> bool:
-    """Whether the aten op of this packet name returns a view (views launch no kernel: op_census's rule)."""
+    """Whether the aten op of this packet name returns a view (views launch no kernel: the dispatch counter's rule)."""
     packet = getattr(torch.ops.aten, name, None)
     overload = getattr(packet, "default", None) if packet is not None else None
     return bool(getattr(overload, "is_view", False))

@@ -22,7 +22,7 @@ from parallelisms.cp.plan_layout import DocumentLayout
 from parallelisms.cp.plan_pieces import DocumentShards
 from tests.gpu.devices import CUDA_ONLY, require
 from tests.parallelisms.attention_reference import reference_attention, relative_error
-from training.planning.cuda_path_probe import LaunchCounter
+from training.planning.fake.counter import DispatchCounter
 
 TOLERANCE = 3e-2  # bf16 inputs and outputs (tests/gpu/test_gpu_varlen.py's bound)
 
@@ -92,7 +92,7 @@ def test_cp1_packed_documents_make_one_thd_call_each_way_and_match_float64(devic
     dout = torch.randn(1, 16, 2048, 128, generator=gen, device=dev, dtype=torch.bfloat16)
     graphs = thd.graphs_for(dev)
     before = dict(graphs.built)
-    with LaunchCounter() as counter:
+    with DispatchCounter() as counter:
         out = packed_attention(q, k, v, PackedDocuments.from_ids(ids.numpy()).to(dev), kernel="cudnn",
                                packed="cudnn_thd")
         out.backward(dout)
@@ -120,7 +120,7 @@ def test_documents_layouts_on_thd_match_float64(device, cp, monkeypatch):
                                  dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     q, k, v = make(16), make(8), make(8)
     dout = torch.randn(1, 16, 2048, 128, generator=gen, device=dev, dtype=torch.bfloat16)
-    with LaunchCounter() as counter:
+    with DispatchCounter() as counter:
         out = local_segment_attention(q, k, v, docs, is_causal=True, kernel="cudnn")
         out.backward(dout)
     assert counter.by_kernel.get("flash", 0) == 0, counter.by_kernel  # the packed calls went to THD

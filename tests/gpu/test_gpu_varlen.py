@@ -15,7 +15,7 @@ from parallelisms.cp.attention import local_segment_attention
 from parallelisms.cp.plan_pieces import DocumentShards
 from tests.gpu.devices import CUDA_ONLY, require
 from tests.parallelisms.attention_reference import relative_error
-from training.planning.cuda_path_probe import LaunchCounter
+from training.planning.fake.counter import DispatchCounter
 
 TOLERANCE = 3e-2  # bf16 inputs and outputs
 
@@ -46,7 +46,7 @@ def test_varlen_documents_attention_matches_float64(device):
                                  dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     q, k, v = make(heads), make(kv_heads), make(kv_heads)
     dout = torch.randn(1, heads, seq, head_dim, generator=gen, device=dev, dtype=torch.bfloat16)
-    with LaunchCounter() as counter:
+    with DispatchCounter() as counter:
         out = local_segment_attention(q, k, v, docs, is_causal=True)
         out.backward(dout)
     assert counter.attention == 4  # causal squares and fused rectangles, forward and backward

@@ -23,6 +23,9 @@ from parallelisms.cp.kernel_blocks import CudnnBlock, concrete_kernel, kernel_pr
 from parallelisms.cp.plan_layout import DocumentLayout
 from parallelisms.cp.plan_pieces import DocumentShards
 from training.planning import cuda_path_probe as probe
+from training.planning.fake.counter import KERNEL_OF_OP, DispatchCounter
+from training.planning.fake.cuda import load_fake_cuda_guard
+from training.planning.fake.world import fake_process_group
 
 aten = torch.ops.aten
 CUDNN_FORWARD = aten._scaled_dot_product_cudnn_attention.default
@@ -32,7 +35,7 @@ HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 
 @pytest.fixture(scope="module")
 def fake_cuda():
-    why = probe.load_fake_cuda_guard()
+    why = load_fake_cuda_guard()
     if why:
         pytest.skip(why)
 
@@ -94,8 +97,8 @@ def test_a_kernel_the_device_cannot_run_is_refused_with_the_reason():
 def _layer_calls(exchange, layout: str, kernel: str, cp: int = 4, rank: int = 2, length: int = 64):
     """Every attention call (op, args, kwargs, result) of one layer's forward + backward of `rank`, dense layout."""
     forward, backward = exchange
-    counter = probe.LaunchCounter(record=True)
-    with probe.fake_group(cp, rank) as group, FakeTensorMode(allow_non_fake_inputs=True):
+    counter = DispatchCounter(record=True)
+    with fake_process_group(cp, rank) as group, FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = probe._qkv(1, length, HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16)
         spec = BlockSpec(group, True, None, layout, None, None, 0, kernel)
         with counter:
@@ -151,7 +154,7 @@ def test_the_dense_ring_on_cudnn_calls_only_cudnn_ops_and_each_fits_its_schema(f
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_flash_keeps_the_dense_ring_off_cudnn(fake_cuda, layout):
     calls = _layer_calls((ring_forward, ring_backward), layout, "flash")
-    assert calls and {probe.KERNEL_OF_OP[func] for func, *_ in calls} == {"flash"}
+    assert calls and {KERNEL_OF_OP[func] for func, *_ in calls} == {"flash"}
 
 
 def test_the_allgather_on_cudnn_keeps_every_causal_block_square(fake_cuda):
@@ -159,16 +162,16 @@ def test_the_allgather_on_cudnn_keeps_every_causal_block_square(fake_cuda):
     dense path aligns causal masks top-left) and none needs flash's bottom-right alignment."""
     calls = _layer_calls((allgather_forward, allgather_backward), "zigzag", "cudnn")
     cudnn = [_check_cudnn_call(func, args, kwargs, result) for func, args, kwargs, result in calls
-             if probe.KERNEL_OF_OP[func] == "cudnn"]
+             if KERNEL_OF_OP[func] == "cudnn"]
     assert "full, Lq != Lk" in cudnn and "causal" in cudnn, cudnn  # causal calls are checked square
-    assert {probe.KERNEL_OF_OP[func] for func, *_ in calls} == {"cudnn"}
+    assert {KERNEL_OF_OP[func] for func, *_ in calls} == {"cudnn"}
 
 
 def test_a_causal_rectangle_is_refused_and_single_rows_go_to_flash(fake_cuda):
     """cuDNN's dense causal mask is top-left: a causal block with Lq != Lk would be wrong there, so it is an error
     upstream. A query or key length of 1 (the zigzag half of a 2-token shard) is refused by torch's own cuDNN
     dispatch checks: such blocks run on flash, forward and backward alike."""
-    counter = probe.LaunchCounter(record=True)
+    counter = DispatchCounter(record=True)
     with FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = probe._qkv(1, 1, HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16)
         wide = probe._qkv(1, 8, HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16)
@@ -179,7 +182,7 @@ def test_a_causal_rectangle_is_refused_and_single_rows_go_to_flash(fake_cuda):
             out, lse, aux = block.forward(q, *wide[1:], is_causal=False, scale=None, mask=None)  # 1 x 8, full
         with pytest.raises(AssertionError, match="must be square"):
             block.forward(q, *wide[1:], is_causal=True, scale=None, mask=None)
-    assert {probe.KERNEL_OF_OP[func] for func, *_ in counter.attention_calls} == {"flash"}
+    assert {KERNEL_OF_OP[func] for func, *_ in counter.attention_calls} == {"flash"}
     assert len(counter.attention_calls) == 3
 
 
@@ -190,7 +193,7 @@ def _documents_row(seq: int = 512, cp: int = 4) -> DocumentShards:
 
 def test_documents_take_the_flash_varlen_ops_whatever_the_family(fake_cuda):
     for kernel in ("cudnn", "flash"):
-        counter = probe.LaunchCounter(record=True)
+        counter = DispatchCounter(record=True)
         probe.measure_layer(_documents_row(), 1, "ring", (1, 128, HEADS, KV_HEADS, HEAD_DIM), counter=counter,
                             kernel=kernel)
         assert counter.by_kernel and set(counter.by_kernel) == {"flash"}, (kernel, counter.by_kernel)
@@ -219,7 +222,7 @@ def test_fa4_is_activated_through_torchs_registry_and_documents_call_only_the_op
         activate_flash_implementation("fa4")
         assert attention.current_flash_attention_impl() == "FA4"
         assert {"_flash_attention_forward", "_flash_attention_backward"} <= replaced
-        counter = probe.LaunchCounter(record=True)
+        counter = DispatchCounter(record=True)
         probe.measure_layer(_documents_row(), 1, "ring", (1, 128, HEADS, KV_HEADS, HEAD_DIM), counter=counter,
                             kernel="fa4")
         called = {func._schema.name.split("::")[1] for func, *_ in counter.attention_calls}
@@ -271,7 +274,7 @@ def test_ulysses_whole_sequence_call_runs_sdpa_with_the_familys_backend_order(fa
     for kernel, first, cudnn_on in (("cudnn", SDPBackend.CUDNN_ATTENTION, True),
                                     ("flash", SDPBackend.FLASH_ATTENTION, False)):
         spy = SdpaCalls()
-        with probe.fake_group(2, 0) as group, FakeTensorMode(allow_non_fake_inputs=True):
+        with fake_process_group(2, 0) as group, FakeTensorMode(allow_non_fake_inputs=True):
             q, k, v = probe._qkv(1, 32, 4, 2, 64, torch.bfloat16)
             with spy:
                 ulysses_attention(q, k, v, group, is_causal=True, load_balancer="zigzag", kernel=kernel)

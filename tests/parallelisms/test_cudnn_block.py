@@ -22,7 +22,7 @@ from parallelisms.cp.accumulators import LseAccumulator, lse_for_backward
 from parallelisms.cp.kernel_blocks import CpuFlashBlock, CudaEfficientBlock, CudaFlashBlock, CudnnBlock, kernel_for
 from parallelisms.cp.plan_piece import FULL, Piece
 from tests.parallelisms.attention_reference import relative_error
-from training.planning.cuda_path_probe import load_fake_cuda_guard
+from training.planning.fake.cuda import load_fake_cuda_guard
 
 aten = torch.ops.aten
 CUDNN_OPS = {aten._scaled_dot_product_cudnn_attention.default,
@@ -44,7 +44,7 @@ class AttentionCalls(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def fake_cuda():
-    """Slicing fake CUDA tensors needs a CUDA device guard, which a CPU-only build lacks (cuda_path_probe.py)."""
+    """Slicing fake CUDA tensors needs a CUDA device guard, which a CPU-only build lacks (planning/fake/cuda.py)."""
     why = load_fake_cuda_guard()
     if why:
         pytest.skip(why)

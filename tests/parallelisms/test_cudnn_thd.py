@@ -26,6 +26,7 @@ from parallelisms.cp.plan_layout import DocumentLayout
 from parallelisms.cp.plan_pieces import DocumentShards
 from tests.distributed import run_ranks
 from training.planning import cuda_path_probe as probe
+from training.planning.fake.cuda import load_fake_cuda_guard
 from tests.parallelisms.attention_reference import reference_attention, relative_error
 from tests.parallelisms.cudnn_frontend_reference import StandInFrontend
 from tests.parallelisms.varlen_reference import varlen_backward, varlen_forward
@@ -222,7 +223,7 @@ def test_a_20_step_cp2_run_over_changing_documents_builds_at_most_8_graphs_per_d
     """Graphs are built per shape bucket (sequence count, longest sequence and total tokens rounded up), not per
     batch: 20 steps of 16K-token web-like rows at CP 2 (both ranks' ring blocks: causal squares and
     fused rectangles), counted on fake CUDA by the wrapper itself."""
-    why = probe.load_fake_cuda_guard()
+    why = load_fake_cuda_guard()
     if why:
         pytest.skip(why)
     _stand_in(monkeypatch)

@@ -26,6 +26,8 @@ from parallelisms.cp.plan_host import BatchPlan
 from tests.parallelisms.attention_reference import random_documents, reference_attention, relative_error
 from tests.parallelisms.varlen_reference import ReferenceVarlen
 from training.planning import cuda_path_probe as probe
+from training.planning.fake.counter import DispatchCounter
+from training.planning.fake.cuda import load_fake_cuda_guard
 
 aten = torch.ops.aten
 
@@ -91,7 +93,7 @@ class OpNames(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def fake_cuda():
-    why = probe.load_fake_cuda_guard()
+    why = load_fake_cuda_guard()
     if why:
         pytest.skip(why)
 
@@ -102,7 +104,7 @@ def test_one_layer_on_fake_cuda_makes_one_call_each_way_and_no_copy_or_sync(fake
     sync, and no gather or scatter (the kernels read views of the projections)."""
     ids = probe.web_like_row(8192)[None]
     host = PackedDocuments.from_ids(ids)
-    counter, ops = probe.LaunchCounter(record=True), OpNames()
+    counter, ops = DispatchCounter(record=True), OpNames()
     with FakeTensorMode(allow_non_fake_inputs=True):
         docs = host.to("cuda", non_blocking=True)
         q, k, v = (x.to("cuda") for x in _qkv(1, 8192, 16, 8, 128, dtype=torch.bfloat16))

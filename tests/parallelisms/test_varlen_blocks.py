@@ -26,6 +26,9 @@ from parallelisms.cp.kernel_varlen import plan_calls
 from tests.parallelisms.attention_reference import relative_error
 from tests.parallelisms.varlen_reference import ReferenceVarlen
 from training.planning import cuda_path_probe as probe
+from training.planning.fake.counter import DispatchCounter
+from training.planning.fake.cuda import load_fake_cuda_guard
+from training.planning.fake.world import fake_process_group
 
 aten = torch.ops.aten
 
@@ -88,7 +91,7 @@ def test_varlen_blocks_are_exact_against_a_float64_per_document_reference(monkey
 
 @pytest.fixture(scope="module")
 def fake_cuda():
-    why = probe.load_fake_cuda_guard()
+    why = load_fake_cuda_guard()
     if why:
         pytest.skip(why)
 
@@ -118,7 +121,7 @@ def test_every_flash_call_fits_its_schema_on_fake_cuda(fake_cuda, impl):
     layout_docs = DocumentShards.from_layout(row, DocumentLayout.plan(row, 4))
     docs = layout_docs if impl == "ring" else concatenated_documents(layout_docs)
     length = 128 if impl == "ring" else 512
-    counter = probe.LaunchCounter(record=True)
+    counter = DispatchCounter(record=True)
     probe.measure_layer(docs, 1 if impl == "ring" else 0, impl, (1, length, 8, 2, 64), counter=counter)
     assert counter.attention_calls and counter.syncs == 0
     for func, args, kwargs, result in counter.attention_calls:
@@ -139,13 +142,13 @@ def test_with_the_batch_plan_no_layer_copies_anything_to_the_gpu_at_1m_tokens(fa
         docs = None if planned else DocumentShards.from_layout(row, DocumentLayout.plan(row, cp))
         if docs is not None:
             docs.pair_rows(True)  # the host planning the layers would do (on real tensors: fake ones hold no values)
-        with probe.fake_group(cp, 0) as group, FakeTensorMode(allow_non_fake_inputs=True):
+        with fake_process_group(cp, 0) as group, FakeTensorMode(allow_non_fake_inputs=True):
             if planned:  # what step.move_batch does with the plan the data workers made
                 docs = DocumentShards.from_plan(plan.to(torch.device("cuda", 0), non_blocking=True))
             q, k, v = probe._qkv(1, (1 << 20) // cp, 8, 2, 64, torch.bfloat16)
             spec = BlockSpec(group, True, None, DOCUMENTS, docs, None, 0, "flash")
             for layer in ("first", "later"):
-                counter = probe.LaunchCounter()
+                counter = DispatchCounter()
                 with counter:
                     probe.run_layer(sparse_forward, sparse_backward, q, k, v, spec)
                 assert counter.attention > 0
@@ -170,9 +173,9 @@ def test_the_probes_fake_group_refuses_a_world_of_another_size():
     a world of 1 planned and counted for the wrong degree without a word."""
     import torch.distributed as dist
 
-    with probe.fake_group(1, 0):
+    with fake_process_group(1, 0):
         with pytest.raises(RuntimeError, match="already up"):
-            with probe.fake_group(4, 0):
+            with fake_process_group(4, 0):
                 pass
-        with probe.fake_group(1, 0) as group:  # the same world: reused
+        with fake_process_group(1, 0) as group:  # the same world: reused
             assert dist.get_world_size(group) == 1

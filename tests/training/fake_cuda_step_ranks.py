@@ -1,7 +1,7 @@
 """Counts the host syncs of the trainer's micro-steps on fake CUDA tensors (training/planning/step_sync_probe.py) for every
 rank of a cp 2 x dp 2 debug run with documents and placement by work, one rank after another in this process; prints
 one JSON object {rank: {"micro_steps", "counts", "places"}}. Run with the fake CUDA runtime preloaded
-(step_sync_probe.fake_cuda_env); used by tests/training/test_fake_cuda_step_syncs.py.
+(training/planning/fake/cuda.fake_cuda_env); used by tests/training/test_fake_cuda_step_syncs.py.
 
     python tests/training/fake_cuda_step_ranks.py [--section.key value ...]
 """

@@ -1,5 +1,5 @@
 """Runs train.py on forked ranks (harness/forked_launch.py) with every micro-step, and the move of its batch to the
-device, under training/planning/host_syncs.HostSyncCounter(strict=True); each rank writes its counts to
+device, under training/planning/fake/counter.DispatchCounter(strict=True); each rank writes its counts to
 $HOST_SYNC_OUT/rank<N>.json. Used by tests/training/test_host_syncs.py.
 
     python tests/training/host_sync_ranks.py NPROC [RECIPE] [--section.key value ...]
@@ -14,12 +14,12 @@ sys.path.insert(0, ROOT)
 
 from harness import forked_launch  # noqa: E402
 from training import step  # noqa: E402
-from training.planning.host_syncs import HostSyncCounter  # noqa: E402
+from training.planning.fake.counter import DispatchCounter  # noqa: E402
 
 
 def counted(fn, counts: collections.Counter, calls: collections.Counter, places: collections.Counter):
     def wrapper(*args, **kwargs):
-        with HostSyncCounter(strict=True, where=True) as syncs:
+        with DispatchCounter(strict=True, where=True) as syncs:
             result = fn(*args, **kwargs)
         counts.update(syncs.counts)
         places.update(syncs.places)

@@ -1,8 +1,9 @@
 """One rank's peak memory for one optimizer step of a recipe, measured on real tensors in a real gloo run: the
 reference the dry run's fake-process-group measurement (training/planning/memory_probe.py) is checked against.
 
-The model, optimizer and step are the trainer's own (training/build.py, training/step.py), set up the way the dry run
-sets them up (AdamW state created by one warm-up step, then one measured micro-step and one clip + optimizer step).
+The model, optimizer and step are the trainer's own (training/build.py, training/step.py), set up the way the dry run's
+fake world sets them up (AdamW state created by its warm-up step, training/planning/fake/world.warm_up_optimizer, then
+one measured micro-step and one clip + optimizer step); only the world is real (gloo ranks, real tensors).
 
 Accounting: live tensor storages, as a GPU's caching allocator would hold them. A dispatch mode sees every tensor an
 op of the step returns (FSDP's all-gather and reduce-scatter buffers, the ring's receive buffers, checkpoint
@@ -125,6 +126,7 @@ def real_step_peaks(cfg, world_size: int) -> dict:
     from parallelisms.parallelize import uses_loss_parallel
     from training import step
     from training.build import build_model, build_optimizer
+    from training.planning.fake.world import warm_up_optimizer
     from training.step import StepSetup, clip_grad_norm_
 
     p, t = cfg.parallelism, cfg.training
@@ -136,11 +138,7 @@ def real_step_peaks(cfg, world_size: int) -> dict:
     setup = StepSetup(model, mesh, p, document_masking=False, loss_parallel=uses_loss_parallel(cfg, mesh),
                       stats=CommStats(), loss_chunk_tokens=t.loss_tile_tokens(mcfg.vocab_size))
     params = list(model.parameters())
-    for param in params:  # AdamW's state exists from the first step on, as in the dry run
-        param.grad = torch.zeros_like(param)
-    clip_grad_norm_(params, t.max_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    warm_up_optimizer(params, optimizer, t.max_norm)  # AdamW's state exists from the first step on, as in the dry run
     global_tokens = t.global_batch_rows(dims.dp) * t.seq_len
     phases = {}
     with LiveStorages(persistent_storages(model, optimizer)) as live:

@@ -131,7 +131,7 @@ def test_dry_run_peak_matches_a_real_run(mesh, predicted_and_real):
     Measured (dry run / real, MiB, chunked loss on): 1 rank fp32 63.63 / 63.63, fp32 dp_shard2 58.38 / 58.38, bf16
     dp_shard2 42.41 / 42.41, fp32 cp2 ring 44.32 / 44.32, bf16 dp_shard2 x cp2 full AC 22.81 / 22.81, fp32 cp2
     Ulysses with documents 44.82 / 44.82 (0.0 % on these six), fp32 tp2 33.60 / 33.85 (-0.7 %; +37 % before the
-    probe kept DTensor's shape propagation out of its fake mode, memory_probe._sharding_propagation_in_its_own_fake_mode).
+    probe kept DTensor's shape propagation out of its fake mode, fake.world._sharding_propagation_in_its_own_fake_mode).
     Ulysses' dry run failed on its exchange plan (data-dependent under fake tensors) until the plan was built from
     real host integers. The allocator's own events put the real cp2 meshes 0.16 and 0.12 MiB higher (the CPU attention backward's
     internal scratch, which no tensor-level count sees). The 3-37 % gaps reported before on these meshes came from the

@@ -26,22 +26,22 @@ def test_counter_on_a_device_run_ignores_scalar_reads_of_host_tensors():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-    from training.planning.host_syncs import HostSyncCounter
+    from training.planning.fake.counter import DispatchCounter
 
     with FakeTensorMode():
         device = torch.empty(3, device="cuda")
-        with HostSyncCounter() as syncs:
+        with DispatchCounter() as syncs:
             with unset_fake_temporarily():  # as the exchange plans make their host integers
                 int(torch.arange(3)[1])
             device.cpu(), device.sum()
     assert syncs.counts == {"device_to_host": 1}
-    with HostSyncCounter(strict=True) as syncs:
+    with DispatchCounter(strict=True) as syncs:
         int(torch.arange(3)[1])
     assert syncs.counts == {"_local_scalar_dense": 1}
 
 
 def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement_makes_no_host_sync():
-    from training.planning.step_sync_probe import fake_cuda_env
+    from training.planning.fake.cuda import fake_cuda_env
 
     try:
         env = fake_cuda_env(child_env())
@@ -66,15 +66,27 @@ def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement
         assert record["clip_counts"] == {}
 
 
-def test_fake_cuda_libraries_are_cached_per_torch_installation(tmp_path):
+def test_fake_cuda_libraries_are_cached_per_torch_installation(tmp_path, monkeypatch):
     """The fake CUDA libraries link to one torch by rpath: a cache keyed by torch's version alone handed a second
     checkout (another .venv, same version) a library pointing at the first's torch, and after that checkout was
-    deleted every fake-CUDA test failed with "libc10.so: cannot open shared object file"."""
-    from training.planning.cuda_path_probe import torch_library_path
+    deleted every fake-CUDA test failed with "libc10.so: cannot open shared object file". The builder is run for two
+    torch installations of one version (the compiler stubbed: it records its command and writes the output): each
+    gets its own library, linked with an rpath to its own library folder, and a second build of one is the cache's."""
+    import training.planning.fake.cuda as fake_cuda
 
-    first, second = (tmp_path / name / "torch" for name in ("venv-a", "venv-b"))
-    for root in (first, second):
-        root.mkdir(parents=True)
-    path = lambda root, source="src", version="2.13.0+cpu": torch_library_path("lib", source, str(root), version)  # noqa: E731
-    assert path(first) == path(first) and path(first) != path(second)
-    assert path(first) != path(first, source="changed") and path(first) != path(first, version="2.14.0+cpu")
+    commands = []
+
+    def compile_(command, **kwargs):
+        commands.append(command)
+        open(command[command.index("-o") + 1], "w").close()
+    monkeypatch.setattr(fake_cuda.subprocess, "run", compile_)
+    monkeypatch.setattr(fake_cuda.tempfile, "gettempdir", lambda: str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    built = {}
+    for venv in ("venv-a", "venv-b", "venv-a"):
+        monkeypatch.setattr(fake_cuda.torch, "__file__", str(tmp_path / venv / "torch" / "__init__.py"))
+        built.setdefault(venv, set()).add(fake_cuda.build_torch_library("lib", "src", ["c10"]))
+    assert len(built["venv-a"]) == 1 and built["venv-a"] != built["venv-b"], built
+    assert len(commands) == 2, commands  # venv-a's second build came from the cache
+    rpaths = [next(arg for arg in c if arg.startswith("-Wl,-rpath,")) for c in commands]
+    assert rpaths == [f"-Wl,-rpath,{tmp_path / venv / 'torch' / 'lib'}" for venv in ("venv-a", "venv-b")]

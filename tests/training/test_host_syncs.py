@@ -13,20 +13,20 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.launch_env import child_env
 from tests.trainer_runs import ROOT, short_documents_recipe
-from training.planning.host_syncs import HostSyncCounter
+from training.planning.fake.counter import DispatchCounter
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_counter_sees_scalar_reads_host_reads_and_device_to_host_copies():
     t = torch.arange(5)
-    with HostSyncCounter(strict=True) as syncs:
+    with DispatchCounter(strict=True) as syncs:
         t.tolist(), t.numpy(), t.cpu(), t[0].item(), bool(t[1] > 0), t + 1
     assert syncs.counts == {"_local_scalar_dense": 2, "host_read:tolist": 1, "host_read:numpy": 1,
                             "host_read:cpu": 1}
     with FakeTensorMode():
         x = torch.empty(4, device="cuda")
-        with HostSyncCounter() as syncs:
+        with DispatchCounter() as syncs:
             x.cpu(), x.to("cpu", non_blocking=True), x.sum()
     assert syncs.counts == {"device_to_host": 2}
 
@@ -57,13 +57,11 @@ def test_a_sync_anywhere_in_the_repository_is_named_by_its_file():
 
     import torch
 
-    from training.planning.host_syncs import HostSyncCounter
-
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     namespace: dict = {}
     exec(compile("def read(x):\n    return x.sum().item()\n", os.path.join(root, "parallelisms", "cp", "rows.py"),
                  "exec"), namespace)  # a function whose frame lies in parallelisms/cp/rows.py
-    with HostSyncCounter(strict=True, where=True) as syncs:
+    with DispatchCounter(strict=True, where=True) as syncs:
         namespace["read"](torch.ones(2))
     assert syncs.places and all(place.startswith("_local_scalar_dense at parallelisms/cp/rows.py:2 read")
                                 for place in syncs.places), syncs.places

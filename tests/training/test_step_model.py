@@ -279,7 +279,7 @@ def test_an_eager_step_is_priced_from_its_counted_bytes():
 
 
 def test_the_probes_counted_bytes_extrapolate_to_the_full_depth():
-    """The memory probe counts the bytes of a micro-step's elementwise kernels (op_census) at 3, 4 and 5 blocks and
+    """The memory probe counts the bytes of a micro-step's elementwise kernels (the counter) at 3, 4 and 5 blocks and
     extrapolates them with the memory: equal to counting the full depth."""
     from config.recipe import load_config
     from training.planning.memory_probe import measure_memory, measure_rank
@@ -348,7 +348,7 @@ def test_the_dry_run_refuses_float8_on_an_a100(tmp_path):
 
 
 def test_compiled_float8_casts_are_priced_fused_not_op_by_op(tmp_path):
-    """The memory probe counts an eager step's kernels op by op (op_census); with float8 under torch.compile
+    """The memory probe counts an eager step's kernels op by op (fake/counter.py); with float8 under torch.compile
     torchao's operand casts run fused inside the compiled regions, so the probe leaves them out and the model prices
     them fused (float8_cost.cast_bytes). Counted op by op they priced a compiled float8 step of the GPU bench's dim
     4096 shape slower than bf16's (0.115 vs 0.0885 s); TorchTitan publishes 1.25x for tensorwise at 8B."""

@@ -11,7 +11,7 @@ import torch
 from config import RecipeError
 from config.recipe import load_config
 from tests.trainer_runs import ROOT, read_metrics, run_train
-from training.planning.op_census import kind_of, kind_of_name
+from training.planning.fake.counter import kind_of, kind_of_name
 from training.step_profile import profile_line, profiled_step
 
 FIELDS = {"step", "rank", "device_type", "wall_s", "by_kind", "device_total_s", "unattributed_s", "top_ops"}

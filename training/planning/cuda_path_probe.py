@@ -2,9 +2,9 @@
 counted on fake CUDA tensors (FakeTensorMode makes `cuda` tensors on a CPU-only build; shapes, strides and the CUDA
 kernels' meta functions run, no storage is allocated).
 
-One rank of a fake process group of the CP degree runs the variant's own forward and backward functions (the sparse
-ring on the documents layout, or Ulysses' attention after its all-to-all) on its real plan, made from real document
-ids, under a dispatch mode that counts:
+One rank of a fake process group of the CP degree (training/planning/fake/world.py) runs the variant's own forward
+and backward functions (the sparse ring on the documents layout, or Ulysses' attention after its all-to-all) on its
+real plan, made from real document ids, under the dispatch counter (training/planning/fake/counter.py), which counts:
 - `attention_kernel_calls_per_layer`: attention kernel calls (flash, efficient, varlen) of forward + backward of one
   layer on the busiest rank (the rank with the most planned calls);
 - `aten_ops_per_layer`: every aten op of the same (gathers, merges, copies, collectives);
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -36,124 +35,11 @@ from parallelisms.cp.exchange_ring import ring_backward, ring_forward
 from parallelisms.cp.plan_pieces import DocumentShards
 from parallelisms.cp.exchange_ring_sparse import sparse_backward, sparse_forward
 from parallelisms.cp.layouts import DOCUMENTS
+from training.planning.fake.counter import DispatchCounter
+from training.planning.fake.world import fake_process_group
 
 aten = torch.ops.aten
 WEB_LIKE = "web-like: document lengths lognormal(6.5, 1.0) tokens (median ~665), packed into one row"
-
-KERNEL_OF_OP = {
-    aten._flash_attention_forward.default: "flash", aten._flash_attention_backward.default: "flash",
-    aten._scaled_dot_product_flash_attention.default: "flash",
-    aten._scaled_dot_product_flash_attention_backward.default: "flash",
-    aten._efficient_attention_forward.default: "efficient", aten._efficient_attention_backward.default: "efficient",
-    aten._scaled_dot_product_efficient_attention.default: "efficient",
-    aten._scaled_dot_product_efficient_attention_backward.default: "efficient",
-    aten._scaled_dot_product_flash_attention_for_cpu.default: "cpu_flash",
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "cpu_flash",
-    aten._scaled_dot_product_cudnn_attention.default: "cudnn",
-    aten._scaled_dot_product_cudnn_attention_backward.default: "cudnn",
-}
-"""Every attention op the CP kernels call, by the kernel that runs it (flash: FlashAttention-2, or FA3/FA4 once
-activated; cudnn: cuDNN's fused attention)."""
-ATTENTION_OPS = set(KERNEL_OF_OP)
-
-
-GUARD_SOURCE = """#include <c10/core/impl/DeviceGuardImplInterface.h>
-C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::NoOpDeviceGuardImpl<c10::DeviceType::CUDA>);
-"""
-
-
-def torch_library_path(name: str, source: str, torch_root: str, torch_version: str) -> str:
-    """Where a small C++ library linked against the torch at `torch_root` is cached in the temp folder: keyed by the
-    source, torch's version AND its library folder (the build has an rpath to it: a cache shared by two checkouts or
-    virtual environments would otherwise hand one a library that points at the other's deleted torch)."""
-    import hashlib
-    import os
-    import tempfile
-
-    digest = hashlib.sha256("\0".join((source, os.path.realpath(torch_root), torch_version)).encode()).hexdigest()
-    return os.path.join(tempfile.gettempdir(), f"{name}_{torch_version.replace('+', '_')}_{digest[:12]}.so")
-
-
-def build_torch_library(name: str, source: str, libs: list[str], timeout: float = 300) -> str:
-    """Compiles `source` against this process's torch into its cached path (once) and returns the path; raises
-    OSError / SubprocessError when it cannot (no compiler or headers)."""
-    import os
-    import subprocess
-
-    root = os.path.dirname(torch.__file__)
-    lib = torch_library_path(name, source, root, torch.__version__)
-    if not os.path.exists(lib):
-        src = f"{lib[:-3]}.{os.getpid()}.cpp"  # per process: ranks and tests may build it at the same moment
-        with open(src, "w") as f:
-            f.write(source)
-        try:
-            subprocess.run(["g++", "-shared", "-fPIC", "-std=c++17", f"-I{root}/include", src, "-o", f"{src}.so",
-                            f"-L{root}/lib", *(f"-l{x}" for x in libs), f"-Wl,-rpath,{root}/lib"],
-                           check=True, capture_output=True, timeout=timeout)
-            os.replace(f"{src}.so", lib)
-        finally:
-            os.remove(src)
-    return lib
-
-
-def load_fake_cuda_guard() -> str | None:
-    """Registers a no-op CUDA device guard in this process (a 2-line C++ library, built once per torch into the
-    temp folder), so fake CUDA tensors can be sliced and indexed on a CPU-only build; torch.cuda stays
-    unavailable. Returns None when it works, else why not (no compiler, no headers): the probe is then skipped."""
-    import ctypes
-    import subprocess
-
-    try:
-        lib = build_torch_library("fake_cuda_guard", GUARD_SOURCE, ["c10"], timeout=120)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"cannot build the no-op CUDA device guard ({type(e).__name__})"
-    ctypes.CDLL(lib)  # registration is idempotent: the registry keeps one guard per device type
-    return None
-
-
-class LaunchCounter(TorchDispatchMode):
-    """Counts aten ops, attention kernel calls and host syncs (reading a device value, or copying device to host)."""
-
-    def __init__(self, record: bool = False):
-        super().__init__()
-        self.ops = self.attention = self.syncs = self.host_to_device = 0
-        self.by_kernel: dict[str, int] = {}  # attention calls per kernel (KERNEL_OF_OP)
-        self.record = record
-        self.attention_calls: list = []  # (op, args, kwargs, result) of every attention call when recording
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.ops += 1
-        if func is aten._local_scalar_dense.default or _device_to_host(func, args, kwargs):
-            self.syncs += 1
-        if _host_to_device(func, args, kwargs):  # from pageable memory, each one waits for the queue to drain
-            self.host_to_device += 1
-        result = func(*args, **kwargs)
-        if func in ATTENTION_OPS:
-            self.attention += 1
-            self.by_kernel[KERNEL_OF_OP[func]] = self.by_kernel.get(KERNEL_OF_OP[func], 0) + 1
-            if self.record:
-                self.attention_calls.append((func, args, kwargs, result))
-        return result
-
-
-def _device_to_host(func, args, kwargs) -> bool:
-    if func is aten._to_copy.default:
-        src, dst = args[0], kwargs.get("device")
-        return src.device.type == "cuda" and dst is not None and torch.device(dst).type == "cpu"
-    if func is aten.copy_.default:
-        dst, src = args[0], args[1]
-        return src.device.type == "cuda" and dst.device.type == "cpu"
-    return False
-
-
-def _host_to_device(func, args, kwargs) -> bool:
-    if func is aten._to_copy.default:
-        src, dst = args[0], kwargs.get("device")
-        return src.device.type == "cpu" and dst is not None and torch.device(dst).type == "cuda"
-    if func is aten.copy_.default:
-        return args[1].device.type == "cpu" and args[0].device.type == "cuda"
-    return False
 
 
 def web_like_row(seq_len: int, seed: int = 0) -> np.ndarray:
@@ -189,25 +75,6 @@ class LayerCounts:
     """The mask-free pieces of the rank's layer (what the per-piece path would call, forward and again backward)."""
     calls_by_kernel: dict | None = None
     """The attention calls by kernel (flash, cudnn, efficient, cpu_flash)."""
-
-
-@contextlib.contextmanager
-def fake_group(cp: int, rank: int):
-    """A fake process group of `cp` ranks in this process (collectives return at once), unless one of that size is
-    up already (a probe inside a fake world): a group of another size would plan and count for the wrong degree."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        if dist.get_world_size() != cp or dist.get_rank() != rank:
-            raise RuntimeError(f"fake_group({cp}, rank {rank}): a process group of {dist.get_world_size()} ranks "
-                               f"(this one rank {dist.get_rank()}) is already up in this process")
-        yield dist.group.WORLD
-        return
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _qkv(batch, length, heads, kv_heads, head_dim, dtype):
@@ -280,7 +147,7 @@ def run_layer(fwd, bwd, q, k, v, spec):
 
 
 def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtype=torch.bfloat16,
-                  expand_gqa: bool = False, memory: bool = False, counter: LaunchCounter | None = None,
+                  expand_gqa: bool = False, memory: bool = False, counter: DispatchCounter | None = None,
                   head_groups: int = 0, kernel: str = "flash", packed: str = "flash") -> LayerCounts:
     """One layer's attention (forward + backward) of `rank` on fake CUDA tensors. `shape` = (batch, local length,
     query heads, K/V heads, head dim) as this rank's attention sees them (Ulysses: the whole sequence, heads / P).
@@ -289,7 +156,7 @@ def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtyp
     batch, length, heads, kv_heads, head_dim = shape
     cp = len(docs.per_rank)
     pieces = sum(len(docs.layout_pieces(rank, src, True)) for src in range(cp))
-    with fake_group(max(cp, 1) if impl == "ring" else 1, rank if impl == "ring" else 0) as group, \
+    with fake_process_group(max(cp, 1) if impl == "ring" else 1, rank if impl == "ring" else 0) as group, \
             FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = _qkv(batch, length, heads, kv_heads, head_dim, dtype)
         if impl == "ring":
@@ -299,7 +166,7 @@ def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtyp
             spec, fwd, bwd = BlockSpec(None, True, None, DOCUMENTS, docs, None, head_groups, kernel, packed), ring_forward, \
                 ring_backward
         tracker = MemTracker() if memory else contextlib.nullcontext()
-        counter = counter or LaunchCounter()
+        counter = counter or DispatchCounter()
         # the modelled scratch sits below the counter: allocated and tracked, not counted as ops
         with tracker, (FlashWorkspace() if memory else contextlib.nullcontext()), counter, \
                 (ExpandGqa() if expand_gqa else contextlib.nullcontext()):

@@ -15,9 +15,11 @@ from parallelisms.cp.block_spec import BlockSpec
 from parallelisms.cp.exchange_ring import ring_backward, ring_forward
 from parallelisms.cp.layouts import DOCUMENTS
 from training.planning.accelerators import kernel_on
-from training.planning.cuda_path_probe import (ExpandGqa, FlashWorkspace, LaunchCounter, LayerCounts, fake_group,
-                                      load_fake_cuda_guard, ring_counts, run_layer, total_bytes, ulysses_counts,
-                                      web_like_row)
+from training.planning.cuda_path_probe import (ExpandGqa, FlashWorkspace, LayerCounts, ring_counts, run_layer,
+                                               total_bytes, ulysses_counts, web_like_row)
+from training.planning.fake.counter import DispatchCounter
+from training.planning.fake.cuda import load_fake_cuda_guard
+from training.planning.fake.world import fake_process_group
 
 
 def prepared_lengths(cfg) -> np.ndarray | None:
@@ -70,13 +72,13 @@ def _one_document_layer(cfg, cp: int, tp: int, device: str, expand_gqa: bool = F
     transient peak (inputs excluded)."""
     batch, length, heads, kv, head_dim = _stage_shape(cfg, cp, tp, gathered=False)
     dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
-    with fake_group(cp, 0) as group, FakeTensorMode(allow_non_fake_inputs=True):
+    with fake_process_group(cp, 0) as group, FakeTensorMode(allow_non_fake_inputs=True):
         make = lambda h: torch.empty(batch, length, h, head_dim, dtype=dtype, device=device).transpose(1, 2)  # noqa
         q, k, v = make(heads), make(kv), make(kv)
         layout = "zigzag" if cfg.parallelism.cp_load_balancer == DOCUMENTS else cfg.parallelism.cp_load_balancer
         spec = BlockSpec(group if cp > 1 else None, True, None, layout, None, None,
                          cfg.parallelism.attention_head_groups, kernel)
-        with MemTracker() as tracker, FlashWorkspace(), LaunchCounter() as counter, \
+        with MemTracker() as tracker, FlashWorkspace(), DispatchCounter() as counter, \
                 (ExpandGqa() if expand_gqa else contextlib.nullcontext()):
             run_layer(ring_forward, ring_backward, q, k, v, spec)
             peak = total_bytes(tracker.get_tracker_snapshot("peak"))

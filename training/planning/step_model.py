@@ -66,7 +66,7 @@ class Workload:
     """model.mlp_chunk_tokens > 0: the feed-forward stays in the training dtype under float8."""
     bandwidth_bytes: float | None = None
     """HBM bytes of one micro-step's elementwise kernels, copies and casts as the trainer launches them eagerly,
-    counted by the dry run's memory probe (training/planning/op_census.py); None = `elementwise_bytes_per_token`."""
+    counted by the dry run's memory probe (training/planning/fake/counter.py); None = `elementwise_bytes_per_token`."""
 
 
 @dataclass
