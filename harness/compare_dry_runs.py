@@ -22,8 +22,10 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MACHINE_STATE_FIELDS = {"host_memory_gib_per_node"}
-"""Read from this box's available memory when a recipe runs on CPU: not a planning figure."""
+MACHINE_STATE_FIELDS = {"host_memory_gib_per_node", "host_peak_gib_per_rank", "host_peak_gib_per_node"}
+"""Read from this box when the dry run runs: the memory available now (a CPU run's node), and the host peaks, which
+include the planning process's own resident memory at its start (training/planning/host_memory.py; a few hundred
+KiB apart between two runs of the same commit)."""
 REL_TOL = 1e-9
 
 
