@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -179,25 +181,78 @@ if os.environ.get("RANK") == "1":
 """
 
 
-def test_a_save_on_a_full_disk_stops_in_one_line_and_the_earlier_checkpoint_resumes(tmp_path, uninterrupted):
-    reference = uninterrupted("plain")
+TMPFS_MIB = 120  # one checkpoint of the debug model on 2 ranks is ~0.075 GiB: the step-2 save fits, step 4's does not
+
+
+def may_mount_tmpfs(probe: str) -> bool:
+    """Whether this test may mount a tmpfs in a mount namespace of its own (root with unshare: not every container)."""
+    if not shutil.which("unshare"):
+        return False
+    os.makedirs(probe, exist_ok=True)
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "size=1m",
+                           "tmpfs", probe], capture_output=True).returncode == 0
+
+
+def full_tmpfs_runs(tmp_path, folder: str) -> tuple[str, tuple, list, tuple]:
+    """In a mount namespace of the test's own: a 120 MiB tmpfs as checkpoint.folder, the run saving every 2 steps
+    into it; then (the disk grown as a user would free space) the same command again. The tmpfs lives as long as the
+    namespace, so both runs and a listing of the folder between them happen in one shell."""
+    disk, said = str(tmp_path / "disk"), tmp_path / "said"
+    os.makedirs(disk)
+    said.mkdir()
+    command = shlex.join([os.path.join(ROOT, "run_train.sh"), *ARGS, "--checkpoint.interval", "2",
+                          "--checkpoint.folder", disk, "--job.dump_folder", folder])
+    to = {name: shlex.quote(str(said / name)) for name in ("1.out", "1.err", "1.code", "ls", "2.out", "2.err",
+                                                          "2.code")}
+    script = (f"mount -t tmpfs -o size={TMPFS_MIB}m tmpfs {shlex.quote(disk)} || exit 99\n"
+              f"{command} >{to['1.out']} 2>{to['1.err']}; echo $? >{to['1.code']}\n"
+              f"ls {shlex.quote(disk)} >{to['ls']}\n"
+              f"mount -o remount,size=1g {shlex.quote(disk)} || exit 98\n"
+              f"{command} >{to['2.out']} 2>{to['2.err']}; echo $? >{to['2.code']}\n")
+    env = child_env(base=dict(os.environ, PYTHON=sys.executable, NPROC="2"))
+    shell = subprocess.Popen(["unshare", "-m", "--propagation", "private", "bash", "-c", script], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    code, out, err = finish(shell, timeout=600)
+    assert code == 0, f"the tmpfs shell: exit {code}\n{out[-2000:]}{err[-2000:]}"
+    read = {name: (said / name).read_text() for name in to}
+    return (disk, (int(read["1.code"]), read["1.out"], read["1.err"]), read["ls"].split(),
+            (int(read["2.code"]), read["2.out"], read["2.err"]))
+
+
+def hooked_disk_runs(tmp_path, folder: str) -> tuple[str, tuple, list, tuple]:
+    """Where no tmpfs may be mounted: rank 1's step-4 write raises ENOSPC (DISK_FULL_AT_STEP_4), then the same
+    command again without the hook."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(DISK_FULL_AT_STEP_4)
+    first = finish(launch(folder, "--checkpoint.interval", "2", first=(str(hook),)), timeout=300)
+    disk = os.path.join(folder, "checkpoints")
+    listing = os.listdir(disk)
+    return disk, first, listing, finish(launch(folder, "--checkpoint.interval", "2"))
+
+
+def test_a_save_on_a_full_disk_stops_in_one_line_and_the_earlier_checkpoint_resumes(tmp_path, uninterrupted):
+    """A real full filesystem (a small tmpfs) where the test may mount one, else a writer that raises ENOSPC: the
+    launch check warned (tmpfs: its real free space), the save of step 4 stops the run in one line, the partial
+    folder is gone, and the same command (with room again) resumes from step 2 with the uninterrupted losses."""
+    reference = uninterrupted("plain")
     folder = str(tmp_path / "run")
-    process = launch(folder, "--checkpoint.interval", "2", first=(str(hook),))
-    code, out, err = finish(process, timeout=300)
+    tmpfs = may_mount_tmpfs(str(tmp_path / "probe"))
+    disk, (code, out, err), listing, (code2, out2, err2) = (full_tmpfs_runs if tmpfs else hooked_disk_runs)(
+        tmp_path, folder)
+    print(f"full disk: {'a ' + str(TMPFS_MIB) + ' MiB tmpfs' if tmpfs else 'ENOSPC raised by a hook'}")
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 74 and len(errors) == 1, out[-2000:] + err[-4000:]
-    assert errors[0].startswith(f"error: checkpoint: saving step 4 into '{folder}/checkpoints' failed: No space left "
-                                f"on device (errno 28); "), errors[0]
-    assert f"the last complete checkpoint is step 2 ({folder}/checkpoints/step-2)" in errors[0]
+    assert errors[0].startswith(f"error: checkpoint: saving step 4 into '{disk}' failed: No space left on device "
+                                f"(errno 28); "), errors[0]
+    assert f"the last complete checkpoint is step 2 ({disk}/step-2)" in errors[0]
     assert "Traceback" not in err and "CheckpointException" not in err, err[-4000:]
-    assert sorted(os.listdir(os.path.join(folder, "checkpoints"))) == ["step-2"]  # the partial one removed
+    assert sorted(listing) == ["step-2"]  # the partial one removed
+    if tmpfs:  # 0.12 GiB cannot hold keep_latest_k + 1 = 4 checkpoints
+        assert f"warning: checkpoint.folder '{disk}' holds 0.12 GiB" in out + err, (out + err)[-3000:]
 
-    code, out, err = finish(launch(folder, "--checkpoint.interval", "2"))
-    assert code == 0, out[-2000:] + err[-3000:]
-    assert "(step 2)" in out
+    assert code2 == 0, out2[-2000:] + err2[-3000:]
+    assert "(step 2)" in out2
     assert losses(folder) == reference
 
 
