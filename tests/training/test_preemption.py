@@ -259,11 +259,20 @@ def test_a_save_on_a_full_disk_stops_in_one_line_and_the_earlier_checkpoint_resu
 KILLS = 10
 
 
+def saving(folder: str) -> bool:
+    """A save is under way: its `step-<N>.partial/` folder exists (it is renamed when complete)."""
+    try:
+        return any(name.endswith(".partial") for name in os.listdir(os.path.join(folder, "checkpoints")))
+    except FileNotFoundError:
+        return False
+
+
 def test_a_run_sigkilled_at_random_instants_resumes_every_time_and_matches(tmp_path, uninterrupted):
-    """Every process of the run SIGKILLed (as a node dies) 10 times, each at a random instant after the relaunched
-    run logged its first new step: with a save and a log write every step, the instants fall in steps, saves and log
-    writes. Every relaunch must resume (a torn metrics line, a half-written checkpoint left behind) and the losses at
-    the end equal an uninterrupted run's bit for bit."""
+    """Every process of the run SIGKILLed (as a node dies) 10 times after the relaunched run logged its first new
+    step: the odd kills at a random instant (with a save and a log write every step they fall in steps, saves and
+    log writes), the even ones as soon as the next save's partial folder appears (in the middle of a save, for sure).
+    Every relaunch must resume (a torn metrics line, a half-written checkpoint left behind) and the losses at the end
+    equal an uninterrupted run's bit for bit."""
     import random
 
     reference = uninterrupted("plain")
@@ -277,17 +286,22 @@ def test_a_run_sigkilled_at_random_instants_resumes_every_time_and_matches(tmp_p
         while logged_step(folder) <= before:
             assert process.poll() is None, f"relaunch {kill} ended:\n" + process.communicate()[1][-3000:]
             time.sleep(0.02)
-        delay = chance.uniform(0, 0.8)
+        delay = chance.uniform(0, 0.8) if kill % 2 else 0.0
         time.sleep(delay)
+        while not (kill % 2 or saving(folder)):
+            assert process.poll() is None, "the run finished before its kill: raise STEPS"
+            time.sleep(0.005)
         assert process.poll() is None, "the run finished before its kill: raise STEPS"
+        in_save = saving(folder)
         for pid in group_processes(process.pid):
             os.kill(pid, signal.SIGKILL)
         said += process.communicate()[1]
-        kills.append((logged_step(folder), round(delay, 2)))
+        kills.append((logged_step(folder), round(delay, 2), "save" if in_save else "step/log"))
     code, out, err = finish(launch(folder, *every_step))
     said += err
-    print(f"killed after (logged step, delay s): {kills}; torn metrics lines dropped: "
+    print(f"killed after (logged step, delay s, in): {kills}; torn metrics lines dropped: "
           f"{said.count('dropped its torn last line')}, checkpoints skipped: {said.count('falling back')}")
+    assert sum(where == "save" for *_, where in kills) >= KILLS // 2, kills
     assert code == 0, out[-2000:] + err[-3000:]
     assert sorted(losses(folder)) == list(range(1, STEPS + 1))
     assert losses(folder) == reference
