@@ -38,7 +38,8 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NPROC > 0 ? cores / NPROC
 # MAX_RESTARTS=N: torchrun restarts the job after a rank dies and it resumes from the newest complete checkpoint. A
 # restarted job needs a fresh rendezvous store: torch 2.13's shared one hands it the dead ranks' stale gloo addresses.
 # Signals: torchrun forwards SIGTERM and SIGUSR1 to the ranks, which finish their step, save it and exit; it waits
-# STOP_GRACE_S seconds (default 600) for that before it kills them. training/launcher.py runs torchrun so that the exit
+# STOP_GRACE_S seconds (default 600) for that before it kills them (torch 2.11 has no --shutdown-timeout: the launcher
+# applies it there). training/launcher.py runs torchrun so that the exit
 # code says why the run stopped: 0 after a save on SIGTERM, 75 (requeue) after a save on SIGUSR1; a rank the kernel's
 # OOM killer SIGKILLed (it leaves no word of its own) gets one last line naming the signal, the rank and the plan.
 exec env TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-$(( ${MAX_RESTARTS:-0} > 0 ))}" \

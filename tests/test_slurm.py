@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import tempfile
 import time
 
 import pytest
+
+from harness.launch_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "sinfo")
@@ -73,7 +76,9 @@ def _slurm_conf(folder: str, ctld_port: int, node_ports: list[int], munge_socket
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SchedulerType=sched/builtin",
         "ReturnToService=2", "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
         "JobAcctGatherType=jobacct_gather/none", "MailProg=/bin/true", "SlurmctldTimeout=30", "SlurmdTimeout=30",
-        "InactiveLimit=0", "KillWait=5", "MinJobAge=300",
+        "InactiveLimit=0", "KillWait=5", "OverTimeLimit=0", "MinJobAge=300",
+        # Logs the time-limit warning signal ("warning signal N to JobId=J"), which the time-limit test reads.
+        "SlurmctldDebug=debug",
         # The main scheduling pass every 2 s instead of 60: a requeued job starts when its begin time passes.
         "SchedulerParameters=sched_interval=2",
     ]
@@ -219,67 +224,105 @@ def _uninterrupted_losses(args: list[str], folder: str) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
+# Loaded by every Python process of the job through PYTHONPATH. In the job's first allocation (Slurm sets
+# SLURM_RESTART_COUNT only from the first requeue on) each step takes STEP_SLEEP_S more, as a large model's does, so the
+# time limit falls mid-run; the requeued allocation runs at full speed, so it finishes before its own warning signal.
+# The sleep comes before the ranks' agreement on a signal (training/preemption.py), which a signal during it only notes.
+SLOW_FIRST_ALLOCATION = """
+import importlib.util, os, sys, time
+
+class _SlowSteps:
+    def find_spec(self, name, path=None, target=None):
+        if name != "training.preemption":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            agreed = module.StopSignals.agreed
+
+            def slow(self, *args, **kwargs):
+                time.sleep(STEP_SLEEP_S)
+                return agreed(self, *args, **kwargs)
+            module.StopSignals.agreed = slow
+        spec.loader.exec_module = exec_module
+        return spec
+
+if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+    sys.meta_path.insert(0, _SlowSteps())
+"""
+
+# The time limit is Slurm's least (1 minute). slurmctld looks at time limits every PERIODIC_TIMEOUT = 30 s (fixed when
+# Slurm is built, no slurm.conf key) and sends --signal's warning at the first look when `now + N + 30 >= end`, so
+# USR1@1 comes 29-59 s after the start (the sbatch man page: "up to 60 seconds earlier than specified"), and the limit
+# itself (OverTimeLimit 0, then KillWait 5 s) no sooner than 30 s after the warning: time for one step and one save.
+# Both allocations get the same limit and warning: 30 steps of >= 2 s outlast the first one's 59 s. The second one
+# (start-up, then the steps left at full speed: 23 s here) starts d ~ 10-15 s after the first warning (the save, the
+# exit, the 6 s requeue hold) and the looks keep their 30 s grid, so its own warning comes 60 - d ~ 45-50 s after its
+# start, 29 s at the very least (N = 1 gives it the most).
+TIME_LIMIT_MIN, WARN_S, STEP_SLEEP_S, LIMIT_STEPS = 1, 1, 2.0, 30
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1680)  # installing Slurm if this test runs first (600 s) + the runs and waits below (1020 s)
-def test_usr1_requeues_the_job_and_it_resumes_with_identical_losses(slurm, tmp_path):
-    """The time-limit path of slurm/train.sbatch for real: USR1 to the batch shell (what --signal=B:USR1 sends) ->
-    its trap passes it to the ranks, which save the step they are in and exit 75 -> the script runs `scontrol
-    requeue` -> Slurm starts the job again (restart count 1), which resumes from that very step: with a checkpoint
-    interval longer than the run, no step is lost. Every loss either run logged equals an uninterrupted run's, bit
-    for bit."""
-    args = ["--parallelism.dp_shard", "-1", "--training.steps", "14", "--training.seq_len", "128",
+@pytest.mark.timeout(1500)  # installing Slurm if this test runs first (600 s) + the runs and waits below (900 s)
+def test_the_time_limit_saves_requeues_and_the_second_allocation_finishes_with_identical_losses(slurm, tmp_path):
+    """The time-limit path of slurm/train.sbatch for real: `sbatch --time=1 --signal=B:USR1@1` -> Slurm's time-limit
+    check sends USR1 to the batch shell ahead of the limit -> its trap passes it to the ranks, which save the step
+    they are in and exit 75 -> the script runs `scontrol requeue` -> Slurm starts the job again (restart count 1),
+    which resumes from that very step and finishes: two allocations, each step logged once (with a checkpoint interval
+    longer than the run, no step is lost), every loss the uninterrupted run's, bit for bit."""
+    args = ["--parallelism.dp_shard", "-1", "--training.steps", str(LIMIT_STEPS), "--training.seq_len", "128",
             "--training.local_batch_size", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
             "--metrics.enable_tensorboard", "false"]
     reference = _uninterrupted_losses(args, str(tmp_path / "reference"))
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_FIRST_ALLOCATION.replace("STEP_SLEEP_S", str(STEP_SLEEP_S)))
 
     out, log = str(tmp_path / "run"), str(tmp_path / "job.out")
-    env = dict(slurm.env, PYTHON=sys.executable, GPUS_PER_NODE="2", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-               RDZV_PORT=str(_free_ports(1)[0]), REPO=ROOT)
+    env = child_env(str(hook), base=dict(slurm.env, PYTHON=sys.executable, GPUS_PER_NODE="2", OMP_NUM_THREADS="1",
+                                         GLOO_SOCKET_IFNAME="lo", RDZV_PORT=str(_free_ports(1)[0]), REPO=ROOT))
     env.pop("NPROC", None)
     cmd = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--exclusive=user", f"--output={log}",
-           "--time=10", os.path.join(ROOT, "slurm", "train.sbatch"), "--job.dump_folder", out, *args]
+           f"--time={TIME_LIMIT_MIN}", f"--signal=B:USR1@{WARN_S}", os.path.join(ROOT, "slurm", "train.sbatch"),
+           "--job.dump_folder", out, *args]
     submitted = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
-    _wait_for(lambda: len(_logged_steps(out)) >= 4, 240, "step 4 of the first run", [log])
-    signalled = time.monotonic()
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, env=env, timeout=30)
-    # Slurm holds a requeued job for cred_expire + 1 s (6 s with this cluster's conf) and then starts it on its own;
-    # releasing it earlier by hand (scontrol update StartTime=now) can land in the second its credentials were revoked,
-    # and the node then kills it ("Job credential revoked"). Running again and logging again are waited for separately
-    # so a failure says which of them did not happen.
-    _wait_for(lambda: "Restarts=1" in _show_job(env, job), 60, "the job back in the queue after its requeue", [log])
-
     ctld_log = os.path.join(slurm.folder, "slurmctld.log")
-
-    def running_again() -> bool:
-        shown = _show_job(env, job)
-        if any(f"JobState={s} " in shown for s in ("FAILED", "CANCELLED", "TIMEOUT", "COMPLETED")):
-            raise AssertionError(f"the requeued job ended instead of running again: {shown}\n--- {ctld_log}:\n"
-                                 f"{open(ctld_log).read()[-1500:]}")
-        return "JobState=RUNNING" in shown
-
-    _wait_for(running_again, 180, "the requeued job to run again", [log, ctld_log], lambda: _show_job(env, job))
-    _wait_for(lambda: "restart count 1" in open(log).read(), 120, "the requeued job's batch script to start",
+    began = time.monotonic()
+    _wait_for(lambda: os.path.exists(log) and "restart count 0" in open(log).read(), 120,
+              "the first allocation's batch script to start", [log, ctld_log], lambda: _show_job(env, job))
+    started = time.monotonic()
+    _wait_for(lambda: "caught USR1" in open(log).read(), TIME_LIMIT_MIN * 60 + 30, "the time limit's USR1",
               [log, ctld_log], lambda: _show_job(env, job))
-    requeue_seconds = time.monotonic() - signalled
-    _wait_for(lambda: _job_state(env, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300,
-              "the requeued job to finish", [log])
-    text = open(log).read()
-    assert _job_state(env, job) == "COMPLETED", text[-4000:]
-    assert "caught USR1: the ranks save the step they are in" in text, text[-4000:]
-    assert f"step saved: requeueing job {job}" in text, text[-4000:]
-    first_run = text.split("caught USR1")[0]
-    signalled_at = max(int(m) for m in re.findall(r"step +(\d+)/14", first_run))
+    warned = time.monotonic() - started
+
+    def ended() -> bool:  # for good: not the first allocation's end when it requeued
+        return (_job_state(env, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and
+                ("Restarts=0 " not in _show_job(env, job) or "requeueing" not in open(log).read()))
+
+    _wait_for(ended, 300, "the requeued job to finish", [log, ctld_log], lambda: _show_job(env, job))
+    total = time.monotonic() - began
+    text, shown = open(log).read(), _show_job(env, job)
+    second = re.search(r"RunTime=(\S+)", shown).group(1)  # the last allocation's
+    assert _job_state(env, job) == "COMPLETED" and "Restarts=1 " in shown, f"{shown}\n{text[-4000:]}"
+    assert "restart count 1" in text and "restart count 2" not in text, text[-4000:]
+    # The USR1 came from Slurm's time-limit warning (nothing else here signals the job): slurmctld logs it at debug.
+    assert re.search(rf"warning signal {int(signal.SIGUSR1)} to JobId={job}\b", open(ctld_log).read()), \
+        open(ctld_log).read()[-3000:]
+    assert text.count("caught USR1") == 1 and f"step saved: requeueing job {job}" in text, text[-4000:]
     saved = re.search(r"checkpoint: saved step (\d+) on SIGUSR1; resume with the same command", text)
     resumed = re.search(r"resumed from .*\(step (\d+)\)", text)
-    assert saved and resumed, text[-4000:]
-    resumed_step = int(resumed.group(1))
-    assert resumed_step == int(saved.group(1)) and 4 <= signalled_at <= resumed_step < 14, (resumed_step,
-                                                                                             signalled_at)
+    assert saved and resumed and resumed.group(1) == saved.group(1), text[-4000:]
+    assert 1 <= int(saved.group(1)) < LIMIT_STEPS
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    assert [r["step"] for r in records] == list(range(1, 15)), records
+    assert [r["step"] for r in records] == list(range(1, LIMIT_STEPS + 1)), records  # no step lost, none repeated
     assert all(r["loss"] == reference[r["step"]] for r in records), (records, reference)
-    print(f"requeue: USR1 after step {signalled_at}, running again {requeue_seconds:.1f}s after the signal (Slurm's "
-          f"requeue delay included), resumed from step {resumed_step}; 14 losses equal the uninterrupted run's")
+    print(f"time limit {TIME_LIMIT_MIN} min, --signal=B:USR1@{WARN_S}: USR1 {warned:.0f} s into the first "
+          f"allocation, saved and resumed at step {saved.group(1)}, the second allocation ran {second}, the job "
+          f"COMPLETED after one requeue {total:.0f} s after submission; {LIMIT_STEPS} losses equal the uninterrupted "
+          f"run's")

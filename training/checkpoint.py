@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -41,7 +41,7 @@ from models.hf import (from_hf_config, load_hf_weights, quiet_single_process_dcp
 from models.llama import Llama
 from parallelisms.float8 import plain_weights
 from training import checkpoint_files as files
-from training.checkpoint_disk import raise_if_disk_failure
+from training.checkpoint_disk import DiskErrorWriter, raise_if_disk_failure
 
 _OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -198,7 +198,7 @@ class Checkpointer:
             os.makedirs(self.folder, exist_ok=True)
         self._barrier()
         state = self._state(step)
-        writer = FileSystemWriter(partial)
+        writer = DiskErrorWriter(partial)  # a full disk's OSError survives DCP's gathering
         try:
             with quiet_single_process_dcp():
                 if self._executor is None:

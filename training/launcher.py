@@ -17,15 +17,40 @@ import signal
 import sys
 import tempfile
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import main as torchrun
+from torch.distributed.run import get_args_parser, main as torchrun
 
 from training.checkpoint_disk import DISK_EXIT_CODE
 from training.preemption import EXIT_CODES, STOP_FILE_ENV
 
 
+GRACE_FLAG = "--shutdown-timeout"
+
+
+def grace_on_any_torch(argv: list[str], parser=None) -> list[str]:
+    """torchrun's arguments for this torch. torch 2.11 has no `--shutdown-timeout` (2.12 added it; 2.11 is what GPU
+    images ship): there torchrun, after forwarding a signal, gives the ranks a fixed 30 s before it kills them, too
+    short for a large model's step plus its save, and it refuses the unknown flag. On such a torch the flag leaves
+    the arguments and its value becomes the least timeout of torchrun's own close of the ranks (PContext.close, which
+    its signal path calls with the 30 s default), patched in this process only: it exists to run torchrun once."""
+    parser = parser or get_args_parser()
+    script = next((i for i, arg in enumerate(argv) if not arg.startswith("-") and arg.endswith(".py")), len(argv))
+    if GRACE_FLAG in parser._option_string_actions or GRACE_FLAG not in argv[:script]:
+        return argv
+    i = argv.index(GRACE_FLAG)
+    seconds = int(float(argv[i + 1]))
+    close = PContext.close
+
+    def close_with_grace(self, death_sig=None, timeout: int = 30):
+        return close(self, death_sig, max(timeout, seconds))
+
+    PContext.close = close_with_grace
+    return argv[:i] + argv[i + 2:]
+
+
 def main(argv: list[str]) -> int:
+    argv = grace_on_any_torch(argv)
     fd, path = tempfile.mkstemp(prefix="train-stop-")
     os.close(fd)
     os.environ[STOP_FILE_ENV] = path  # the ranks inherit it

@@ -4,6 +4,7 @@ and becomes one line naming the step, the folder, the error, the free space and 
 2-rank run whose save hits a full disk is in tests/training/test_preemption.py (slow tier)."""
 import errno
 import os
+import pickle
 
 import pytest
 
@@ -11,8 +12,8 @@ from config import RecipeError
 from config.recipe import load_config
 from models.llama import recipe_model_config
 from training import checkpoint_disk
-from training.checkpoint_disk import (GIB, check_checkpoint_disk, checkpoint_bytes, disk_error,
-                                      raise_if_disk_failure)
+from training.checkpoint_disk import (GIB, DiskErrorWriter, check_checkpoint_disk, checkpoint_bytes,
+                                      disk_error, raise_if_disk_failure)
 
 
 def recipe(tmp_path, *overrides):
@@ -68,3 +69,24 @@ def test_the_oserror_under_a_failed_save_becomes_one_line(tmp_path):
     assert "GiB free there; there is no complete checkpoint yet. Free space there" in line
     assert not os.path.exists(os.path.join(folder, "step-4.partial"))  # its bytes are free again
     raise_if_disk_failure(RuntimeError("not the disk"), 4, folder, rank=0)  # returns: the caller re-raises
+
+
+def _short_write(self, plan, planner):
+    """What torch.save raised on a really full disk (a 120 MiB tmpfs, tests/training/test_preemption.py): its zip
+    writer's RuntimeError, the OSError only as its context."""
+    try:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+
+def test_a_full_disk_under_torch_saves_runtimeerror_still_names_its_oserror_after_dcp_gathers_it(tmp_path,
+                                                                                                monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", _short_write)
+    for writer, found in ((FileSystemWriter, None), (DiskErrorWriter, errno.ENOSPC)):
+        with pytest.raises(Exception) as raised:
+            writer(str(tmp_path)).write_data(None, None)
+        gathered = pickle.loads(pickle.dumps(raised.value))  # DCP gathers each rank's failure pickled: no context
+        assert getattr(disk_error(gathered), "errno", None) == found, writer.__name__

@@ -3,7 +3,10 @@ of the run at once (as Slurm signals a job step), makes a 2-rank run save the st
 resuming with the same command gives every step's loss bit for bit as the same run uninterrupted."""
 from __future__ import annotations
 
+import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,12 +21,14 @@ from tests.training.test_checkpoint_runs import losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS = 10
+STEPS = 20  # one uninterrupted reference serves every plain run of this module, the SIGKILL test's included
 ARGS = ["--training.steps", str(STEPS), "--training.seq_len", "128", "--training.local_batch_size", "2",
         "--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--metrics.enable_tensorboard", "false"]
 CP2_DOCUMENTS = ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--data.document_masking", "true",
                  "--parallelism.cp_load_balancer", "documents", "--training.local_batch_size", "1"]
-ASYNC = ["--checkpoint.interval", "2", "--checkpoint.async_mode", "async"]
+ASYNC = ("--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
+TARGETS = ("torchrun", "one rank", "every process")
+EXIT = {signal.SIGTERM: 0, signal.SIGUSR1: 75}  # a clean stop; "requeue me" (EX_TEMPFAIL)
 
 
 def launch(folder: str, *extra: str, recipe: tuple = (), first: tuple = ()) -> subprocess.Popen:
@@ -67,7 +72,7 @@ def uninterrupted(tmp_path_factory) -> dict:
     """Each configuration's losses without a signal, run once for the module when a test first needs it."""
     cache = {}
 
-    def get(name: str, extra: tuple, recipe: tuple) -> dict[int, float]:
+    def get(name: str, extra: tuple = (), recipe: tuple = ()) -> dict[int, float]:
         if name not in cache:
             folder = str(tmp_path_factory.mktemp(f"uninterrupted-{name}"))
             code, out, err = finish(launch(folder, *extra, recipe=recipe))
@@ -77,44 +82,85 @@ def uninterrupted(tmp_path_factory) -> dict:
     return get
 
 
-@pytest.mark.parametrize("name, target, sig, extra", [
-    ("plain", "torchrun", signal.SIGTERM, ()),
-    ("plain", "one rank", signal.SIGUSR1, ASYNC),  # an asynchronous save may be in flight: it is published first
-    ("cp2-documents", "every process", signal.SIGTERM, CP2_DOCUMENTS),
-], ids=lambda v: v.name if isinstance(v, signal.Signals) else (str(v).replace(" ", "-") if isinstance(v, str) else ""))
-def test_a_signal_saves_the_step_in_progress_and_the_resume_matches(tmp_path, uninterrupted, name, target, sig,
-                                                                     extra):
-    recipe = (short_documents_recipe(str(tmp_path)),) if name == "cp2-documents" else ()
-    reference = uninterrupted(name, () if extra is ASYNC else extra, recipe)  # saving never changes a loss
-    folder = str(tmp_path / "run")
+def assert_published(folder: str, step: int) -> None:
+    """`checkpoints/step-<step>/` is there under its final name, with a manifest listing DCP's .metadata and every
+    file it lists at its written size, and no partial folder of that step is left."""
+    final = os.path.join(folder, "checkpoints", f"step-{step}")
+    with open(os.path.join(final, "checkpoint.json")) as f:
+        files = json.load(f)["files"]
+    assert ".metadata" in files and len(files) > 1, files
+    assert all(os.path.getsize(os.path.join(final, name)) == entry["bytes"] for name, entry in files.items())
+    assert not os.path.exists(final + ".partial")
+
+
+def interrupt(folder: str, sig: signal.Signals, target: str, *extra: str, after: int, recipe: tuple = (),
+              resumed: int = 0) -> int:
+    """One case: launch (resuming from step `resumed` when it is not 0), send `sig` to `target` once step `after`
+    is logged, and check what a signal must give: exit code, under 30 s, the one line, the step in progress published
+    and the last one logged, no traceback. Returns the step saved."""
+    case = f"{sig.name} to {target}"
     process = launch(folder, *extra, recipe=recipe)
-    while logged_step(folder) < 3:
-        assert process.poll() is None, "the run ended before the signal:\n" + process.communicate()[1][-3000:]
+    while logged_step(folder) < after:
+        assert process.poll() is None, f"{case}: the run ended before the signal:\n" + process.communicate()[1][-3000:]
         time.sleep(0.05)
     pids = {"torchrun": [process.pid], "one rank": ranks(process)[-1:],
             "every process": sorted(group_processes(process.pid))}[target]
-    assert pids
+    assert pids, case
     sent = time.perf_counter()
     for pid in pids:
         os.kill(pid, sig)
     code, out, err = finish(process, timeout=60)
     took = time.perf_counter() - sent
-    print(f"{name}: {sig.name} to {target} ({len(pids)} process(es)): exit {code} after {took:.1f} s")
-    assert code == {signal.SIGTERM: 0, signal.SIGUSR1: 75}[sig], out[-2000:] + err[-3000:]
-    assert took < 30
-    saved = [line for line in out.splitlines() if "; resume with the same command" in line]
-    assert len(saved) == 1, out[-3000:]
-    step = int(saved[0].split("saved step ")[1].split(" ")[0])
-    assert saved[0] == f"checkpoint: saved step {step} on {sig.name}; resume with the same command"
-    assert 3 <= step < STEPS
-    assert os.path.isdir(os.path.join(folder, "checkpoints", f"step-{step}"))
-    assert [r["step"] for r in read_metrics(folder)][-1] == step  # the step saved is the last one logged
-    assert "Traceback" not in err, err[-3000:]
+    said = f"{case} ({len(pids)} process(es)) after step {after}: exit {code} after {took:.1f} s"
+    print(said)
+    assert code == EXIT[sig], f"{said}\n{out[-2000:]}{err[-3000:]}"
+    assert took < 30, said
+    if resumed:
+        assert f"(step {resumed})" in out, f"{case}: not resumed from step {resumed}:\n{out[-2000:]}"
+    lines = [line for line in out.splitlines() if "; resume with the same command" in line]
+    assert len(lines) == 1, f"{case}:\n{out[-3000:]}"
+    step = int(lines[0].split("saved step ")[1].split(" ")[0])
+    assert lines[0] == f"checkpoint: saved step {step} on {sig.name}; resume with the same command"
+    assert after <= step < STEPS, (case, after, step)
+    assert_published(folder, step)
+    assert [r["step"] for r in read_metrics(folder)][-1] == step, case  # the step saved is the last one logged
+    assert "Traceback" not in err, f"{case}:\n{err[-3000:]}"
+    return step
 
+
+def resume_to_the_end(folder: str, step: int, *extra: str, recipe: tuple = ()) -> dict[int, float]:
     code, out, err = finish(launch(folder, *extra, recipe=recipe))
     assert code == 0, out[-2000:] + err[-3000:]
-    assert f"(step {step})" in out
-    assert losses(folder) == reference  # every step, those after the resume included, bit for bit
+    assert f"(step {step})" in out, out[-2000:]
+    return losses(folder)
+
+
+def test_sigterm_and_sigusr1_to_torchrun_one_rank_and_every_process_save_and_resume_bit_identically(tmp_path,
+                                                                                                     uninterrupted):
+    """The six cases (two signals x three targets) on ONE run, one after another: each relaunch resumes from the
+    checkpoint the previous signal saved (a resume is checked six times over) and is itself signalled by the next
+    case, a step or more after its resume; a seventh signal comes with asynchronous interval saves (every 2 steps),
+    one of which may be in flight: it is published first. Each segment's losses equal the uninterrupted run's as it
+    goes; the last relaunch finishes, and every step's loss is the uninterrupted run's, bit for bit."""
+    reference = uninterrupted("plain")
+    folder = str(tmp_path / "run")
+    cases = [(sig, target, ()) for sig in EXIT for target in TARGETS] + [(signal.SIGUSR1, "one rank", ASYNC)]
+    step = 0
+    for sig, target, extra in cases:
+        step = interrupt(folder, sig, target, *extra, after=max(step + 1, 3), resumed=step)
+        assert losses(folder) == {s: reference[s] for s in range(1, step + 1)}, f"{sig.name} to {target}"
+    assert resume_to_the_end(folder, step) == reference
+
+
+def test_cp2_with_documents_saves_on_either_signal_and_resumes_bit_identically(tmp_path, uninterrupted):
+    """CP 2 with documents (the run's sequences split by the documents layout): SIGTERM to every process, then, on the
+    resumed run, SIGUSR1 to torchrun; the run finished after both has the uninterrupted run's losses, bit for bit."""
+    recipe = (short_documents_recipe(str(tmp_path)),)
+    reference = uninterrupted("cp2-documents", tuple(CP2_DOCUMENTS), recipe)
+    folder = str(tmp_path / "run")
+    step = interrupt(folder, signal.SIGTERM, "every process", *CP2_DOCUMENTS, after=3, recipe=recipe)
+    step = interrupt(folder, signal.SIGUSR1, "torchrun", *CP2_DOCUMENTS, after=step + 1, recipe=recipe, resumed=step)
+    assert resume_to_the_end(folder, step, *CP2_DOCUMENTS, recipe=recipe) == reference
 
 
 # Loaded by every Python process of the run through PYTHONPATH: rank 1's write of the step-4 checkpoint fails as a
@@ -135,43 +181,103 @@ if os.environ.get("RANK") == "1":
 """
 
 
-def test_a_save_on_a_full_disk_stops_in_one_line_and_the_earlier_checkpoint_resumes(tmp_path, uninterrupted):
-    reference = uninterrupted("plain", (), ())
+TMPFS_MIB = 120  # one checkpoint of the debug model on 2 ranks is ~0.075 GiB: the step-2 save fits, step 4's does not
+
+
+def may_mount_tmpfs(probe: str) -> bool:
+    """Whether this test may mount a tmpfs in a mount namespace of its own (root with unshare: not every container)."""
+    if not shutil.which("unshare"):
+        return False
+    os.makedirs(probe, exist_ok=True)
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "size=1m",
+                           "tmpfs", probe], capture_output=True).returncode == 0
+
+
+def full_tmpfs_runs(tmp_path, folder: str) -> tuple[str, tuple, list, tuple]:
+    """In a mount namespace of the test's own: a 120 MiB tmpfs as checkpoint.folder, the run saving every 2 steps
+    into it; then (the disk grown as a user would free space) the same command again. The tmpfs lives as long as the
+    namespace, so both runs and a listing of the folder between them happen in one shell."""
+    disk, said = str(tmp_path / "disk"), tmp_path / "said"
+    os.makedirs(disk)
+    said.mkdir()
+    command = shlex.join([os.path.join(ROOT, "run_train.sh"), *ARGS, "--checkpoint.interval", "2",
+                          "--checkpoint.folder", disk, "--job.dump_folder", folder])
+    to = {name: shlex.quote(str(said / name)) for name in ("1.out", "1.err", "1.code", "ls", "2.out", "2.err",
+                                                          "2.code")}
+    script = (f"mount -t tmpfs -o size={TMPFS_MIB}m tmpfs {shlex.quote(disk)} || exit 99\n"
+              f"{command} >{to['1.out']} 2>{to['1.err']}; echo $? >{to['1.code']}\n"
+              f"ls {shlex.quote(disk)} >{to['ls']}\n"
+              f"mount -o remount,size=1g {shlex.quote(disk)} || exit 98\n"
+              f"{command} >{to['2.out']} 2>{to['2.err']}; echo $? >{to['2.code']}\n")
+    env = child_env(base=dict(os.environ, PYTHON=sys.executable, NPROC="2"))
+    shell = subprocess.Popen(["unshare", "-m", "--propagation", "private", "bash", "-c", script], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    code, out, err = finish(shell, timeout=600)
+    assert code == 0, f"the tmpfs shell: exit {code}\n{out[-2000:]}{err[-2000:]}"
+    read = {name: (said / name).read_text() for name in to}
+    return (disk, (int(read["1.code"]), read["1.out"], read["1.err"]), read["ls"].split(),
+            (int(read["2.code"]), read["2.out"], read["2.err"]))
+
+
+def hooked_disk_runs(tmp_path, folder: str) -> tuple[str, tuple, list, tuple]:
+    """Where no tmpfs may be mounted: rank 1's step-4 write raises ENOSPC (DISK_FULL_AT_STEP_4), then the same
+    command again without the hook."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(DISK_FULL_AT_STEP_4)
+    first = finish(launch(folder, "--checkpoint.interval", "2", first=(str(hook),)), timeout=300)
+    disk = os.path.join(folder, "checkpoints")
+    listing = os.listdir(disk)
+    return disk, first, listing, finish(launch(folder, "--checkpoint.interval", "2"))
+
+
+def test_a_save_on_a_full_disk_stops_in_one_line_and_the_earlier_checkpoint_resumes(tmp_path, uninterrupted):
+    """A real full filesystem (a small tmpfs) where the test may mount one, else a writer that raises ENOSPC: the
+    launch check warned (tmpfs: its real free space), the save of step 4 stops the run in one line, the partial
+    folder is gone, and the same command (with room again) resumes from step 2 with the uninterrupted losses."""
+    reference = uninterrupted("plain")
     folder = str(tmp_path / "run")
-    process = launch(folder, "--checkpoint.interval", "2", first=(str(hook),))
-    code, out, err = finish(process, timeout=300)
+    tmpfs = may_mount_tmpfs(str(tmp_path / "probe"))
+    disk, (code, out, err), listing, (code2, out2, err2) = (full_tmpfs_runs if tmpfs else hooked_disk_runs)(
+        tmp_path, folder)
+    print(f"full disk: {'a ' + str(TMPFS_MIB) + ' MiB tmpfs' if tmpfs else 'ENOSPC raised by a hook'}")
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 74 and len(errors) == 1, out[-2000:] + err[-4000:]
-    assert errors[0].startswith(f"error: checkpoint: saving step 4 into '{folder}/checkpoints' failed: No space left "
-                                f"on device (errno 28); "), errors[0]
-    assert f"the last complete checkpoint is step 2 ({folder}/checkpoints/step-2)" in errors[0]
+    assert errors[0].startswith(f"error: checkpoint: saving step 4 into '{disk}' failed: No space left on device "
+                                f"(errno 28); "), errors[0]
+    assert f"the last complete checkpoint is step 2 ({disk}/step-2)" in errors[0]
     assert "Traceback" not in err and "CheckpointException" not in err, err[-4000:]
-    assert sorted(os.listdir(os.path.join(folder, "checkpoints"))) == ["step-2"]  # the partial one removed
+    assert sorted(listing) == ["step-2"]  # the partial one removed
+    if tmpfs:  # 0.12 GiB cannot hold keep_latest_k + 1 = 4 checkpoints
+        assert f"warning: checkpoint.folder '{disk}' holds 0.12 GiB" in out + err, (out + err)[-3000:]
 
-    code, out, err = finish(launch(folder, "--checkpoint.interval", "2"))
-    assert code == 0, out[-2000:] + err[-3000:]
-    assert "(step 2)" in out
+    assert code2 == 0, out2[-2000:] + err2[-3000:]
+    assert "(step 2)" in out2
     assert losses(folder) == reference
 
 
 KILLS = 10
-KILL_STEPS = 20
+
+
+def saving(folder: str) -> bool:
+    """A save is under way: its `step-<N>.partial/` folder exists (it is renamed when complete)."""
+    try:
+        return any(name.endswith(".partial") for name in os.listdir(os.path.join(folder, "checkpoints")))
+    except FileNotFoundError:
+        return False
 
 
 def test_a_run_sigkilled_at_random_instants_resumes_every_time_and_matches(tmp_path, uninterrupted):
-    """Every process of the run SIGKILLed (as a node dies) 10 times, each at a random instant after the relaunched
-    run logged its first new step: with a save and a log write every step, the instants fall in steps, saves and log
-    writes. Every relaunch must resume (a torn metrics line, a half-written checkpoint left behind) and the losses at
-    the end equal an uninterrupted run's bit for bit."""
+    """Every process of the run SIGKILLed (as a node dies) 10 times after the relaunched run logged its first new
+    step: the odd kills at a random instant (with a save and a log write every step they fall in steps, saves and
+    log writes), the even ones as soon as the next save's partial folder appears (in the middle of a save, for sure).
+    Every relaunch must resume (a torn metrics line, a half-written checkpoint left behind) and the losses at the end
+    equal an uninterrupted run's bit for bit."""
     import random
 
-    steps = ("--training.steps", str(KILL_STEPS))
-    reference = uninterrupted("plain-40", steps, ())
+    reference = uninterrupted("plain")
     folder = str(tmp_path / "run")
-    every_step = (*steps, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2")
+    every_step = ("--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2")
     chance = random.Random(49)
     kills, said = [], ""
     for kill in range(KILLS):
@@ -180,17 +286,22 @@ def test_a_run_sigkilled_at_random_instants_resumes_every_time_and_matches(tmp_p
         while logged_step(folder) <= before:
             assert process.poll() is None, f"relaunch {kill} ended:\n" + process.communicate()[1][-3000:]
             time.sleep(0.02)
-        delay = chance.uniform(0, 0.8)
+        delay = chance.uniform(0, 0.8) if kill % 2 else 0.0
         time.sleep(delay)
-        assert process.poll() is None, "the run finished before its kill: raise KILL_STEPS"
+        while not (kill % 2 or saving(folder)):
+            assert process.poll() is None, "the run finished before its kill: raise STEPS"
+            time.sleep(0.005)
+        assert process.poll() is None, "the run finished before its kill: raise STEPS"
+        in_save = saving(folder)
         for pid in group_processes(process.pid):
             os.kill(pid, signal.SIGKILL)
         said += process.communicate()[1]
-        kills.append((logged_step(folder), round(delay, 2)))
+        kills.append((logged_step(folder), round(delay, 2), "save" if in_save else "step/log"))
     code, out, err = finish(launch(folder, *every_step))
     said += err
-    print(f"killed after (logged step, delay s): {kills}; torn metrics lines dropped: "
+    print(f"killed after (logged step, delay s, in): {kills}; torn metrics lines dropped: "
           f"{said.count('dropped its torn last line')}, checkpoints skipped: {said.count('falling back')}")
+    assert sum(where == "save" for *_, where in kills) >= KILLS // 2, kills
     assert code == 0, out[-2000:] + err[-3000:]
-    assert sorted(losses(folder)) == list(range(1, KILL_STEPS + 1))
+    assert sorted(losses(folder)) == list(range(1, STEPS + 1))
     assert losses(folder) == reference
