@@ -254,21 +254,22 @@ if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
     sys.meta_path.insert(0, _SlowSteps())
 """
 
-# The time limit is Slurm's least (1 minute). slurmctld looks at time limits every PERIODIC_TIMEOUT = 30 s (fixed when
-# Slurm is built, no slurm.conf key) and sends --signal's warning at the first look when `now + N + 30 >= end`, so
-# USR1@1 comes 29-59 s after the start (the sbatch man page: "up to 60 seconds earlier than specified"), and the limit
-# itself (OverTimeLimit 0, then KillWait 5 s) no sooner than 30 s after the warning: time for one step and one save.
-# Both allocations get the same limit and warning: 30 steps of >= 2 s outlast the first one's 59 s. The second one
-# (start-up, then the steps left at full speed: 23 s here) starts d ~ 10-15 s after the first warning (the save, the
-# exit, the 6 s requeue hold) and the looks keep their 30 s grid, so its own warning comes 60 - d ~ 45-50 s after its
-# start, 29 s at the very least (N = 1 gives it the most).
-TIME_LIMIT_MIN, WARN_S, STEP_SLEEP_S, LIMIT_STEPS = 1, 1, 2.0, 30
+# slurmctld looks at time limits every PERIODIC_TIMEOUT = 30 s (fixed when Slurm is built, no slurm.conf key) and sends
+# --signal's warning at the first look when `now + N + 30 >= end`, so with a limit of T minutes USR1@1 comes between
+# 60 T - 31 and 60 T - 1 s after the start (the sbatch man page: "up to 60 seconds earlier than specified"), and the
+# limit itself (OverTimeLimit 0, then KillWait 5 s) no sooner than 30 s after the warning: time for one step and one
+# save. Both allocations get the same limit and warning window. With Slurm's least limit (1 minute) the second
+# allocation's own warning could come as early as 29 s after its start, which a loaded CI box (three test workers on
+# two cores) can outlast and requeue the job twice; a 2-minute limit gives the requeued allocation (start-up, then the
+# steps left at full speed: 23 s measured) at least 89 s. The first allocation must still run at its latest warning
+# (119 s): 30 steps of >= 4.5 s outlast it.
+TIME_LIMIT_MIN, WARN_S, STEP_SLEEP_S, LIMIT_STEPS = 2, 1, 4.5, 30
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # installing Slurm if this test runs first (600 s) + the runs and waits below (900 s)
 def test_the_time_limit_saves_requeues_and_the_second_allocation_finishes_with_identical_losses(slurm, tmp_path):
-    """The time-limit path of slurm/train.sbatch for real: `sbatch --time=1 --signal=B:USR1@1` -> Slurm's time-limit
+    """The time-limit path of slurm/train.sbatch for real: `sbatch --time=2 --signal=B:USR1@1` -> Slurm's time-limit
     check sends USR1 to the batch shell ahead of the limit -> its trap passes it to the ranks, which save the step
     they are in and exit 75 -> the script runs `scontrol requeue` -> Slurm starts the job again (restart count 1),
     which resumes from that very step and finishes: two allocations, each step logged once (with a checkpoint interval
