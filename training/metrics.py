@@ -19,7 +19,7 @@ from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import compile_counters
 from training.hardware import Device, peak_memory_gib
 from training.ramp import RampStage
-from training.planning.roofline import Layout, fsdp_bytes_per_step
+from training.planning.workload import Layout, float8_gathered_params, fsdp_bytes_per_step
 
 
 def format_eta(seconds: float) -> str:
@@ -136,8 +136,9 @@ class StepMetrics:
         """`visible_pairs`: this rank's attention pairs in each micro-step of the step (`visible_pairs` below)."""
         t, d, m = stage.cfg.training, stage.dims, stage.model
         layout = Layout(d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, 1)
+        float8 = float8_gathered_params(m, t.float8, stage.cfg.model.mlp_chunk_tokens > 0)
         fsdp_bytes = sum(fsdp_bytes_per_step(m, layout, t.dtype, stage.grad_accum_steps,
-                                             stage.cfg.parallelism.reshard_after_forward))
+                                             stage.cfg.parallelism.reshard_after_forward, float8))
         # Maxima over ranks: step_time is the slowest rank's; -step_time gives the fastest rank's; then each
         # micro-step's busiest rank's pairs.
         step_time, memory, data_time, cp_bytes, fastest, *busiest = self.comm.reduce_values(

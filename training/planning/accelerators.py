@@ -9,6 +9,7 @@ A (low, high) pair is the spread the sources give; the model's band comes from t
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 # FlashAttention-2 on an H100 80GB SXM5 at 700 W, TFLOP/s (causal work counted as half), by sequence length of one
@@ -135,8 +136,10 @@ ACCELERATORS = {
 }
 
 
-def accelerator(name: str) -> AcceleratorSpec:
-    return ACCELERATORS[name]
+def accelerator_for(hw) -> AcceleratorSpec:
+    """The recipe's accelerator (`[hardware]`) with its link overrides (nvlink_gb_per_s, network_gb_per_s)."""
+    links = {"nvlink_bytes_per_s": hw.nvlink_gb_per_s * 1e9, "ib_bytes_per_s": hw.network_gb_per_s * 1e9}
+    return dataclasses.replace(ACCELERATORS[hw.accelerator], **{k: v for k, v in links.items() if v > 0})
 
 
 def kernel_on(name: str, asked: str) -> str:

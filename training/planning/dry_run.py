@@ -28,12 +28,14 @@ from training.planning.preflight import preflight
 from training.planning.rates import load_rates, rates_source, rates_warnings
 from training.ramp import resolve_stages
 from training.checkpoint_disk import check_checkpoint_disk, disk_summary, preemption_lead
-from training.planning.roofline import ROOFLINE_STATEMENT, Accelerator, Layout, parameter_count, step_cost
+from training.planning.roofline import ROOFLINE_STATEMENT, roofline
 from training.planning.float8_cost import float8_problem, float8_statement
 from training.planning.offload_cost import offload_step_s
 from training.planning.host_memory import (HostPlan, host_plan, host_refusal, launch_device_type, node_limit,
                                            resident_bytes)
-from training.planning.step_model import PREDICTION_STATEMENT, accelerator_for, predict_step, workload_for
+from training.planning.accelerators import accelerator_for
+from training.planning.step_model import PREDICTION_STATEMENT, predict_step
+from training.planning.workload import parameter_count, workload_for
 
 RUNTIME_RESERVE_GIB = 2.0
 """Device memory that tensors cannot use: the CUDA context (~0.5 GiB) and NCCL communicator buffers (~1 GiB)."""
@@ -109,37 +111,27 @@ def measure_row(row: PlanRow, world: int, gpus_per_node: int, process_bytes: flo
     ranks = ranks_that_matter(dims)
     memories = [measure_memory(cfg, world, mcfg.n_layers, rank) for rank in ranks]
     memory = max(memories, key=lambda m: m.peak)
-    times = roofline_times(cfg, dims, gpus_per_node, memory.cp_ring_bytes, memory.host, memory.bandwidth_bytes)
+    times = stage_times(cfg, dims, gpus_per_node, memory.cp_ring_bytes, memory.host, memory.bandwidth_bytes)
     host = host_plan(cfg, memory, world, launch_device_type(cfg), process_bytes)
     return RowResult(row, world, dims, memory, times, ranks, host)
 
 
-def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float | None,
-                   offload_bytes: float = 0.0, bandwidth_bytes: float | None = None) -> dict:
-    """The stated roofline's step times of one config (training/planning/roofline.py) and the calibrated prediction
-    (training/planning/step_model.py: `predicted_s`, `predicted_band`, `predicted_tokens_per_gpu_s`); `cp_ring_bytes` None =
-    estimated. The ramp planner ranks candidate layouts with the prediction before measuring the best."""
-    t, p = cfg.training, cfg.parallelism
-    grad_accum = t.grad_accum_steps(dims.dp)
-    layout = Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node)
-    cost = step_cost(recipe_model_config(cfg), layout, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-                     grad_accum=grad_accum, dtype=t.dtype, ac_mode=cfg.activation_checkpoint.mode,
-                     ac_every=cfg.activation_checkpoint.every, reshard_after_forward=p.reshard_after_forward,
-                     cp_ring_bytes=cp_ring_bytes)
-    spec = accelerator_for(cfg.hardware)
-    times = cost.times(Accelerator(spec.name, spec.bf16_flops, spec.nvlink_bytes_per_s, spec.ib_bytes_per_s))
-    times["tokens_per_gpu_s"] = (t.local_batch_size * dims.dp * grad_accum * t.seq_len / times["overlap_s"]
-                                 / dims.world_size)
-    times["comm_gib"] = (cost.nvlink_bytes + cost.ib_bytes) / GIB
+def stage_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float | None = None,
+                offload_bytes: float = 0.0, bandwidth_bytes: float | None = None) -> dict:
+    """One stage's step times over one Workload and AcceleratorSpec: the roofline bound (roofline.py: `overlap_s`,
+    `serial_s`, MFU, `comm_gib`) and the calibrated prediction (step_model.py: `predicted_s`, `predicted_band`,
+    `predicted_tokens_per_gpu_s`, `predicted_parts`), which the ramp planner ranks candidate layouts by."""
     workload = workload_for(cfg, dims, gpus_per_node, cp_ring_bytes, offload_bytes, bandwidth_bytes)
-    rates = load_rates(cfg.hardware.accelerator)
+    spec, rates = accelerator_for(cfg.hardware), load_rates(cfg.hardware.accelerator)
+    times = roofline(workload, spec)
+    times["comm_gib"] = times.pop("comm_bytes") / GIB
     prediction = predict_step(workload, spec, rates)
     step_s, band, parts = prediction.step_s, list(prediction.band), dict(prediction.parts)
-    if t.cpu_offload:  # the host's AdamW and the per-block copies (training/planning/offload_cost.py)
-        shard = 4 * parameter_count(recipe_model_config(cfg)) / (dims.dp_shard * dims.cp * dims.tp * dims.pp)
-        host = offload_step_s(shard, grad_accum, min(dims.world_size, gpus_per_node), cfg.hardware.accelerator,
-                              spec.pcie_bytes_per_s, spec.pcie_fraction, rates and rates.host_optimizer,
-                              rates and rates.host_copy)
+    if cfg.training.cpu_offload:  # the host's AdamW and the per-block copies (training/planning/offload_cost.py)
+        shard = 4 * parameter_count(workload.model) / (dims.dp_shard * dims.cp * dims.tp * dims.pp)
+        host = offload_step_s(shard, workload.grad_accum, min(dims.world_size, gpus_per_node),
+                              cfg.hardware.accelerator, spec.pcie_bytes_per_s, spec.pcie_fraction,
+                              rates and rates.host_optimizer, rates and rates.host_copy)
         moved = parts.pop("optimizer", 0.0)  # AdamW runs on the host, not on the device
         step_s, band = step_s - moved, [band[0] - moved, band[1] - moved]
         for name, (fast, slow) in host.items():
@@ -230,7 +222,7 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
     if cfg.data.document_masking:
         lines.append("  document masking: memory measured as plain causal attention (an upper bound: masked blocks "
                      "skip); the prediction counts the visible pairs of the prepared stores' documents, else of a "
-                     "stated mix (training/planning/step_model.py DOCUMENT_MIX)")
+                     "stated mix (training/planning/workload.py DOCUMENT_MIX)")
     return lines
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from config import RecipeError
 from config.schema import Config, RampTable
 from models.llama import recipe_model_config
-from training.planning.dry_run import RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, node_host_gib, roofline_times
+from training.planning.dry_run import RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, node_host_gib, stage_times
 from training.planning.memory_probe import GIB, RankMemory, measure_memory
 from training.planning.preflight import preflight_stages
 from training.planning.ramp_lengths import PlanRequest, stage_lengths, stage_steps, tokens_per_step_for
@@ -185,7 +185,7 @@ def candidates(base: Config, gpus: int, tp: int, offload: bool, seq_len: int, th
                 rejected.append(f"cp {cp}: {peak:.0f} GiB predicted > {usable:g}")
             else:
                 dims = preflight_stages(cfg, gpus, check_data=False)[0].dims
-                times = roofline_times(cfg, dims, base.hardware.gpus_per_node, None)
+                times = stage_times(cfg, dims, base.hardware.gpus_per_node)
                 out.append(Candidate(cfg, cp, tp, offload, peak, times["predicted_s"]))
         cp *= 2
     return sorted(out, key=lambda c: (c.estimated_step_s, c.cp))

@@ -13,7 +13,7 @@ from config.schema import Config, SECTIONS, SourceConfig
 from models.llama import recipe_model_config
 from training.planning.ramp_lengths import PlanRequest, default_out, length_name
 from training.planning.ramp_planner import RampPlan, plan_ramp
-from training.planning.roofline import parameter_count
+from training.planning.workload import parameter_count
 from training.planning.step_model import PREDICTION_STATEMENT
 from training.planning.rope_rule import ROPE_RULE_SOURCE, men_lower_bound
 
