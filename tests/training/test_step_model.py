@@ -140,6 +140,9 @@ def test_dry_run_json_carries_the_prediction_and_refuses_host_memory_over_the_no
     low, high = stage["predicted_step_s_band"]
     assert stage["roofline_step_s"] < low <= stage["predicted_step_s"] <= high
     assert stage["predicted_tokens_per_sec_per_gpu"] == pytest.approx(2048 / stage["predicted_step_s"], rel=1e-9)
+    # the one predicted peak every report compares (issue 50, bug 4): the CUDA path's, where it was measured
+    assert stage["predicted_peak_gib_per_rank"] == stage.get("peak_device_gib_per_rank_cuda_path",
+                                                             stage["peak_device_gib_per_rank"])
     assert stage["host_gib_per_node"] == pytest.approx(4 * 2048 * 256 * 4 / 2**30, rel=1e-9)
     # float32 runs the memory-efficient kernel, which the shipped file does not measure (its GEMMs, copies and
     # optimizer it does: bench/bench_rates.py on an H100)

@@ -274,6 +274,10 @@ def write_json(cfg: Config, results: list[RowResult], usable_gib: float) -> str:
                "host_peak_gib_per_rank": r.host.per_rank / GIB, "host_peak_gib_per_node": r.host.per_node / GIB,
                "cpu_offload": r.row.cfg.training.cpu_offload, **cuda_json(r.cuda, r.peak_gib)}
               for r in results]
+    for stage in stages:  # the one peak a GPU run's measured peak is compared with (bench_gpu, bench_predictions,
+        # the GPU report): the CUDA path's where it was measured (its attention's transients), else the CPU kernels'
+        stage["predicted_peak_gib_per_rank"] = stage.get("peak_device_gib_per_rank_cuda_path",
+                                                         stage["peak_device_gib_per_rank"])
     path = os.path.join(cfg.job.dump_folder, "dry_run.json")
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
     with open(path, "w") as f:
