@@ -81,7 +81,7 @@ def test_dry_run_proposes_the_offload_when_the_state_alone_does_not_fit():
     debug model: "checked with the same measurement: peak 0.03 GiB, fits")."""
     from training.planning.dry_run import PlanRow, RowResult, propose_fix
     from training.planning.memory_probe import GIB, RankMemory
-    from training.planning.preflight import preflight
+    from training.launch_checks.preflight import preflight
 
     cfg = load_config("recipes/debug.toml", ["--activation_checkpoint.mode", "full", "--parallelism.dp_shard", "1"])
     memory = RankMemory(0.03 * GIB, 0.03 * GIB, 0.06 * GIB, 0.2 * GIB, 0.15 * GIB, None, (6,))

@@ -193,7 +193,7 @@ def _auto_plan(usable_mib: float, mode: str):
 
     from config.recipe import load_config
     from training.planning.dry_run import measure_row, plan_rows
-    from training.planning.preflight import preflight_stages
+    from training.launch_checks.preflight import preflight_stages
     from training.planning.ramp_lengths import PlanRequest
     from training.planning.ramp_planner import plan_ramp
     from training.planning.ramp_recipe import render_recipe

@@ -35,7 +35,7 @@ def predicted_tokens_per_gpu(seq_len: int, dp_shard: int, cp: int, batch: int, a
     """The dry run's prediction (training/planning/dry_run.stage_times) for the TorchTitan recipe set to one row."""
     from config.recipe import load_config
     from training.planning.dry_run import stage_times
-    from training.planning.preflight import preflight
+    from training.launch_checks.preflight import preflight
 
     # TorchTitan's rows are priced as FlashAttention-2 runs (torch's SDPA flash backend under its CP): priced at
     # cuDNN's Hopper rate instead, every row comes out 1.19-2.03x faster than published (FA2: 0.84-1.20x), so the
@@ -347,7 +347,7 @@ def test_float8_speedup_against_torchtitans_published_runs(recipe):
     and (tensorwise) float8 all-gathers: the predicted speed-up over bf16 is within 0.1 of TorchTitan's."""
     from config.recipe import load_config
     from training.planning.dry_run import stage_times
-    from training.planning.preflight import preflight
+    from training.launch_checks.preflight import preflight
 
     def tokens(float8: str) -> float:
         cfg = load_config(RECIPE, ["--hardware.accelerator", "h100-sxm-500w", "--parallelism.attention_kernel", "flash",

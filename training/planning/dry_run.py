@@ -21,10 +21,11 @@ from config.schema import Config
 from models.llama import recipe_model_config
 from parallelisms.host_arena import stage_pinned_bytes
 from parallelisms.cp.layouts import sequence_divisor
-from training.planning.eval_memory import eval_refusal, stage_eval_config
+from training.launch_checks.eval_config import stage_eval_config
+from training.planning.eval_memory import eval_refusal
 from training.planning.cuda_path_table import cuda_json, print_cuda_path
 from training.planning.memory_probe import GIB, RankMemory, measure_memory
-from training.planning.preflight import preflight
+from training.launch_checks.preflight import preflight
 from training.planning.rates import load_rates, rates_source, rates_warnings
 from training.ramp import resolve_stages
 from training.checkpoint_disk import check_checkpoint_disk, disk_summary, preemption_lead

@@ -23,7 +23,7 @@ from config.schema import Config, RampTable
 from models.llama import recipe_model_config
 from training.planning.dry_run import RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, node_host_gib, stage_times
 from training.planning.memory_probe import GIB, RankMemory, measure_memory
-from training.planning.preflight import preflight_stages
+from training.launch_checks.preflight import preflight_stages
 from training.planning.ramp_lengths import PlanRequest, stage_lengths, stage_steps, tokens_per_step_for
 from training.planning.rope_rule import stage_rope_theta
 
