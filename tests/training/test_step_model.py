@@ -434,3 +434,22 @@ def test_a_compiled_step_keeps_the_eager_bytes_of_fsdp2_copies_and_the_loss():
 
     assert memory_bound_s(True, eager_only) == pytest.approx(memory_bound_s(False, eager_only), rel=1e-12)
     assert memory_bound_s(True, 3 * eager_only) < memory_bound_s(False, 3 * eager_only)
+
+
+def test_a_recipe_on_the_builtin_pydoc_corpus_is_priced_on_its_own_documents(tmp_path):
+    """Issue 46 item 4 / issue 50: without prepared stores, a recipe whose only source is Python's pydoc corpus has
+    its visible pairs counted on those documents, tokenized with the recipe's tokenizer, not on the stated mix."""
+    from config.recipe import load_config
+    from data.corpus import pydoc_documents
+    from data.sources import build_run_tokenizer
+    from models.llama import recipe_model_config
+    from training.planning.workload import document_pair_fraction, document_pairs
+
+    cfg = load_config(os.path.join(ROOT, "recipes", "debug.toml"),
+                      ["--data.document_masking", "true", "--data.cache_dir", str(tmp_path)])
+    tokenizer = build_run_tokenizer(cfg, recipe_model_config(cfg).vocab_size)
+    lengths = [len(ids) for ids in tokenizer.encode_batch(pydoc_documents())]
+    seq = 4096
+    expected = _pairs_closed_form({"corpus": lengths}, {"corpus": 1.0}, seq)
+    assert document_pairs(cfg, seq) == pytest.approx(expected, rel=1e-12)
+    assert document_pairs(cfg, seq)[0] < document_pair_fraction(seq)[0]  # pydoc's ~1.9K-token documents

@@ -1,7 +1,7 @@
 """The dry run's CUDA-path numbers, one row per stage: kernel calls, aten ops and host syncs of one layer's attention
 on fake CUDA tensors (training/planning/cuda_path_probe.py), and the step's peak with the CUDA attention's transients, GQA
-unexpanded vs the earlier expanded path. Document lengths: the recipe's prepared stores when present here, else the
-stated mix, the same documents the step-time prediction prices (training/planning/workload.py)."""
+unexpanded vs the earlier expanded path. Document lengths: the recipe's prepared stores when present here (or its
+built-in pydoc corpus), else the stated mix: the documents the step-time prediction prices (planning/workload.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +17,7 @@ from parallelisms.cp.layouts import DOCUMENTS
 from training.planning.accelerators import kernel_on
 from training.planning.cuda_path_probe import (ExpandGqa, FlashWorkspace, LaunchCounter, LayerCounts, fake_group,
                                       load_fake_cuda_guard, ring_counts, run_layer, total_bytes, ulysses_counts)
-from training.planning.workload import MIX_ROW, mix_row, prepared_lengths
+from training.planning.workload import MIX_ROW, document_lengths, mix_row
 
 
 def row_from_lengths(lengths: np.ndarray, seq_len: int, seed: int = 0) -> np.ndarray:
@@ -63,8 +63,9 @@ def _one_document_layer(cfg, cp: int, tp: int, device: str, expand_gqa: bool = F
 
 
 def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
-    """The dry run's CUDA-path numbers of one stage: counts on a documents row (prepared stores, else the stated mix) and
-    one layer's attention transients on the step's own row, CPU kernels vs CUDA with GQA unexpanded and expanded."""
+    """The dry run's CUDA-path numbers of one stage: counts on a documents row (the recipe's documents, else the
+    stated mix) and one layer's attention transients on the step's own row, CPU kernels vs CUDA with GQA unexpanded
+    and expanded."""
     why = load_fake_cuda_guard()
     if why:
         return {"cuda_path": f"not measured: {why}"}
@@ -94,7 +95,7 @@ def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
             "attention_kernel_calls_per_layer": counts.attention_kernel_calls_per_layer,
             "aten_ops_per_layer": counts.aten_ops_per_layer,
             "host_syncs_per_micro_step": counts.host_syncs_per_micro_step,
-            "count_row": ("prepared stores" if lengths is not None else MIX_ROW) if documents and cp > 1 else
+            "count_row": ("recipe's documents" if lengths is not None else MIX_ROW) if documents and cp > 1 else
             "one document",
             "attention_transient_gib_cpu": cpu / 2**30, "attention_transient_gib_cuda": unexpanded / 2**30,
             "attention_transient_gib_cuda_gqa_expanded": expanded / 2**30}
@@ -140,7 +141,7 @@ CUDA_PATH_STATEMENT = (
 
 def print_cuda_path(cfg, results, usable_gib: float) -> None:
     """The dry run's CUDA-path table (one row per stage; `results` are dry_run.RowResult, filled in here)."""
-    stores = prepared_lengths(cfg)  # the documents the prediction prices (training/planning/workload.py)
+    stores = document_lengths(cfg)  # the documents the prediction prices (training/planning/workload.py)
     lengths = np.concatenate(list(stores.values())) if stores else None
     rows = []
     for index, r in enumerate(results):

@@ -312,6 +312,18 @@ def print_host_plan(cfg: Config, results: list[RowResult]) -> RowResult | None:
     return next((r for r in results if r.host.per_node > limit), None)
 
 
+def print_checkpoint_plan(cfg: Config, world: int, step_s: float) -> None:
+    """The checkpoint folder's disk, and the lead a SIGUSR1 ahead of the time limit needs."""
+    model, nodes = recipe_model_config(cfg), max(1, world // cfg.hardware.gpus_per_node)
+    try:  # the dry run may run far from the cluster's disk: what the launch check would refuse is a warning
+        fits = check_checkpoint_disk(cfg, model, world, nodes)
+    except RecipeError as e:
+        fits = f"warning: {e}"
+    for line in (disk_summary(cfg, model, world, nodes), fits, preemption_lead(step_s, model, world, nodes)):
+        if line:
+            print(line)
+
+
 def run_dry_run(cfg: Config, world: int) -> int:
     start = time.perf_counter()
     process = resident_bytes()  # before any probe: a rank's interpreter with the trainer imported
@@ -335,16 +347,8 @@ def run_dry_run(cfg: Config, world: int) -> int:
           "stage runs none); host = offloaded block inputs in host memory); comm = bytes sent per step")
     print(format_table([_row(r, i + 1, usable) for i, r in enumerate(results)]))
     print_cuda_path(cfg, results, usable)
-    if cfg.checkpoint.enable:  # the checkpoint folder's disk, and the lead a SIGUSR1 ahead of the time limit needs
-        model, nodes = recipe_model_config(cfg), max(1, world // cfg.hardware.gpus_per_node)
-        try:  # the dry run may run far from the cluster's disk: what the launch check would refuse is a warning
-            fits = check_checkpoint_disk(cfg, model, world, nodes)
-        except RecipeError as e:
-            fits = f"warning: {e}"
-        for line in (disk_summary(cfg, model, world, nodes), fits,
-                     preemption_lead(max(r.times["predicted_s"] for r in results), model, world, nodes)):
-            if line:
-                print(line)
+    if cfg.checkpoint.enable:
+        print_checkpoint_plan(cfg, world, max(r.times["predicted_s"] for r in results))
     print(f"wrote {write_json(cfg, results, usable)}")
     over_host = next((r for r in results if node_host_gib(r, cfg.hardware.gpus_per_node)
                       > cfg.hardware.host_memory_gib), None)

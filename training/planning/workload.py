@@ -8,7 +8,8 @@ drift apart (they did: `//` in one copy, `/` in the other, float8 all-gathers in
 
 Documents: with document masking the visible (query, key) pairs come from the recipe's prepared stores, opened the
 way the trainer opens them (`data.prepare.open_store`: this tokenizer's store of these files, never a stale one or
-another source's), else from the stated `DOCUMENT_MIX`; the CUDA-path table (training/planning/cuda_path_table.py)
+another source's), else from the built-in pydoc corpus where that is the recipe's only source, else from the stated
+`DOCUMENT_MIX`; the CUDA-path table (training/planning/cuda_path_table.py)
 counts its kernel calls on a row of the same lengths.
 """
 from __future__ import annotations
@@ -149,8 +150,8 @@ def comm_bytes(w: Workload) -> dict[str, tuple[float, int]]:
 
 def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None = None, offload_bytes: float = 0.0,
                  bandwidth_bytes: float | None = None) -> Workload:
-    """The Workload of one resolved recipe stage; with document masking, the visible pairs of the prepared stores'
-    documents, else of DOCUMENT_MIX. `cp_ring_bytes`, `offload_bytes`, `bandwidth_bytes`: the memory probe's."""
+    """The Workload of one resolved recipe stage; with document masking, the visible pairs of the recipe's documents
+    (`document_pairs`). `cp_ring_bytes`, `offload_bytes`, `bandwidth_bytes`: the memory probe's."""
     from models.llama import recipe_model_config
 
     t, p = cfg.training, cfg.parallelism
@@ -183,12 +184,12 @@ def stage_attention_kernel(cfg) -> str:
 
 
 def document_pairs(cfg, seq_len: int) -> tuple[float, float]:
-    """(visible pairs / S^2, pair-weighted block length) of the recipe's documents: its prepared stores, sources
-    weighted by `weight`, else DOCUMENT_MIX."""
-    stores = prepared_lengths(cfg)
+    """(visible pairs / S^2, pair-weighted block length) of the recipe's documents (`document_lengths`), sources
+    weighted by `weight`, else of DOCUMENT_MIX."""
+    stores = document_lengths(cfg)
     if stores is None:
         return document_pair_fraction(seq_len)
-    weights = {s.name: s.weight for s in cfg.data.sources} or {name: 1.0 for name in stores}
+    weights = {name: 1.0 for name in stores} | {s.name: s.weight for s in cfg.data.sources}
     total = sum(weights.values())
     fraction = weighted_length = 0.0
     for name, lengths in stores.items():
@@ -227,6 +228,29 @@ def mix_row(seq_len: int, mix=DOCUMENT_MIX) -> np.ndarray:
         lengths += [step] * (left // step) + ([left % step] if left % step else [])
     lengths[-1] += seq_len - sum(lengths)
     return np.repeat(np.arange(len(lengths)), lengths)
+
+
+def document_lengths(cfg) -> dict[str, np.ndarray] | None:
+    """{source: its documents' token counts}: the prepared stores, else, where every source is Python's built-in
+    pydoc corpus (79 documents), that corpus tokenized here with the recipe's tokenizer (~0.3 s; the stores'
+    document filters are not applied); None: the stated mix."""
+    return prepared_lengths(cfg) or pydoc_lengths(cfg)
+
+
+def pydoc_lengths(cfg) -> dict[str, np.ndarray] | None:
+    from data.corpus import PYDOC, pydoc_documents
+    from data.sources import build_run_tokenizer, source_list
+    from models.llama import recipe_model_config
+
+    sources = source_list(cfg)
+    if not all(list(s.path) == [PYDOC] and s.format == "text" for s in sources):
+        return None
+    try:
+        tokenizer = build_run_tokenizer(cfg, recipe_model_config(cfg).vocab_size)
+    except Exception:  # a tokenizer that does not load here: the stated mix instead
+        return None
+    lengths = np.array([len(ids) for ids in tokenizer.encode_batch(pydoc_documents())], dtype=np.int64)
+    return {s.name: lengths for s in sources}
 
 
 def prepared_lengths(cfg) -> dict[str, np.ndarray] | None:
