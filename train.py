@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if disk_warning and "RANK" not in os.environ:  # said once, by the launch check
             print(disk_warning, file=sys.stderr)
         if "--check" in flags:
-            from training.planning.host_memory import check_host_memory
+            from training.launch_checks.host_memory import check_host_memory
 
             check_host_memory(cfg, world)  # a stage the node's host memory cannot hold: one line, not the OOM killer
             if cfg.data.dataset == "text" or cfg.eval.niah:  # before any process group: tokenizer and data errors,

@@ -28,7 +28,7 @@ class HardwareConfig:
     """Memory per GPU the dry run holds every stage's peak against (0 = the accelerator's: H100 80, H200 141)."""
     host_memory_gib: float = 0.0
     """Host memory per node the dry run and the launch check hold each stage's host plan against: the ranks'
-    processes, cpu_offload's training state, pinned activation offload, batches (training/planning/host_memory.py;
+    processes, cpu_offload's training state, pinned activation offload, batches (training/launch_checks/host_memory.py;
     a CPU run also against what the machine has available). 0 = the accelerator's node: 2048 for 8-GPU H100/H200
     nodes, 1024 for A100."""
     nvlink_gb_per_s: float = 0.0

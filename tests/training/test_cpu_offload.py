@@ -59,7 +59,7 @@ def test_a_stage_over_the_boxs_memory_stops_before_torchrun_in_one_line(capsys):
 def test_a_debug_stage_passes_the_check_without_a_probe(monkeypatch):
     """Far below the box's memory: the launch check measures nothing (every CI run goes through it)."""
     from training.planning import memory_probe
-    from training.planning.host_memory import check_host_memory
+    from training.launch_checks.host_memory import check_host_memory
 
     monkeypatch.setattr(memory_probe, "measure_memory", lambda *a, **k: pytest.fail("probed a debug stage"))
     check_host_memory(load_config("recipes/debug.toml"), 2)

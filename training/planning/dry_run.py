@@ -32,7 +32,7 @@ from training.checkpoint_disk import check_checkpoint_disk, disk_summary, preemp
 from training.planning.roofline import ROOFLINE_STATEMENT, roofline
 from training.planning.float8_cost import float8_problem, float8_statement
 from training.planning.offload_cost import offload_step_s
-from training.planning.host_memory import (HostPlan, host_plan, host_refusal, launch_device_type, node_limit,
+from training.launch_checks.host_memory import (HostPlan, host_plan, host_refusal, launch_device_type, node_limit,
                                            resident_bytes)
 from training.planning.accelerators import accelerator_for
 from training.planning.step_model import PREDICTION_STATEMENT, predict_step
@@ -66,7 +66,7 @@ class RowResult:
     ranks: list[int]
     """The ranks measured (the table shows the one with the highest peak)."""
     host: HostPlan | None = None
-    """The stage's host memory per rank and node (training/planning/host_memory.py)."""
+    """The stage's host memory per rank and node (training/launch_checks/host_memory.py)."""
     cuda: dict = dataclasses.field(default_factory=dict)
     """The CUDA path on fake CUDA tensors (training/planning/cuda_path_probe.py): launches, syncs, attention transients."""
 
@@ -304,7 +304,7 @@ def print_host_plan(cfg: Config, results: list[RowResult]) -> RowResult | None:
     """One line per stage: its host bytes per node against the node's; returns the first stage over it."""
     device_type = launch_device_type(cfg)
     limit, source = node_limit(cfg, device_type)
-    print(f"  host memory ({device_type} run; training/planning/host_memory.py), of {limit / GIB:,.1f} GiB per node "
+    print(f"  host memory ({device_type} run; training/launch_checks/host_memory.py), of {limit / GIB:,.1f} GiB per node "
           f"({source}):")
     for index, r in enumerate(results):
         print(f"    stage {index + 1} ({r.row.name}): {r.host.describe()}"

@@ -219,7 +219,7 @@ def plan_stage(ask: StageAsk, probes: ProbeCache, usable: float,
     for candidate in candidates(ask, probes, usable, rejected):
         result = measure_row(PlanRow(f"{ask.seq_len}", candidate.cfg), ask.gpus, base.hardware.gpus_per_node)
         host = node_host_gib(result, base.hardware.gpus_per_node)
-        if base.training.cpu_offload:  # the offloaded state too (training/planning/host_memory.py)
+        if base.training.cpu_offload:  # the offloaded state too (training/launch_checks/host_memory.py)
             host = host + result.host.tensors * result.host.ranks / GIB
         if result.peak_gib <= usable and host <= base.hardware.host_memory_gib:
             return candidate, result
