@@ -47,9 +47,9 @@ class Layout:
         return span <= self.gpus_per_node
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Workload:
-    """What one rank runs in one optimizer step (the recipe, resolved). Build it by keyword."""
+    """What one rank runs in one optimizer step (the recipe, resolved); built by keyword only."""
     model: LlamaConfig
     layout: Layout
     seq_len: int
