@@ -57,7 +57,7 @@ def test_a_run_past_its_limit_is_stopped_with_its_worker(tmp_path):
 def test_the_shipped_h100_runs_stay_predicted_within_15_percent():
     """Measured on one H100 SXM (torch 2.11) by `python bench/bench_predictions.py` (bench/measurements/); the
     runs with documents masked are printed but not held to the bound: pydoc's documents (79, 1.9K tokens on
-    average) are not the dry run's stated document mix (step_model.DOCUMENT_MIX), which prices a corpus without
+    average) are not the dry run's stated document mix (workload.DOCUMENT_MIX), which prices a corpus without
     prepared stores."""
     done = _bench("--predict", SHIPPED, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

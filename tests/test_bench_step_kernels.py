@@ -115,7 +115,7 @@ def test_the_step_model_prices_the_counted_loop_near_its_h100_step(bench_shape):
     from training.planning.op_census import BANDWIDTH_KINDS
     from training.planning.rates import load_rates
     from training.planning.accelerators import accelerator_for
-    from training.planning.step_model import predict_step
+    from training.planning.price import predict_step
     from training.planning.workload import workload_for
 
     s = bench_shape["shape"]

@@ -50,7 +50,7 @@ def test_mfu_counts_each_part_at_its_own_peak(monkeypatch, name):
 
 def test_every_report_compares_the_one_predicted_peak(monkeypatch):
     """A stage with both peaks: the benches take `predicted_peak_gib_per_rank` (the CUDA path's, as the dry run
-    writes it: test_step_model's test_dry_run_json_carries_the_prediction...), never the CPU kernels' peak."""
+    writes it: test_price's test_dry_run_json_carries_the_prediction...), never the CPU kernels' peak."""
     from bench import bench_gpu, bench_predictions
 
     stage = {"predicted_step_s": 1.0, "peak_device_gib_per_rank": 10.0, "peak_device_gib_per_rank_cuda_path": 12.0,

@@ -16,7 +16,7 @@ from harness.launch_env import child_env
 from models.llama import model_config
 from training.planning.accelerators import ACCELERATORS
 from training.planning.rates import load_rates, rates_source, rates_warnings
-from training.planning.step_model import predict_step
+from training.planning.price import predict_step
 from training.planning.workload import Layout, Workload, parameter_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -35,7 +35,7 @@ from training.planning.offload_cost import offload_step_s
 from training.launch_checks.host_memory import (HostPlan, host_plan, host_refusal, launch_device_type, node_limit,
                                            resident_bytes)
 from training.planning.accelerators import accelerator_for
-from training.planning.step_model import PREDICTION_STATEMENT, predict_step
+from training.planning.price import PREDICTION_STATEMENT, predict_step
 from training.planning.workload import parameter_count, workload_for
 
 RUNTIME_RESERVE_GIB = 2.0
@@ -120,7 +120,7 @@ def measure_row(row: PlanRow, world: int, gpus_per_node: int, process_bytes: flo
 def stage_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float | None = None,
                 offload_bytes: float = 0.0, bandwidth_bytes: float | None = None) -> dict:
     """One stage's step times over one Workload and AcceleratorSpec: the roofline bound (roofline.py: `overlap_s`,
-    `serial_s`, MFU, `comm_gib`) and the calibrated prediction (step_model.py: `predicted_s`, `predicted_band`,
+    `serial_s`, MFU, `comm_gib`) and the calibrated prediction (price.py: `predicted_s`, `predicted_band`,
     `predicted_tokens_per_gpu_s`, `predicted_parts`), which the ramp planner ranks candidate layouts by."""
     workload = workload_for(cfg, dims, gpus_per_node, cp_ring_bytes, offload_bytes, bandwidth_bytes)
     spec, rates = accelerator_for(cfg.hardware), load_rates(cfg.hardware.accelerator)

@@ -9,7 +9,7 @@ step model prices by bandwidth ("elementwise/other" and "copy/cast") their sum i
 counts its whole tensor; an in-place op counts its tensor as input and as output).
 
 Used by the dry run's memory probe (training/planning/memory_probe.py), which prices an eager step's elementwise
-work from these bytes (training/planning/step_model.py), and by bench/bench_step_kernels.py, which compares our
+work from these bytes (training/planning/price.py), and by bench/bench_step_kernels.py, which compares our
 step with the plain transformers loop (issue 36).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ for a fixed model, GPU count, TP and offload setting the forward/backward peak i
 per micro-step (activations, logits chunks, ring blocks are all tokens x width), so two probes fix a line per
 setting (`MemoryLine`). The line proposes; the dry run's full measurement of the chosen layout decides (the next
 candidate is measured when it does not fit). Step times and GPU-hours are the dry run's calibrated prediction
-(training/planning/step_model.py). A layout whose offloaded activations exceed the node's host memory does not fit.
+(training/planning/price.py). A layout whose offloaded activations exceed the node's host memory does not fit.
 """
 from __future__ import annotations
 

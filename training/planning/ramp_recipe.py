@@ -15,7 +15,7 @@ from models.llama import recipe_model_config
 from training.planning.ramp_lengths import PlanRequest, default_out, length_name
 from training.planning.ramp_planner import RampPlan, plan_ramp
 from training.planning.workload import parameter_count
-from training.planning.step_model import PREDICTION_STATEMENT
+from training.planning.price import PREDICTION_STATEMENT
 from training.planning.rope_rule import ROPE_RULE_SOURCE, men_lower_bound
 
 COLUMNS = ("stage", "seq_len", "cp", "dp_shard", "tp", "offload", "peak GiB", "host GiB", "step s", "tok/s/GPU",

@@ -1,5 +1,5 @@
 """Rates measured on the device: one JSON file per accelerator (training/planning/rates/<accelerator>.json, written by
-bench/bench_rates.py on that GPU), which the step model (training/planning/step_model.py) uses in place of the
+bench/bench_rates.py on that GPU), which the step model (training/planning/price.py) uses in place of the
 published figures of training/planning/accelerators.py, component by component.
 
 A file holds the device's name, torch and CUDA versions, the date, and a list of rates, each with the shape it was

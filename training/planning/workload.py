@@ -2,7 +2,7 @@
 resolved recipe stage in one place (`workload_for`), with the byte formulas of its collectives written once.
 
 Why one file: the roofline bound (training/planning/roofline.py), the calibrated prediction
-(training/planning/step_model.py), the ramp planner and the trainer's logged `fsdp_comm_bytes` (training/metrics.py)
+(training/planning/price.py), the ramp planner and the trainer's logged `fsdp_comm_bytes` (training/metrics.py)
 all price the same layout, parameter count, FSDP / TP / ring bytes and documents; written once here, they cannot
 drift apart (they did: `//` in one copy, `/` in the other, float8 all-gathers in one and not the other).
 

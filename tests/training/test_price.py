@@ -79,7 +79,7 @@ def test_causal_attention_flops_match_the_closed_form():
     closed form for a causal row is S (S + 1) / 2 pairs."""
     from models.llama import model_config
     from training.planning.accelerators import ACCELERATORS
-    from training.planning.step_model import predict_step
+    from training.planning.price import predict_step
     from training.planning.workload import Layout, Workload
 
     m = model_config("llama3_8b")
@@ -153,7 +153,7 @@ def test_ring_attention_is_one_causal_call_at_the_rings_measured_share():
     from models.llama import model_config
     from training.planning.accelerators import (ACCELERATORS, RING_MEASURED_LENGTH, RING_ZIGZAG_FWD,
                                                 RING_ZIGZAG_FWD_BWD, flash_rate, ring_efficiency)
-    from training.planning.step_model import predict_step
+    from training.planning.price import predict_step
     from training.planning.workload import Layout, Workload
 
     acc = ACCELERATORS["h100-sxm"]
@@ -181,7 +181,7 @@ def test_cudnn_attention_is_priced_at_its_measured_hopper_speedup_and_documents_
     from config.recipe import load_config
     from models.llama import model_config
     from training.planning.accelerators import ACCELERATORS, CUDNN_VS_FA2_HOPPER, flash_rate
-    from training.planning.step_model import predict_step
+    from training.planning.price import predict_step
     from training.planning.workload import Layout, Workload, stage_attention_kernel
 
     m, acc = model_config("llama3_8b"), ACCELERATORS["h100-sxm"]
@@ -206,7 +206,7 @@ def test_cudnn_attention_is_priced_at_its_measured_hopper_speedup_and_documents_
 def test_op_ac_recomputes_the_even_numbered_matmuls():
     """Of wq, wk, wv, wo, w1, w3, w2 the op policy saves the odd-numbered outputs: wk, wo and w3 run again."""
     from models.llama import model_config
-    from training.planning.step_model import op_recomputed_matmul_share
+    from training.planning.price import op_recomputed_matmul_share
 
     m = model_config("llama3_8b")
     d, q, kv, f = m.dim, m.n_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.ffn_hidden_dim
@@ -224,7 +224,7 @@ def test_an_eager_step_is_priced_from_its_counted_bytes():
 
     from models.llama import model_config
     from training.planning.accelerators import ACCELERATORS
-    from training.planning.step_model import predict_step
+    from training.planning.price import predict_step
     from training.planning.workload import Layout, Workload, parameter_count
 
     acc = ACCELERATORS["h100-sxm"]
@@ -348,7 +348,7 @@ def test_a_compiled_step_keeps_the_eager_bytes_of_fsdp2_copies_and_the_loss():
 
     from models.llama import model_config
     from training.planning.accelerators import ACCELERATORS
-    from training.planning.step_model import predict_step
+    from training.planning.price import predict_step
     from training.planning.workload import Layout, Workload, parameter_count
 
     m, acc, seq = model_config("llama3_8b"), ACCELERATORS["h100-sxm"], 8192

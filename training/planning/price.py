@@ -221,7 +221,7 @@ def _exposed_comm(w: Workload, acc: AcceleratorSpec, where: float, compute_s: fl
     return out
 
 
-PREDICTION_STATEMENT = ("predicted: calibrated step time (training/planning/step_model.py): GEMMs at cuBLAS's measured "
+PREDICTION_STATEMENT = ("predicted: calibrated step time (training/planning/price.py): GEMMs at cuBLAS's measured "
                         "rate, attention at its kernel's (cuDNN on H100/H200: FlashAttention-2's rate times cuDNN's "
                         "measured speed-up; FlashAttention-2 on A100 and for packed documents; a CP ring at the zigzag "
                         "ring's measured share of one call), "
