@@ -29,8 +29,8 @@ from models.llama import recipe_model_config  # noqa: E402
 from parallelisms.float8 import check_float8  # noqa: E402
 from training.checkpoint import preflight_checkpoint  # noqa: E402
 from training.checkpoint_disk import DISK_EXIT_CODE, CheckpointDiskError, check_checkpoint_disk  # noqa: E402
-from training.planning.device_check import check_attention_kernel, check_gpus  # noqa: E402
-from training.planning.preflight import preflight_stages, required_ranks  # noqa: E402
+from training.launch_checks.device_check import check_attention_kernel, check_gpus  # noqa: E402
+from training.launch_checks.preflight import preflight_stages, required_ranks  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
 
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if disk_warning and "RANK" not in os.environ:  # said once, by the launch check
             print(disk_warning, file=sys.stderr)
         if "--check" in flags:
-            from training.planning.host_memory import check_host_memory
+            from training.launch_checks.host_memory import check_host_memory
 
             check_host_memory(cfg, world)  # a stage the node's host memory cannot hold: one line, not the OOM killer
             if cfg.data.dataset == "text" or cfg.eval.niah:  # before any process group: tokenizer and data errors,

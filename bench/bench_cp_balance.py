@@ -21,7 +21,6 @@ warm-up steps. Target: documents / zigzag <= 0.85.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ from harness.launch_env import child_env  # noqa: E402
 from harness.cp_balance_counts import MIXES, layout_figures, packed_row  # noqa: E402
 from parallelisms.cp.plan_layout import DocumentLayout  # noqa: E402
 from parallelisms.cp.layouts import DOCUMENTS  # noqa: E402
+from training.metrics import read_metrics  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "recipes", "debug.toml")
 
@@ -69,8 +69,7 @@ def run_trainer(balancer: str, overrides: list[str]) -> list[dict]:
         env = child_env()
         env.pop("OMP_NUM_THREADS", None)  # the trainer sizes its threads itself
         subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f]
+        return read_metrics(out)
 
 
 def timed_steps(steps: int, warmup: int, seq_len: int, rounds: int) -> None:

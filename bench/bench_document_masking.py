@@ -17,7 +17,6 @@ Targets: time ratio <= visible/causal + 0.15 (attention is most, not all, of a s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -29,6 +28,8 @@ if ROOT not in sys.path:  # `python bench/bench_document_masking.py` puts bench/
     sys.path.insert(0, ROOT)
 
 from harness.launch_env import child_env  # noqa: E402
+from training.metrics import read_metrics  # noqa: E402
+
 RECIPE = os.path.join(ROOT, "recipes", "debug.toml")
 
 
@@ -47,8 +48,7 @@ def run_trainer(masking: bool, overrides: list[str]) -> list[dict]:
         env = child_env()
         env.pop("OMP_NUM_THREADS", None)  # the trainer sizes its threads itself
         subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f]
+        return read_metrics(out)
 
 
 def pair_ratio(overrides: list[str], steps: int, warmup: int) -> tuple[float, float]:

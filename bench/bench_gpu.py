@@ -62,7 +62,9 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from bench.our_runs import accelerator_of, dry_run_stage, last_error, our_overrides, run_in_session  # noqa: E402
+from bench.our_runs import dry_run_stage, last_error, our_overrides, run_in_session  # noqa: E402
+from config.accelerators import accelerator_of  # noqa: E402
+from training.metrics import read_metrics  # noqa: E402
 from bench.torchtitan_config import JOB_ENV  # noqa: E402
 from harness.launch_env import child_env  # noqa: E402
 
@@ -88,7 +90,7 @@ def predicted(args, documents: bool, accelerator: str | None, compile_: str | No
     except RuntimeError as err:
         print(f"dry run: {err}", flush=True)
         return None
-    return stage["predicted_step_s"], stage["peak_device_gib_per_rank"]
+    return stage["predicted_step_s"], stage["predicted_peak_gib_per_rank"]
 
 
 def prediction_rows(args, best: dict, accelerator: str | None) -> list[str]:
@@ -120,8 +122,7 @@ def run_ours(args, out: str, documents: bool, compile_: str | None = None,
     done = run_in_session(cmd, args.timeout)
     if done.returncode:
         raise RuntimeError(f"train.py failed: {last_error(done.stderr)}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    records = read_metrics(out)
     kept = records[args.warmup:] or records
     return (statistics.median(r["tokens_per_sec"] for r in kept), statistics.median(r["mfu"] for r in kept),
             max(r["memory"] for r in records))

@@ -13,7 +13,6 @@ The cap is the features-off peak at --seq: without the features nothing longer t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -25,6 +24,8 @@ if ROOT not in sys.path:  # `python bench/bench_memory_features.py` puts bench/ 
     sys.path.insert(0, ROOT)
 
 from harness.launch_env import child_env  # noqa: E402
+from training.metrics import read_metrics  # noqa: E402
+
 OFF = ["--training.loss_chunk_tokens", "0", "--model.mlp_chunk_tokens", "0"]
 ON = ["--training.loss_chunk_tokens", "2048", "--model.mlp_chunk_tokens", "2048"]
 
@@ -49,8 +50,7 @@ def run(seq_len: int, features: list[str], steps: int, vocab: int, ac: str, toke
                *features]
         env = child_env(MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536")
         subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f]
+        records = read_metrics(out)
     return {"seq": seq_len, "peak_gib": max(r["memory"] for r in records),
             "tok_s": statistics.median(r["tokens_per_sec"] for r in records[1:] or records),
             "loss": records[-1]["loss"]}

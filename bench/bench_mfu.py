@@ -39,6 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.bench_cp_variants import OtherLoad  # noqa: E402
+from training.metrics import read_metrics  # noqa: E402
 
 SHAPES = {  # name: (model overrides on the debug config, seq, batch, dtype)
     "cpu512_fp32": ({"dim": 512, "n_heads": 8, "n_layers": 4}, 4096, 1, "float32"),
@@ -205,8 +206,7 @@ def run_trainer(name, steps):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                os.path.join(ROOT, "train.py"), *_trainer_args(name, steps, out)]
         subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f]
+        records = read_metrics(out)
     return statistics.median(r["tokens_per_sec"] for r in records[SKIP:])
 
 

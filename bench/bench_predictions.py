@@ -34,7 +34,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.our_runs import accelerator_of, dry_run_stage, last_error, our_overrides, run_in_session  # noqa: E402
+from bench.our_runs import dry_run_stage, last_error, our_overrides, run_in_session  # noqa: E402
+from config.accelerators import accelerator_of  # noqa: E402
+from training.metrics import read_metrics  # noqa: E402
 
 BOUND = 0.15
 """Issue 37's bound on |predicted / measured - 1|."""
@@ -93,8 +95,7 @@ def measure(run: dict, timeout: float, profile_step: int, keep: str | None) -> d
         wall = time.perf_counter() - start
         if done.returncode:
             return {**run, "error": last_error(done.stderr or done.stdout), "wall_s": wall}
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f]
+        records = read_metrics(out)
         timed = [r for r in records[warmup:] if not r.get("profiled")] or records
         result = {**run, "measured_step_s": statistics.median(r["step_time"] for r in timed),
                   "measured_peak_gib": max(r["memory"] for r in records), "timed_steps": len(timed), "wall_s": wall,
@@ -118,7 +119,7 @@ def predict(run: dict, accelerator: str, timeout: float) -> dict:
         stage = dry_run_stage(lambda out: overrides(run, out, steps), accelerator, timeout)
     except RuntimeError as err:
         return {"error": str(err)}
-    return {"step_s": stage["predicted_step_s"], "peak_gib": stage["peak_device_gib_per_rank"],
+    return {"step_s": stage["predicted_step_s"], "peak_gib": stage["predicted_peak_gib_per_rank"],
             "parts": stage.get("predicted_parts_s", {}), "rates_source": stage.get("rates_source", "")}
 
 

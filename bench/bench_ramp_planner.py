@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config.recipe import load_config  # noqa: E402
 from training.planning.dry_run import PlanRow, measure_row, plan_rows  # noqa: E402
 from training.planning.ramp_lengths import PlanRequest  # noqa: E402
-from training.planning.ramp_planner import plan_ramp, stage_candidate  # noqa: E402
+from training.planning.ramp_planner import StageAsk, plan_ramp, stage_candidate  # noqa: E402
 from training.planning.ramp_recipe import format_plan_table, render_recipe  # noqa: E402
 
 
@@ -49,8 +49,9 @@ def main() -> int:
                                                      else ""))
     last = plan.stages[-1]
     if last.chosen.cp > 1:
-        half = stage_candidate(base, args.gpus, last.chosen.tp, last.chosen.cp // 2, last.chosen.offload,
-                               last.seq_len, last.rope_theta, 2 * plan.tokens_per_step)
+        ask = StageAsk(base, args.gpus, last.chosen.tp, last.chosen.offload, last.seq_len, last.rope_theta,
+                       2 * plan.tokens_per_step)
+        half = stage_candidate(ask, last.chosen.cp // 2)
         peak = measure_row(PlanRow("half", half), args.gpus, base.hardware.gpus_per_node).peak_gib
         verdict = "fits" if peak <= plan.usable_gib else "does not fit"
         print(f"last stage ({last.seq_len:,} tokens): cp {last.chosen.cp} peak {last.measured.peak_gib:.1f} GiB; "

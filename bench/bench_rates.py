@@ -1,4 +1,4 @@
-"""Measures, on this GPU, each class of work the step model prices (training/planning/step_model.py) and writes the
+"""Measures, on this GPU, each class of work the step model prices (training/planning/price.py) and writes the
 accelerator's rates file (training/planning/rates/<accelerator>.json, read by training/planning/rates.py):
 
 - gemm: bf16 FLOP/s of one Llama block's linear layers at --tokens tokens (forward, input-gradient and

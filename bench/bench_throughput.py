@@ -9,7 +9,6 @@ are dropped and the median of the rest is reported. MFU is against the GEMM peak
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -21,6 +20,7 @@ if ROOT not in sys.path:  # `python bench/bench_throughput.py` puts bench/ first
     sys.path.insert(0, ROOT)
 
 from harness.launch_env import child_env  # noqa: E402
+from training.metrics import read_metrics  # noqa: E402
 
 
 def run_trainer(nproc: int, steps: int, dtype: str, extra: list[str]) -> list[dict]:
@@ -33,8 +33,7 @@ def run_trainer(nproc: int, steps: int, dtype: str, extra: list[str]) -> list[di
         env = child_env()
         env.pop("OMP_NUM_THREADS", None)  # the trainer splits the cores between its local ranks itself
         subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f]
+        return read_metrics(out)
 
 
 def summarize(records: list[dict], skip: int) -> dict:

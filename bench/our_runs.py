@@ -1,6 +1,6 @@
 """Our trainer as the GPU benches run it (bench/bench_gpu.py, bench/bench_predictions.py): the bench shape's recipe
 overrides, a train.py run that ends with every process it started when it outlives its limit, the dry run's
-prediction for the same overrides, and the accelerator a CUDA device's name maps to."""
+prediction for the same overrides (the accelerator a CUDA device's name maps to: config/accelerators.py)."""
 from __future__ import annotations
 
 import json
@@ -62,15 +62,3 @@ def dry_run_stage(overrides, accelerator: str, timeout: float) -> dict:
             raise RuntimeError(last_error(done.stderr or done.stdout))
         with open(os.path.join(out, "dry_run.json")) as f:
             return json.load(f)["stages"][0]
-
-
-def accelerator_of(device_name: str) -> str | None:
-    """The dry run's hardware.accelerator for a CUDA device name (None: none of its accelerators)."""
-    name = device_name.upper()
-    if "H200" in name:
-        return "h200"
-    if "H100" in name:
-        return "h100-sxm"
-    if "A100" in name:
-        return "a100-80gb" if "80G" in name else "a100-40gb"
-    return None

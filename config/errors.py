@@ -5,7 +5,7 @@
 - `Refusal`: runtime code (parallelisms/, training/) refuses a call it cannot compute exactly or consistently: a
   shape, a layout, an attention argument, a checkpoint's contents. A ValueError, so callers that catch bad values
   keep working. Where the cause is a recipe key, the caller turns it into a RecipeError naming that key
-  (training/planning/preflight.py does so for the Ulysses head rule).
+  (training/launch_checks/preflight.py does so for the Ulysses head rule).
 """
 
 

@@ -332,25 +332,28 @@ def to_dict(cfg: Config) -> dict:
     return {s: dataclasses.asdict(getattr(cfg, s)) for s in SECTIONS}
 
 
+def toml_value(v) -> str:
+    """One value as TOML (strings escaped, lists and dicts inline): --print-config's and the ramp planner's."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # [[data.sources]] entries and ramp source_weights, as inline tables
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
+    return repr(v)
+
+
 def to_toml(cfg: Config) -> str:
     """The merged config as TOML (for --print-config and the run folder)."""
-    def fmt(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(fmt(x) for x in v) + "]"
-        if isinstance(v, dict):  # [[data.sources]] entries and ramp source_weights, as inline tables
-            return "{" + ", ".join(f"{k} = {fmt(x)}" for k, x in v.items()) + "}"
-        return repr(v)
     lines = []
     for section, values in to_dict(cfg).items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {fmt(v)}" for k, v in values.items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
         lines.append("")
     for stage in cfg.ramp:
         lines.append("[[ramp]]")
-        lines += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(stage).items() if v is not None]
+        lines += [f"{k} = {toml_value(v)}" for k, v in dataclasses.asdict(stage).items() if v is not None]
         lines.append("")
     return "\n".join(lines)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from harness.launch_env import ROOT, child_env
 from harness.process_tree import end_process_group
 from harness.report_summary import FIGURES, FOOTER_EXIT, FOOTER_KILLED, HEADER, all_ok, parse_step, summarize
+from config.accelerators import accelerator_of
+from training.metrics import read_metrics
 
 TOTAL_LIMIT_S = 540
 WHEELS_LIMIT_S = 15
@@ -117,16 +119,6 @@ def run_step(step: Step, log_path: str) -> str:
         return f.read()
 
 
-def _accelerator(device_name: str, memory_gib: float) -> str:
-    """hardware.accelerator of the GPU the step ran on, for the dry run's prediction (an H100 PCIe is counted
-    as SXM: the prediction then assumes its faster memory and links)."""
-    if "H200" in device_name:
-        return "h200"
-    if "A100" in device_name:
-        return "a100-80gb" if memory_gib > 60 else "a100-40gb"
-    return "h100-sxm"
-
-
 def _run(what: str, command: list[str], env: dict) -> None:
     """Runs a command of the 64K step into this log; a failure ends the step in one line (the cause is above it)."""
     done = subprocess.run(command, cwd=ROOT, env=env)
@@ -143,7 +135,10 @@ def measure_step(out: str, seq_len: int = STEP_SEQ_LEN, shape: dict = BENCH_SHAP
     cuda = torch.cuda.is_available()
     name = torch.cuda.get_device_name() if cuda else "cpu"
     memory = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 0.0
-    accelerator = _accelerator(name, memory)
+    accelerator = accelerator_of(name, memory) if cuda else "h100-sxm"  # the table's (config/accelerators.py)
+    if accelerator is None:
+        raise SystemExit(f"64K step: no accelerator in config/accelerators.py for {name!r}: nothing to predict "
+                         f"with; add its data sheet there")
     recipe = [os.path.join(ROOT, "train.py"), os.path.join(ROOT, "recipes", "debug.toml"),
               *[arg for key, value in shape.items() for arg in (f"--model.{key}", str(value))],
               "--training.seq_len", str(seq_len), "--training.local_batch_size", "1", "--training.dtype", "bfloat16",
@@ -156,12 +151,11 @@ def measure_step(out: str, seq_len: int = STEP_SEQ_LEN, shape: dict = BENCH_SHAP
         stage = json.load(f)["stages"][0]
     _run("train.py", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *recipe,
                       "--job.dump_folder", run_dir], env=child_env())
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    records = read_metrics(run_dir)
     figures = {
         "shape": ", ".join(f"{key} {value}" for key, value in shape.items()), "seq_len": seq_len, "steps": steps,
         "accelerator": accelerator, "device": name,
-        "predicted_peak_gib": stage.get("peak_device_gib_per_rank_cuda_path", stage["peak_device_gib_per_rank"]),
+        "predicted_peak_gib": stage["predicted_peak_gib_per_rank"],  # the one predicted peak (dry_run.write_json)
         "predicted_step_s": stage["predicted_step_s"], "predicted_step_s_band": stage["predicted_step_s_band"],
         "measured_peak_gib": max(r["memory"] for r in records),
         "measured_step_s": statistics.median(r["step_time"] for r in records[1:] or records)}

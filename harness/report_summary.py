@@ -122,8 +122,9 @@ def step_figures(text: str) -> dict | None:
     return json.loads(lines[-1][len(FIGURES):]) if lines else None
 
 
-def _ratio(measured: float, predicted: float) -> str:
-    return f"{measured / predicted:.2f}" if predicted else "-"
+def _ratio(predicted: float, measured: float) -> str:
+    """predicted / measured, the one direction of every report (bench_gpu, bench_predictions too)."""
+    return f"{predicted / measured:.2f}" if predicted and measured else "-"
 
 
 def prediction_table(figures: dict) -> list[str]:
@@ -133,12 +134,12 @@ def prediction_table(figures: dict) -> list[str]:
         f"steps 2..{figures['steps']} of train.py on this GPU; predicted: `--dry-run` for hardware.accelerator = "
         f"{figures['accelerator']}.",
         "",
-        "| | predicted | measured | measured / predicted |",
+        "| | predicted | measured | predicted / measured |",
         "|---|---|---|---|",
         f"| peak memory, GiB | {figures['predicted_peak_gib']:.2f} | {figures['measured_peak_gib']:.2f} | "
-        f"{_ratio(figures['measured_peak_gib'], figures['predicted_peak_gib'])} |",
+        f"{_ratio(figures['predicted_peak_gib'], figures['measured_peak_gib'])} |",
         f"| step time, s | {figures['predicted_step_s']:.3f} (band {band[0]:.3f}..{band[1]:.3f}) | "
-        f"{figures['measured_step_s']:.3f} | {_ratio(figures['measured_step_s'], figures['predicted_step_s'])} |",
+        f"{figures['measured_step_s']:.3f} | {_ratio(figures['predicted_step_s'], figures['measured_step_s'])} |",
     ]
 
 

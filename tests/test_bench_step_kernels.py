@@ -114,7 +114,9 @@ def test_the_step_model_prices_the_counted_loop_near_its_h100_step(bench_shape):
     from parallelisms.parallel_dims import ParallelDims
     from training.planning.fake.counter import BANDWIDTH_KINDS
     from training.planning.rates import load_rates
-    from training.planning.step_model import accelerator_for, predict_step, workload_for
+    from training.planning.accelerators import accelerator_for
+    from training.planning.price import predict_step
+    from training.planning.workload import workload_for
 
     s = bench_shape["shape"]
     cfg = load_config(bench.os.path.join(bench.ROOT, "recipes", "debug.toml"), [

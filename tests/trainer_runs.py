@@ -9,6 +9,7 @@ import sys
 
 from harness import forked_launch
 from harness.launch_env import child_env
+from training.metrics import read_metrics  # noqa: F401  (the one metrics.jsonl reader; tests import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,9 +30,6 @@ def run_train(*args, nproc: int | None = None, timeout: float = 180, env: dict |
                           env=full_env, timeout=timeout, cwd=ROOT)
 
 
-def read_metrics(folder: str) -> list[dict]:
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def train_losses(out: str, *args, nproc: int, timeout: float = 300) -> list[float]:

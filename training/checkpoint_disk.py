@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from config import RecipeError
 from training import checkpoint_files as files
-from training.planning.roofline import parameter_count
+from training.planning.workload import parameter_count
 
 BYTES_PER_PARAMETER = 4 * 3
 """fp32 weights (the checkpoint's plain weights, whatever the compute dtype) and AdamW's two fp32 moments."""

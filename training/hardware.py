@@ -8,12 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, in FLOP/s.
-CUDA_BF16_PEAKS = {
-    "H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "A800": 312e12,
-    "L40S": 362e12, "A10G": 70e12, "L4": 121e12, "B200": 2250e12, "MI300X": 1307e12,
-}
-
+from config.accelerators import part_of
 
 @dataclass
 class Device:
@@ -57,10 +52,10 @@ def peak_flops(device: Device, dtype: torch.dtype) -> tuple[float, str]:
     """(peak FLOP/s per rank, where the number came from)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name()
-        for key, value in CUDA_BF16_PEAKS.items():
-            if key in name:
-                scale = 0.5 if dtype == torch.float32 else 1.0  # TF32 tensor cores run at half the bf16 rate
-                return value * scale, f"table:{key}"
+        part = part_of(name)  # the accelerator table's dense bf16 peak of this part (config/accelerators.py)
+        if part is not None:
+            scale = 0.5 if dtype == torch.float32 else 1.0  # TF32 tensor cores run at half the bf16 rate
+            return part.bf16_flops * scale, f"table:{part.spelling}"
         return measure_gemm_peak(dtype, device.torch_device, size=4096), f"measured-gemm:{name}"
     return measure_gemm_peak(dtype, device.torch_device), f"measured-cpu-gemm:{str(dtype).replace('torch.', '')}"
 

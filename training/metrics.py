@@ -19,7 +19,7 @@ from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import compile_counters
 from training.hardware import Device, peak_memory_gib
 from training.ramp import RampStage
-from training.planning.roofline import Layout, fsdp_bytes_per_step
+from training.planning.workload import Layout, float8_gathered_params, fsdp_bytes_per_step
 
 
 def format_eta(seconds: float) -> str:
@@ -29,23 +29,24 @@ def format_eta(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def _drop_records_after(path: str, step: int) -> None:
-    """Keeps the records of steps <= `step` (all of them when starting fresh at step 0 in a new folder).
+def read_metrics(folder: str) -> list[dict]:
+    """Every record of <folder>/metrics.jsonl in order: the one reader of the benches, the GPU report and the tests
+    (a torn last line is left out, a damaged one elsewhere is a RecipeError naming it, as on a resume)."""
+    return [record for _, record in _records(os.path.join(folder, "metrics.jsonl"))]
 
-    A run killed while writing a record leaves a torn last line: it is dropped with a warning, since the step it held
-    is replayed after the checkpoint anyway, and a resume must never die on it. A damaged line elsewhere is not a
-    torn write but an edited or corrupted file, and stops the run naming the line. The file is rewritten through a
-    temporary file and a rename, so a kill during this rewrite leaves the old file or the new one, never half."""
-    if not os.path.exists(path):
-        return
+
+def _records(path: str) -> list[tuple[str, dict]]:
+    """(line, record) of each record of `path`. A run killed while writing a record leaves a torn last line: it is
+    dropped with a warning (the step it held is replayed after the checkpoint anyway). A damaged line elsewhere is
+    not a torn write but an edited or corrupted file: a one-line error naming the line."""
     with open(path) as f:
         lines = f.readlines()
-    kept = []
+    out = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            out.append((line, json.loads(line)))
         except json.JSONDecodeError:
             if number == len(lines):
                 print(f"warning: {path}: dropped its torn last line {number} (the run was killed while writing it; "
@@ -53,8 +54,19 @@ def _drop_records_after(path: str, step: int) -> None:
                 continue
             raise RecipeError(f"{path} line {number} is not a JSON record; repair or remove that line (or move the "
                               f"file away) and resume.") from None
-        if record.get("step", 0) <= step:
-            kept.append(line if line.endswith("\n") else line + "\n")
+    return out
+
+
+def _drop_records_after(path: str, step: int) -> None:
+    """Keeps the records of steps <= `step` (all of them when starting fresh at step 0 in a new folder); a torn last
+    line goes, a damaged one stops the run (`_records`). The file is rewritten through a temporary file and a
+    rename, so a kill during this rewrite leaves the old file or the new one, never half."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line if line.endswith("\n") else line + "\n" for line, record in _records(path)
+            if record.get("step", 0) <= step]
     if kept != lines:
         temporary = path + ".tmp"
         with open(temporary, "w") as f:
@@ -136,8 +148,9 @@ class StepMetrics:
         """`visible_pairs`: this rank's attention pairs in each micro-step of the step (`visible_pairs` below)."""
         t, d, m = stage.cfg.training, stage.dims, stage.model
         layout = Layout(d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, 1)
+        float8 = float8_gathered_params(m, t.float8, stage.cfg.model.mlp_chunk_tokens > 0)
         fsdp_bytes = sum(fsdp_bytes_per_step(m, layout, t.dtype, stage.grad_accum_steps,
-                                             stage.cfg.parallelism.reshard_after_forward))
+                                             stage.cfg.parallelism.reshard_after_forward, float8))
         # Maxima over ranks: step_time is the slowest rank's; -step_time gives the fastest rank's; then each
         # micro-step's busiest rank's pairs.
         step_time, memory, data_time, cp_bytes, fastest, *busiest = self.comm.reduce_values(

@@ -1,6 +1,6 @@
 """One optimizer step under torch.profiler, its device time summed by class of work.
 
-The dry run prices each class of work separately (training/planning/step_model.py: GEMMs and attention from their
+The dry run prices each class of work separately (training/planning/price.py: GEMMs and attention from their
 FLOP rates, copy/cast and elementwise work from their bytes over bandwidth, the optimizer and the collectives from
 their own rates), with the classes training/planning/fake/counter.py gives every aten op. A profiled step measures the
 same classes on the device: each aten op's self device time (CUDA: the kernels it launched itself; CPU: its self CPU

@@ -33,7 +33,7 @@ from training.hardware import peak_flops
 from training.evaluation.niah import run_niah_eval
 from training.loss import global_label_tokens
 from training.metrics import MetricsLogger, StepMetrics, visible_pairs
-from training.planning.preflight import preflight_stages
+from training.launch_checks.preflight import preflight_stages
 from training.preemption import StopSignals, ignore_stop_signals
 from training.ramp import RampStage, model_build_config, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_

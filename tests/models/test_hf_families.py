@@ -93,7 +93,7 @@ def test_named_shapes_have_their_published_sizes(name, billions):
     """Parameter counts of the published models (their model cards), tied embeddings counted once; the dry run's
     closed-form count agrees with the model built on the meta device."""
     from models.llama import Llama, count_parameters, model_config
-    from training.planning.roofline import parameter_count
+    from training.planning.workload import parameter_count
 
     cfg = model_config(name)
     with torch.device("meta"):

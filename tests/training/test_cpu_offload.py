@@ -59,7 +59,7 @@ def test_a_stage_over_the_boxs_memory_stops_before_torchrun_in_one_line(capsys):
 def test_a_debug_stage_passes_the_check_without_a_probe(monkeypatch):
     """Far below the box's memory: the launch check measures nothing (every CI run goes through it)."""
     from training.planning import memory_probe
-    from training.planning.host_memory import check_host_memory
+    from training.launch_checks.host_memory import check_host_memory
 
     monkeypatch.setattr(memory_probe, "measure_memory", lambda *a, **k: pytest.fail("probed a debug stage"))
     check_host_memory(load_config("recipes/debug.toml"), 2)
@@ -81,7 +81,7 @@ def test_dry_run_proposes_the_offload_when_the_state_alone_does_not_fit():
     debug model: "checked with the same measurement: peak 0.03 GiB, fits")."""
     from training.planning.dry_run import PlanRow, RowResult, propose_fix
     from training.planning.memory_probe import GIB, RankMemory
-    from training.planning.preflight import preflight
+    from training.launch_checks.preflight import preflight
 
     cfg = load_config("recipes/debug.toml", ["--activation_checkpoint.mode", "full", "--parallelism.dp_shard", "1"])
     memory = RankMemory(0.03 * GIB, 0.03 * GIB, 0.06 * GIB, 0.2 * GIB, 0.15 * GIB, None, (6,))

@@ -83,7 +83,7 @@ RSS_RUN = ["--training.seq_len", "1024", "--training.local_batch_size", "2", "--
            "--activation_checkpoint.offload", "true", "--training.steps", "2", "--checkpoint.enable", "false"]
 RETURNING_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 """glibc returning freed blocks at once: the resident set then follows the live tensors the plan counts (its default
-heap keeps freed pages: training/planning/host_memory.py)."""
+heap keeps freed pages: training/launch_checks/host_memory.py)."""
 
 
 @pytest.mark.timeout(300)

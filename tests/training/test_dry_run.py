@@ -145,22 +145,26 @@ def test_dry_run_peak_matches_a_real_run(mesh, predicted_and_real):
 
 def test_roofline_counts_match_closed_forms():
     from models.llama import flops_per_token, model_config
-    from training.planning.roofline import Layout, step_cost
+    from training.planning.accelerators import ACCELERATORS
+    from training.planning.roofline import roofline
+    from training.planning.workload import Layout, Workload
 
-    m = model_config("llama3_8b")
+    m, acc = model_config("llama3_8b"), ACCELERATORS["h100-sxm"]
     n = _meta_parameter_count("llama3_8b", 32)
     seq = 262144
-    common = dict(seq_len=seq, local_batch_size=1, grad_accum=1, dtype="bfloat16", ac_mode="full", ac_every=1,
-                  reshard_after_forward=True)
-    cost = step_cost(m, Layout(1, 1, 1, 8, 1, gpus_per_node=8), cp_ring_bytes=123.0, **common)
+    common = dict(model=m, seq_len=seq, local_batch_size=1, grad_accum=1, dtype="bfloat16", ac_mode="full",
+                  ac_every=1, reshard_after_forward=True)
+    cost = roofline(Workload(layout=Layout(1, 1, 1, 8, 1, gpus_per_node=8), cp_ring_bytes=123.0, **common), acc)
     # models.llama also counts 6 FLOPs per RMSNorm weight, which the roofline leaves out: 6e-6 of the total.
-    assert cost.model_flops == pytest.approx(flops_per_token(m, seq, causal=True) * seq / 8, rel=1e-5)
+    model_flops = cost["mfu_overlap"] * cost["overlap_s"] * acc.bf16_flops
+    assert model_flops == pytest.approx(flops_per_token(m, seq, causal=True) * seq / 8, rel=1e-5)
     # FSDP over 8 ranks: bf16 all-gather twice (forward, backward) + fp32 reduce-scatter, 7/8 of the bytes each.
-    assert cost.nvlink_bytes == pytest.approx(n * 7 / 8 * (2 * 2 + 4) + 123.0, rel=1e-9)
-    assert cost.ib_bytes == 0
+    assert cost["nvlink_s"] * acc.nvlink_bytes_per_s == pytest.approx(n * 7 / 8 * (2 * 2 + 4) + 123.0, rel=1e-9)
+    assert cost["ib_s"] == 0
     # CP 32 on 8-GPU nodes: the ring crosses InfiniBand; FSDP over cp x dp_shard = 64 ranks too.
-    wide = step_cost(m, Layout(1, 1, 2, 32, 1, gpus_per_node=8), cp_ring_bytes=5.0, **common)
-    assert wide.nvlink_bytes == 0 and wide.ib_bytes == pytest.approx(n * 63 / 64 * 8 + 5.0, rel=1e-9)
+    wide = roofline(Workload(layout=Layout(1, 1, 2, 32, 1, gpus_per_node=8), cp_ring_bytes=5.0, **common), acc)
+    assert wide["nvlink_s"] == 0 and wide["ib_s"] * acc.ib_bytes_per_s == pytest.approx(n * 63 / 64 * 8 + 5.0,
+                                                                                         rel=1e-9)
 
 
 def _run_train(*args, timeout=540):

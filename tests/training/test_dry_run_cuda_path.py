@@ -36,7 +36,7 @@ def test_documents_stage_counts_launches_syncs_and_both_gqa_peaks():
     if "cuda_path" in numbers:  # no C++ compiler here: the dry run says so instead of failing
         assert numbers["cuda_path"].startswith("not measured")
         return
-    assert numbers["count_row"] == "web-like"
+    assert numbers["count_row"] == "stated mix"  # the documents the prediction prices (workload.DOCUMENT_MIX)
     assert 0 < numbers["attention_kernel_calls_per_layer"] <= 4 * cp
     assert numbers["host_syncs_per_micro_step"] == 0 and numbers["aten_ops_per_layer"] > 0
     assert fields["peak_device_gib_per_rank_cuda_path"] >= 1.0

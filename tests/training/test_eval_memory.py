@@ -95,7 +95,7 @@ def test_dry_run_refuses_an_evaluation_that_does_not_fit_naming_its_key(tmp_path
 
 
 def test_launch_check_refuses_an_eval_length_the_stage_cp_cannot_split():
-    from training.planning.preflight import preflight_stages
+    from training.launch_checks.preflight import preflight_stages
 
     ramp = os.path.join(ROOT, "recipes", "debug_ramp.toml")
     from config.recipe import load_config

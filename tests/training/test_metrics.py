@@ -117,3 +117,41 @@ def test_record_reports_balance_and_the_mfu_of_the_pairs_computed():
     per_pair = 12 * m.n_layers * m.n_heads * m.head_dim
     assert r["mfu"] == pytest.approx((flops_per_token(m, 0) * 256 + per_pair * 60) / 2.0 / 2e9)
     assert r["mfu_causal"] == pytest.approx(flops_per_token(m, 64) * 256 / 2.0 / 2e9)
+
+
+def test_fsdp_bytes_count_the_float8_all_gather():
+    """Issue 50, bug 6: with tensorwise float8 FSDP2 all-gathers each converted weight in float8 (1 byte instead of
+    bf16's 2), forward and again for backward; the logged fsdp_comm_bytes say so, as the dry run does. Reference:
+    the converted weights counted on the model itself (every block linear whose dims torchao converts)."""
+    import pytest
+    import torch
+
+    from config.recipe import load_config
+    from models.llama import Llama
+    from parallelisms.context_parallel import CommStats
+    from parallelisms.float8 import converts_linear
+    from parallelisms.parallel_dims import ParallelDims
+    from training.hardware import Device
+    from training.metrics import StepMetrics
+    from training.ramp import RampStage
+
+    def fsdp_bytes(float8: str) -> float:
+        cfg = load_config("recipes/debug.toml", ["--training.seq_len", "64", "--training.local_batch_size", "1",
+                                                 "--training.global_batch_size", "4", "--training.dtype", "bfloat16",
+                                                 "--training.float8", float8])
+        stage = RampStage(-1, 0, 10, cfg, ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1, world_size=2))
+        comm = TwoRankComm([[1.0, 0.0, 0.0, 0.0, -1.0, 10.0], [10.0]])
+        metrics = StepMetrics(comm, CommStats(), Device("cpu", "gloo", torch.device("cpu")), 1e9, "test", 0)
+        return metrics.record(stage, 1, loss=1.0, lr=1e-3, grad_norm=1.0, step_time=2.0, data_time=0.0,
+                              tokens_seen=128, visible_pairs=[10])["fsdp_comm_bytes"], stage.model
+
+    plain, m = fsdp_bytes("off")
+    fp8, _ = fsdp_bytes("tensorwise")
+    with torch.device("meta"):
+        model = Llama(m)
+    converted = sum(mod.weight.numel() for name, mod in model.layers.named_modules()
+                    if isinstance(mod, torch.nn.Linear)
+                    and converts_linear(mod.in_features, mod.out_features, "feed_forward" in name, False))
+    assert converted > 0
+    grad_accum, gathers, shards = 2, 2, 2  # 4 rows / (2 ranks x 1 row); forward + backward; 1/2 sent per gather
+    assert plain - fp8 == pytest.approx(converted * 1 * gathers * grad_accum * (shards - 1) / shards, rel=1e-12)

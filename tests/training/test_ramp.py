@@ -6,7 +6,7 @@ import pytest
 
 from tests.trainer_runs import read_metrics, run_train
 from config import RecipeError
-from training.planning.preflight import preflight_stages
+from training.launch_checks.preflight import preflight_stages
 from config.recipe import load_config
 
 SMALL_RAMP = """

@@ -12,7 +12,7 @@ from config.recipe import load_config
 from models.llama import Llama, LlamaConfig
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from tests.trainer_runs import read_metrics, run_train
-from training.planning.preflight import preflight_stages
+from training.launch_checks.preflight import preflight_stages
 from training.ramp import model_build_config
 
 RECIPE = """

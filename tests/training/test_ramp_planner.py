@@ -107,7 +107,7 @@ def _plan_and_check(usable_mib: float):
 
     from training.planning.dry_run import PlanRow, measure_row
     from training.planning.ramp_lengths import PlanRequest
-    from training.planning.ramp_planner import plan_ramp, stage_candidate
+    from training.planning.ramp_planner import StageAsk, plan_ramp, stage_candidate
     from training.planning.ramp_recipe import render_recipe
 
     base = _tiny("--hardware.device_memory_gib", _memory_gib(usable_mib), "--training.tokens_per_step", "32768")
@@ -115,15 +115,13 @@ def _plan_and_check(usable_mib: float):
     plans = [plan_ramp(base, request)]  # a rerun gives the same plan: bench/bench_ramp_planner.py
     texts = [render_recipe(p, "recipes/x.toml", "recipes/debug.toml") for p in plans]
     last = plans[0].stages[-1]
-    half = stage_candidate(base, 4, 1, last.chosen.cp // 2, False, last.seq_len, last.rope_theta,
-                           plans[0].tokens_per_step)
+    ask = StageAsk(base, 4, 1, False, last.seq_len, last.rope_theta, plans[0].tokens_per_step)
+    half = stage_candidate(ask, last.chosen.cp // 2)
     half_peak = measure_row(PlanRow("half", half), 4, 8).peak_gib
     stages = [dict(seq_len=s.seq_len, cp=s.chosen.cp, peak=s.measured.peak_gib, predicted=s.chosen.predicted_gib,
                    step_s=s.step_s) for s in plans[0].stages]
     return dict(texts=texts, stages=stages, half_peak=half_peak, usable=plans[0].usable_gib,
-                cp_max_step_s=measure_row(PlanRow("max", stage_candidate(
-                    base, 4, 1, 4, False, last.seq_len, last.rope_theta, plans[0].tokens_per_step)), 4, 8)
-                .times["predicted_s"])
+                cp_max_step_s=measure_row(PlanRow("max", stage_candidate(ask, 4)), 4, 8).times["predicted_s"])
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +157,7 @@ def _impossible(usable_mib: float):
     os.environ["OMP_NUM_THREADS"] = "1"
     from training.planning.dry_run import PlanRow, measure_row
     from training.planning.ramp_lengths import PlanRequest
-    from training.planning.ramp_planner import plan_ramp, stage_candidate
+    from training.planning.ramp_planner import StageAsk, plan_ramp, stage_candidate
 
     base = _tiny("--hardware.device_memory_gib", _memory_gib(usable_mib), "--training.tokens_per_step", "8192")
     try:
@@ -170,7 +168,7 @@ def _impossible(usable_mib: float):
         return dict(message=None)
     named = int(message.split("rerun with --gpus ")[1].rstrip("."))
     below = named // 2  # the largest CP on half the GPUs, with offload: the least memory a layout there can take
-    peak_below = measure_row(PlanRow("below", stage_candidate(base, below, 1, below, True, 2048, 5e5, 8192)),
+    peak_below = measure_row(PlanRow("below", stage_candidate(StageAsk(base, below, 1, True, 2048, 5e5, 8192), below)),
                              below, 8).peak_gib
     return dict(message=message, named=named, peak_below=peak_below)
 
@@ -193,7 +191,7 @@ def _auto_plan(usable_mib: float, mode: str):
 
     from config.recipe import load_config
     from training.planning.dry_run import measure_row, plan_rows
-    from training.planning.preflight import preflight_stages
+    from training.launch_checks.preflight import preflight_stages
     from training.planning.ramp_lengths import PlanRequest
     from training.planning.ramp_planner import plan_ramp
     from training.planning.ramp_recipe import render_recipe

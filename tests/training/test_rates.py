@@ -16,8 +16,8 @@ from harness.launch_env import child_env
 from models.llama import model_config
 from training.planning.accelerators import ACCELERATORS
 from training.planning.rates import load_rates, rates_source, rates_warnings
-from training.planning.roofline import Layout, parameter_count
-from training.planning.step_model import Workload, predict_step
+from training.planning.price import predict_step
+from training.planning.workload import Layout, Workload, parameter_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GEMM, HBM, OPTIMIZER, ATTN_FWD, ATTN_BWD = 4.0e14, 2.5e12, 1.5e12, 5.0e14, 4.0e14
@@ -40,8 +40,8 @@ def _attention(kernel="cudnn"):
 
 def _workload(**changes):
     m = model_config("llama3_8b")
-    return dataclasses.replace(Workload(m, Layout(1, 1, 1, 1, 1, 8), SEQ, 1, 1, ac_mode="none",
-                                        attention_kernel="cudnn"), **changes)
+    return dataclasses.replace(Workload(model=m, layout=Layout(1, 1, 1, 1, 1, 8), seq_len=SEQ,
+                                        local_batch_size=1, grad_accum=1, attention_kernel="cudnn"), **changes)
 
 
 def test_every_measured_component_is_priced_at_its_rate(tmp_path):

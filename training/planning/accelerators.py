@@ -1,15 +1,17 @@
-"""The accelerators a recipe can name (`[hardware] accelerator`), with the data-sheet figures the roofline uses and
-the kernel-level figures the calibrated step-time model (training/planning/step_model.py) uses, each with its source.
-
-Data-sheet figures are the vendors' (NVIDIA H100 / H200 / A100 data sheets). Kernel-level figures are published
-benchmarks of the kernels one training step runs (and of one component built from them, the CP ring's attention),
-never end-to-end training throughputs: those (TorchTitan's published rows) are what the model is checked against
-(tests/training/test_step_model.py, docs/predictions.md).
+"""The accelerators a recipe can name (`[hardware] accelerator`): the data sheets of config/accelerators.py (what
+the roofline uses) with the kernel-level figures the calibrated step-time model (training/planning/price.py)
+uses, each with its source. Kernel-level figures are published benchmarks of the kernels one training step runs (and
+of one component built from them, the CP ring's attention), never end-to-end training throughputs: those
+(TorchTitan's published rows) are what the model is checked against (tests/training/test_price.py,
+docs/predictions.md).
 A (low, high) pair is the spread the sources give; the model's band comes from these pairs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
+
+from config.accelerators import DATA_SHEETS, DataSheet
 
 # FlashAttention-2 on an H100 80GB SXM5 at 700 W, TFLOP/s (causal work counted as half), by sequence length of one
 # call (batch x seq = 16K tokens, 2,048 hidden): Shah et al. 2024, "FlashAttention-3", arXiv 2407.08608, Fig. 5
@@ -54,27 +56,16 @@ RING_MEASURED_LENGTH = 8192
 per-hop overheads shrink relative to the quadratic work at longer blocks)."""
 
 
-@dataclass(frozen=True)
-class AcceleratorSpec:
-    name: str
-    bf16_flops: float
-    """Dense bf16 tensor-core FLOP/s at the data sheet's boost clock (fp32 matmuls as TF32 at half of it)."""
-    hbm_bytes_per_s: float
-    nvlink_bytes_per_s: float
-    """Per GPU, one direction."""
-    ib_bytes_per_s: float
-    """Per GPU, one direction (one NIC per GPU)."""
-    pcie_bytes_per_s: float
-    """Host <-> device, one direction, pinned memory (data sheet link rate)."""
-    memory_gib: float
-    host_memory_gib_per_node: float
-    """A typical 8-GPU node of this kind (DGX / HGX: 2 TiB for H100 and H200, 1 TiB for A100 80GB, 1 TiB for 40GB)."""
-    gemm_fraction: tuple[float, float]
+@dataclass(frozen=True, kw_only=True)
+class AcceleratorSpec(DataSheet):
+    """A data sheet of config/accelerators.py (peaks, memory, links) with the kernel-level figures the calibrated
+    model prices at; each (low, high) pair is the spread its sources give."""
+    gemm_fraction: tuple[float, float] = (0.68, 0.80)
     """Large bf16 GEMMs, share of the peak. High: the best shape of a cuBLAS sweep (Bekman, "Machine Learning
     Engineering", compute/accelerator: Maximum Achievable Matmul FLOPS: H100 SXM 794.5 of 989 TFLOP/s = 0.80, A100
     SXM 271.2 of 312 = 0.87). Low: 0.85 x that, for one layer's shapes (K/V projections with N = 1,024, the
     transposed backward GEMMs), an assumption stated here, not a measurement."""
-    flash_scale: float
+    flash_scale: float = 1.0
     """This GPU's FlashAttention-2 rates relative to the H100 table above at the same clock."""
     flash_fraction: tuple[float, float] = (0.85, 1.0)
     """Spread around the FlashAttention-2 table: high = the paper's standalone kernel, low = 0.85x for PyTorch's
@@ -92,51 +83,31 @@ class AcceleratorSpec:
     """NCCL-tests across nodes, one 400G (NDR) / 200G (HDR) NIC per GPU: 40-46 GB/s of 50 (NDR)."""
     pcie_fraction: tuple[float, float] = (0.75, 0.85)
     """CUDA bandwidthTest pinned host<->device: ~48-55 GB/s on PCIe Gen5 x16 (64 GB/s), ~24-27 on Gen4 (32)."""
-    fp8_flops: float = 0.0
-    """Dense FP8 tensor-core FLOP/s on the data sheet (H100/H200: 1,979 TFLOP/s, twice bf16); 0 = no FP8 tensor cores
-    (A100): training.float8 cannot run there (training/planning/float8_cost.py)."""
-    compute_capability: tuple[int, int] = (9, 0)
-    """CUDA compute capability: picks the attention kernel the trainer would (parallelisms/cp/kernel_blocks.py)."""
-    notes: str = field(default="", compare=False)
 
 
-H100_SXM = AcceleratorSpec(
-    "h100-sxm", bf16_flops=989e12, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9,
-    pcie_bytes_per_s=64e9, memory_gib=80.0, host_memory_gib_per_node=2048.0, gemm_fraction=(0.68, 0.80),
-    flash_scale=1.0, fp8_flops=1979e12,
-    notes="H100 SXM5 80GB, 700 W: data sheet 989 TFLOP/s bf16 dense, HBM3 3.35 TB/s, NVLink 4 "
-    "900 GB/s both directions, NDR 400 Gb/s per GPU, PCIe Gen5")
+def _spec(name: str, **kernel_figures) -> AcceleratorSpec:
+    return AcceleratorSpec(**dataclasses.asdict(DATA_SHEETS[name]), **kernel_figures)
+
+
+A100_FLASH_SCALE = 0.312 / 0.989 * (0.73 / 0.374)
+"""FlashAttention-2 reaches up to 73% of the A100's peak forward (Dao 2023, Fig. 4) vs 37.4% (370 of 989) on the
+H100: the H100 table scaled by that ratio."""
 ACCELERATORS = {
-    "h100-sxm": H100_SXM,
-    "h100-sxm-500w": AcceleratorSpec(
-        "h100-sxm-500w", bf16_flops=989e12, hbm_bytes_per_s=2.4e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9,
-        pcie_bytes_per_s=64e9, memory_gib=96.0, host_memory_gib_per_node=2048.0, gemm_fraction=(0.68, 0.80),
-        flash_scale=1.0, fp8_flops=1979e12, clock_fraction=((500 / 700) ** 0.5, (500 / 700) ** (1 / 3)),
-        notes="H100 SXM 96GB HBM2e at its default 500 W limit (TorchTitan's published runs, Grand Teton hosts; their "
-        "docs/performance.md: 2.4 TB/s peak memory bandwidth, peak FLOP/s 'between SXM and NVL'): the 700 W part's "
-        "compute with the tensor clock scaled by the cap (836..884 TFLOP/s, between the NVL's 835 and the SXM's "
-        "989), HBM2e at 2.4 TB/s"),
-    "h200": AcceleratorSpec(
-        "h200", bf16_flops=989e12, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=450e9, ib_bytes_per_s=50e9,
-        pcie_bytes_per_s=64e9, memory_gib=141.0, host_memory_gib_per_node=2048.0, gemm_fraction=(0.68, 0.80),
-        flash_scale=1.0, fp8_flops=1979e12,
-        notes="H200 SXM 141GB: the H100's compute (data sheet 989 TFLOP/s), HBM3e 4.8 TB/s"),
-    "a100-80gb": AcceleratorSpec(
-        "a100-80gb", bf16_flops=312e12, hbm_bytes_per_s=2.039e12, nvlink_bytes_per_s=300e9, ib_bytes_per_s=25e9,
-        pcie_bytes_per_s=32e9, memory_gib=80.0, host_memory_gib_per_node=1024.0, gemm_fraction=(0.74, 0.87),
-        flash_scale=0.312 / 0.989 * (0.73 / 0.374), compute_capability=(8, 0),
-        notes="A100 SXM4 80GB: 312 TFLOP/s bf16, HBM2e 2.04 TB/s, NVLink 3 600 GB/s both directions, HDR 200 "
-        "Gb/s, PCIe Gen4. FlashAttention-2 reaches up to 73% of the A100's peak forward (Dao 2023, Fig. 4) vs "
-        "37.4% (370 of 989) on the H100: the H100 table scaled by that ratio"),
-    "a100-40gb": AcceleratorSpec(
-        "a100-40gb", bf16_flops=312e12, hbm_bytes_per_s=1.555e12, nvlink_bytes_per_s=300e9, ib_bytes_per_s=25e9,
-        pcie_bytes_per_s=32e9, memory_gib=40.0, host_memory_gib_per_node=1024.0, gemm_fraction=(0.74, 0.87),
-        flash_scale=0.312 / 0.989 * (0.73 / 0.374), compute_capability=(8, 0), notes="A100 SXM4 40GB: as the 80GB, HBM2 1.56 TB/s"),
+    "h100-sxm": _spec("h100-sxm"),
+    "h100-sxm-500w": _spec("h100-sxm-500w", clock_fraction=((500 / 700) ** 0.5, (500 / 700) ** (1 / 3))),
+    "h100-pcie": _spec("h100-pcie", flash_scale=756 / 989),  # the SXM part's kernels at the PCIe card's clock
+    "h100-nvl": _spec("h100-nvl", flash_scale=835 / 989),
+    "h200": _spec("h200"),
+    "a100-80gb": _spec("a100-80gb", gemm_fraction=(0.74, 0.87), flash_scale=A100_FLASH_SCALE),
+    "a100-40gb": _spec("a100-40gb", gemm_fraction=(0.74, 0.87), flash_scale=A100_FLASH_SCALE),
 }
+"""Every accelerator of the table (config/accelerators.DATA_SHEETS), with its kernel-level figures."""
 
 
-def accelerator(name: str) -> AcceleratorSpec:
-    return ACCELERATORS[name]
+def accelerator_for(hw) -> AcceleratorSpec:
+    """The recipe's accelerator (`[hardware]`) with its link overrides (nvlink_gb_per_s, network_gb_per_s)."""
+    links = {"nvlink_bytes_per_s": hw.nvlink_gb_per_s * 1e9, "ib_bytes_per_s": hw.network_gb_per_s * 1e9}
+    return dataclasses.replace(ACCELERATORS[hw.accelerator], **{k: v for k, v in links.items() if v > 0})
 
 
 def kernel_on(name: str, asked: str) -> str:

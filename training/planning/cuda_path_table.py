@@ -1,7 +1,7 @@
 """The dry run's CUDA-path numbers, one row per stage: kernel calls, aten ops and host syncs of one layer's attention
 on fake CUDA tensors (training/planning/cuda_path_probe.py), and the step's peak with the CUDA attention's transients, GQA
-unexpanded vs the earlier expanded path. Document lengths: the recipe's prepared stores when present here, else the
-stated web-like mix."""
+unexpanded vs the earlier expanded path. Document lengths: the recipe's prepared stores when present here (or its
+built-in pydoc corpus), else the stated mix: the documents the step-time prediction prices (planning/workload.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,31 +16,11 @@ from parallelisms.cp.exchange_ring import ring_backward, ring_forward
 from parallelisms.cp.layouts import DOCUMENTS
 from training.planning.accelerators import kernel_on
 from training.planning.cuda_path_probe import (ExpandGqa, FlashWorkspace, LayerCounts, ring_counts, run_layer,
-                                               total_bytes, ulysses_counts, web_like_row)
+                                               total_bytes, ulysses_counts)
 from training.planning.fake.counter import DispatchCounter
 from training.planning.fake.cuda import load_fake_cuda_guard
 from training.planning.fake.world import fake_process_group
-
-
-def prepared_lengths(cfg) -> np.ndarray | None:
-    """Every document length of the recipe's prepared stores (pooled), or None when they are not all here (the
-    dry run's data usually lives where the recipe will run)."""
-    import os
-
-    from data.prepare import open_store
-    from data.sources import build_run_tokenizer, store_specs
-    from models.llama import recipe_model_config
-
-    if not cfg.data.tokenizer_path or not os.path.exists(cfg.data.tokenizer_path):
-        return None
-    try:
-        tokenizer = build_run_tokenizer(cfg, recipe_model_config(cfg).vocab_size)
-        stores = [open_store(spec, tokenizer) for spec in store_specs(cfg)]
-    except Exception:  # a missing or stale store, a tokenizer that does not load: the stated mix instead
-        return None
-    if not stores or any(s is None or s.num_documents == 0 for s in stores):
-        return None
-    return np.concatenate([s.doc_lengths.astype(np.int64) for s in stores])
+from training.planning.workload import MIX_ROW, document_lengths, mix_row
 
 
 def row_from_lengths(lengths: np.ndarray, seq_len: int, seed: int = 0) -> np.ndarray:
@@ -86,14 +66,14 @@ def _one_document_layer(cfg, cp: int, tp: int, device: str, expand_gqa: bool = F
 
 
 def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
-    """The dry run's CUDA-path numbers of one stage: counts on a documents row (prepared stores, else web-like) and
-    one layer's attention transients on the step's own row, CPU kernels vs CUDA with GQA unexpanded and expanded."""
+    """The dry run's CUDA-path numbers of one stage: counts on a documents row (the recipe's documents, else the
+    stated mix) and one layer's attention transients on the step's own row, CPU kernels vs CUDA with GQA unexpanded
+    and expanded."""
     why = load_fake_cuda_guard()
     if why:
         return {"cuda_path": f"not measured: {why}"}
     p = cfg.parallelism
-    ids = row_from_lengths(lengths, cfg.training.seq_len) if lengths is not None else web_like_row(
-        cfg.training.seq_len)
+    ids = row_from_lengths(lengths, cfg.training.seq_len) if lengths is not None else mix_row(cfg.training.seq_len)
     dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
     gathered = p.cp_impl in ("ulysses", "hybrid") and cp > 1
     documents = cfg.data.document_masking and p.cp_load_balancer == DOCUMENTS
@@ -118,7 +98,7 @@ def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
             "attention_kernel_calls_per_layer": counts.attention_kernel_calls_per_layer,
             "aten_ops_per_layer": counts.aten_ops_per_layer,
             "host_syncs_per_micro_step": counts.host_syncs_per_micro_step,
-            "count_row": ("prepared stores" if lengths is not None else "web-like") if documents and cp > 1 else
+            "count_row": ("recipe's documents" if lengths is not None else MIX_ROW) if documents and cp > 1 else
             "one document",
             "attention_transient_gib_cpu": cpu / 2**30, "attention_transient_gib_cuda": unexpanded / 2**30,
             "attention_transient_gib_cuda_gqa_expanded": expanded / 2**30}
@@ -164,7 +144,8 @@ CUDA_PATH_STATEMENT = (
 
 def print_cuda_path(cfg, results, usable_gib: float) -> None:
     """The dry run's CUDA-path table (one row per stage; `results` are dry_run.RowResult, filled in here)."""
-    lengths = prepared_lengths(cfg)
+    stores = document_lengths(cfg)  # the documents the prediction prices (training/planning/workload.py)
+    lengths = np.concatenate(list(stores.values())) if stores else None
     rows = []
     for index, r in enumerate(results):
         try:

@@ -21,19 +21,22 @@ from config.schema import Config
 from models.llama import recipe_model_config
 from parallelisms.host_arena import stage_pinned_bytes
 from parallelisms.cp.layouts import sequence_divisor
-from training.planning.eval_memory import eval_refusal, stage_eval_config
+from training.launch_checks.eval_config import stage_eval_config
+from training.planning.eval_memory import eval_refusal
 from training.planning.cuda_path_table import cuda_json, print_cuda_path
 from training.planning.memory_probe import GIB, RankMemory, measure_memory
-from training.planning.preflight import preflight
+from training.launch_checks.preflight import preflight
 from training.planning.rates import load_rates, rates_source, rates_warnings
 from training.ramp import resolve_stages
 from training.checkpoint_disk import check_checkpoint_disk, disk_summary, preemption_lead
-from training.planning.roofline import ROOFLINE_STATEMENT, Accelerator, Layout, parameter_count, step_cost
+from training.planning.roofline import ROOFLINE_STATEMENT, roofline
 from training.planning.float8_cost import float8_problem, float8_statement
 from training.planning.offload_cost import offload_step_s
-from training.planning.host_memory import (HostPlan, host_plan, host_refusal, launch_device_type, node_limit,
+from training.launch_checks.host_memory import (HostPlan, host_plan, host_refusal, launch_device_type, node_limit,
                                            resident_bytes)
-from training.planning.step_model import PREDICTION_STATEMENT, accelerator_for, predict_step, workload_for
+from training.planning.accelerators import accelerator_for
+from training.planning.price import PREDICTION_STATEMENT, predict_step
+from training.planning.workload import parameter_count, workload_for
 
 RUNTIME_RESERVE_GIB = 2.0
 """Device memory that tensors cannot use: the CUDA context (~0.5 GiB) and NCCL communicator buffers (~1 GiB)."""
@@ -63,7 +66,7 @@ class RowResult:
     ranks: list[int]
     """The ranks measured (the table shows the one with the highest peak)."""
     host: HostPlan | None = None
-    """The stage's host memory per rank and node (training/planning/host_memory.py)."""
+    """The stage's host memory per rank and node (training/launch_checks/host_memory.py)."""
     cuda: dict = dataclasses.field(default_factory=dict)
     """The CUDA path on fake CUDA tensors (training/planning/cuda_path_probe.py): launches, syncs, attention transients."""
 
@@ -109,37 +112,27 @@ def measure_row(row: PlanRow, world: int, gpus_per_node: int, process_bytes: flo
     ranks = ranks_that_matter(dims)
     memories = [measure_memory(cfg, world, mcfg.n_layers, rank) for rank in ranks]
     memory = max(memories, key=lambda m: m.peak)
-    times = roofline_times(cfg, dims, gpus_per_node, memory.cp_ring_bytes, memory.host, memory.bandwidth_bytes)
+    times = stage_times(cfg, dims, gpus_per_node, memory.cp_ring_bytes, memory.host, memory.bandwidth_bytes)
     host = host_plan(cfg, memory, world, launch_device_type(cfg), process_bytes)
     return RowResult(row, world, dims, memory, times, ranks, host)
 
 
-def roofline_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float | None,
-                   offload_bytes: float = 0.0, bandwidth_bytes: float | None = None) -> dict:
-    """The stated roofline's step times of one config (training/planning/roofline.py) and the calibrated prediction
-    (training/planning/step_model.py: `predicted_s`, `predicted_band`, `predicted_tokens_per_gpu_s`); `cp_ring_bytes` None =
-    estimated. The ramp planner ranks candidate layouts with the prediction before measuring the best."""
-    t, p = cfg.training, cfg.parallelism
-    grad_accum = t.grad_accum_steps(dims.dp)
-    layout = Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node)
-    cost = step_cost(recipe_model_config(cfg), layout, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-                     grad_accum=grad_accum, dtype=t.dtype, ac_mode=cfg.activation_checkpoint.mode,
-                     ac_every=cfg.activation_checkpoint.every, reshard_after_forward=p.reshard_after_forward,
-                     cp_ring_bytes=cp_ring_bytes)
-    spec = accelerator_for(cfg.hardware)
-    times = cost.times(Accelerator(spec.name, spec.bf16_flops, spec.nvlink_bytes_per_s, spec.ib_bytes_per_s))
-    times["tokens_per_gpu_s"] = (t.local_batch_size * dims.dp * grad_accum * t.seq_len / times["overlap_s"]
-                                 / dims.world_size)
-    times["comm_gib"] = (cost.nvlink_bytes + cost.ib_bytes) / GIB
+def stage_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float | None = None,
+                offload_bytes: float = 0.0, bandwidth_bytes: float | None = None) -> dict:
+    """One stage's step times over one Workload and AcceleratorSpec: the roofline bound (roofline.py: `overlap_s`,
+    `serial_s`, MFU, `comm_gib`) and the calibrated prediction (price.py: `predicted_s`, `predicted_band`,
+    `predicted_tokens_per_gpu_s`, `predicted_parts`), which the ramp planner ranks candidate layouts by."""
     workload = workload_for(cfg, dims, gpus_per_node, cp_ring_bytes, offload_bytes, bandwidth_bytes)
-    rates = load_rates(cfg.hardware.accelerator)
+    spec, rates = accelerator_for(cfg.hardware), load_rates(cfg.hardware.accelerator)
+    times = roofline(workload, spec)
+    times["comm_gib"] = times.pop("comm_bytes") / GIB
     prediction = predict_step(workload, spec, rates)
     step_s, band, parts = prediction.step_s, list(prediction.band), dict(prediction.parts)
-    if t.cpu_offload:  # the host's AdamW and the per-block copies (training/planning/offload_cost.py)
-        shard = 4 * parameter_count(recipe_model_config(cfg)) / (dims.dp_shard * dims.cp * dims.tp * dims.pp)
-        host = offload_step_s(shard, grad_accum, min(dims.world_size, gpus_per_node), cfg.hardware.accelerator,
-                              spec.pcie_bytes_per_s, spec.pcie_fraction, rates and rates.host_optimizer,
-                              rates and rates.host_copy)
+    if cfg.training.cpu_offload:  # the host's AdamW and the per-block copies (training/planning/offload_cost.py)
+        shard = 4 * parameter_count(workload.model) / (dims.dp_shard * dims.cp * dims.tp * dims.pp)
+        host = offload_step_s(shard, workload.grad_accum, min(dims.world_size, gpus_per_node),
+                              cfg.hardware.accelerator, spec.pcie_bytes_per_s, spec.pcie_fraction,
+                              rates and rates.host_optimizer, rates and rates.host_copy)
         moved = parts.pop("optimizer", 0.0)  # AdamW runs on the host, not on the device
         step_s, band = step_s - moved, [band[0] - moved, band[1] - moved]
         for name, (fast, slow) in host.items():
@@ -230,7 +223,7 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
     if cfg.data.document_masking:
         lines.append("  document masking: memory measured as plain causal attention (an upper bound: masked blocks "
                      "skip); the prediction counts the visible pairs of the prepared stores' documents, else of a "
-                     "stated mix (training/planning/step_model.py DOCUMENT_MIX)")
+                     "stated mix (training/planning/workload.py DOCUMENT_MIX)")
     return lines
 
 
@@ -282,6 +275,10 @@ def write_json(cfg: Config, results: list[RowResult], usable_gib: float) -> str:
                "host_peak_gib_per_rank": r.host.per_rank / GIB, "host_peak_gib_per_node": r.host.per_node / GIB,
                "cpu_offload": r.row.cfg.training.cpu_offload, **cuda_json(r.cuda, r.peak_gib)}
               for r in results]
+    for stage in stages:  # the one peak a GPU run's measured peak is compared with (bench_gpu, bench_predictions,
+        # the GPU report): the CUDA path's where it was measured (its attention's transients), else the CPU kernels'
+        stage["predicted_peak_gib_per_rank"] = stage.get("peak_device_gib_per_rank_cuda_path",
+                                                         stage["peak_device_gib_per_rank"])
     path = os.path.join(cfg.job.dump_folder, "dry_run.json")
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
     with open(path, "w") as f:
@@ -307,12 +304,24 @@ def print_host_plan(cfg: Config, results: list[RowResult]) -> RowResult | None:
     """One line per stage: its host bytes per node against the node's; returns the first stage over it."""
     device_type = launch_device_type(cfg)
     limit, source = node_limit(cfg, device_type)
-    print(f"  host memory ({device_type} run; training/planning/host_memory.py), of {limit / GIB:,.1f} GiB per node "
+    print(f"  host memory ({device_type} run; training/launch_checks/host_memory.py), of {limit / GIB:,.1f} GiB per node "
           f"({source}):")
     for index, r in enumerate(results):
         print(f"    stage {index + 1} ({r.row.name}): {r.host.describe()}"
               f"{'' if r.host.per_node <= limit else '  DOES NOT FIT'}")
     return next((r for r in results if r.host.per_node > limit), None)
+
+
+def print_checkpoint_plan(cfg: Config, world: int, step_s: float) -> None:
+    """The checkpoint folder's disk, and the lead a SIGUSR1 ahead of the time limit needs."""
+    model, nodes = recipe_model_config(cfg), max(1, world // cfg.hardware.gpus_per_node)
+    try:  # the dry run may run far from the cluster's disk: what the launch check would refuse is a warning
+        fits = check_checkpoint_disk(cfg, model, world, nodes)
+    except RecipeError as e:
+        fits = f"warning: {e}"
+    for line in (disk_summary(cfg, model, world, nodes), fits, preemption_lead(step_s, model, world, nodes)):
+        if line:
+            print(line)
 
 
 def run_dry_run(cfg: Config, world: int) -> int:
@@ -338,16 +347,8 @@ def run_dry_run(cfg: Config, world: int) -> int:
           "stage runs none); host = offloaded block inputs in host memory); comm = bytes sent per step")
     print(format_table([_row(r, i + 1, usable) for i, r in enumerate(results)]))
     print_cuda_path(cfg, results, usable)
-    if cfg.checkpoint.enable:  # the checkpoint folder's disk, and the lead a SIGUSR1 ahead of the time limit needs
-        model, nodes = recipe_model_config(cfg), max(1, world // cfg.hardware.gpus_per_node)
-        try:  # the dry run may run far from the cluster's disk: what the launch check would refuse is a warning
-            fits = check_checkpoint_disk(cfg, model, world, nodes)
-        except RecipeError as e:
-            fits = f"warning: {e}"
-        for line in (disk_summary(cfg, model, world, nodes), fits,
-                     preemption_lead(max(r.times["predicted_s"] for r in results), model, world, nodes)):
-            if line:
-                print(line)
+    if cfg.checkpoint.enable:
+        print_checkpoint_plan(cfg, world, max(r.times["predicted_s"] for r in results))
     print(f"wrote {write_json(cfg, results, usable)}")
     over_host = next((r for r in results if node_host_gib(r, cfg.hardware.gpus_per_node)
                       > cfg.hardware.host_memory_gib), None)

@@ -10,7 +10,6 @@ tensors hold no labels to select from): an upper bound by one chunk of logits ov
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,21 +26,6 @@ class EvalShape:
     """The recipe key that sets this evaluation's size (what a refusal names)."""
     rows: int
     length: int
-
-
-def _due_inside(interval: int, start_step: int, end_step: int) -> bool:
-    """A multiple of `interval` among the steps the stage completes, start_step + 1 .. end_step."""
-    return interval > 0 and end_step // interval > start_step // interval
-
-
-def stage_eval_config(stage, last: bool) -> Config:
-    """The stage's Config with only the evaluations it runs left on (passkey at the last stage only; long-document
-    loss and NIAH where their interval falls inside the stage, and at the last stage)."""
-    e = stage.cfg.eval
-    long_doc = e.long_doc_loss and (last or _due_inside(e.long_doc_interval, stage.start_step, stage.end_step))
-    niah = e.niah and (last or _due_inside(e.niah_interval, stage.start_step, stage.end_step))
-    runs = dataclasses.replace(e, passkey=e.passkey and last, long_doc_loss=long_doc, niah=niah)
-    return dataclasses.replace(stage.cfg, eval=runs)
 
 
 def eval_shapes(cfg: Config) -> list[EvalShape]:

@@ -1,6 +1,6 @@
 """What `training.cpu_offload` adds to a GPU step: AdamW on the host and each block's host/device copies.
 
-Kept apart from training/planning/step_model.py (which prices the device's work) and added to its prediction by the
+Kept apart from training/planning/price.py (which prices the device's work) and added to its prediction by the
 dry run, because neither part runs on the GPU:
 - the optimizer: torch's fused CPU AdamW is memory-bound: per fp32 parameter element it reads the parameter, its
   gradient and both moments and writes the parameter and both moments, 28 bytes. A node's ranks share its host memory

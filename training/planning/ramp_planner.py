@@ -9,7 +9,7 @@ for a fixed model, GPU count, TP and offload setting the forward/backward peak i
 per micro-step (activations, logits chunks, ring blocks are all tokens x width), so two probes fix a line per
 setting (`MemoryLine`). The line proposes; the dry run's full measurement of the chosen layout decides (the next
 candidate is measured when it does not fit). Step times and GPU-hours are the dry run's calibrated prediction
-(training/planning/step_model.py). A layout whose offloaded activations exceed the node's host memory does not fit.
+(training/planning/price.py). A layout whose offloaded activations exceed the node's host memory does not fit.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from config import RecipeError
 from config.schema import Config, RampTable
 from models.llama import recipe_model_config
-from training.planning.dry_run import RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, node_host_gib, roofline_times
+from training.planning.dry_run import RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, node_host_gib, stage_times
 from training.planning.memory_probe import GIB, RankMemory, measure_memory
-from training.planning.preflight import preflight_stages
+from training.launch_checks.preflight import preflight_stages
 from training.planning.ramp_lengths import PlanRequest, stage_lengths, stage_steps, tokens_per_step_for
 from training.planning.rope_rule import stage_rope_theta
 
@@ -144,15 +144,31 @@ def layout_config(base: Config, *, tp: int, cp: int, sharded: int, offload: bool
     return cfg
 
 
-def stage_candidate(base: Config, gpus: int, tp: int, cp: int, offload: bool, seq_len: int, theta: float,
-                    tokens_per_step: int) -> Config:
+@dataclass(frozen=True)
+class StageAsk:
+    """One stage to lay out: the base recipe on `gpus` at one TP and offload setting, `seq_len` tokens a row at RoPE
+    `theta`, `tokens_per_step` a step (what every layout of the stage shares; the CP degree is what varies)."""
+    base: Config
+    gpus: int
+    tp: int
+    offload: bool
+    seq_len: int
+    theta: float
+    tokens_per_step: int
+
+    @property
+    def sharded(self) -> int:
+        """GPUs of one replica's dp_shard x cp."""
+        return self.gpus // (self.tp * self.base.parallelism.dp_replicate)
+
+
+def stage_candidate(ask: StageAsk, cp: int) -> Config:
     """The resolved Config a [[ramp]] stage with these values trains with (the trainer's own resolution and
     checks: RecipeError when the layout cannot take this stage)."""
-    sharded = gpus // (tp * base.parallelism.dp_replicate)
-    cfg = layout_config(base, tp=tp, cp=1, sharded=sharded, offload=offload)
-    cfg.training.tokens_per_step, cfg.training.steps = tokens_per_step, 1
-    cfg.ramp = [RampTable(start_step=0, seq_len=seq_len, cp=cp, rope_theta=theta)]
-    return preflight_stages(cfg, gpus, check_data=False)[0].cfg
+    cfg = layout_config(ask.base, tp=ask.tp, cp=1, sharded=ask.sharded, offload=ask.offload)
+    cfg.training.tokens_per_step, cfg.training.steps = ask.tokens_per_step, 1
+    cfg.ramp = [RampTable(start_step=0, seq_len=ask.seq_len, cp=cp, rope_theta=ask.theta)]
+    return preflight_stages(cfg, ask.gpus, check_data=False)[0].cfg
 
 
 def tp_options(base: Config, gpus: int) -> list[int]:
@@ -165,28 +181,26 @@ def tp_options(base: Config, gpus: int) -> list[int]:
     return out
 
 
-def candidates(base: Config, gpus: int, tp: int, offload: bool, seq_len: int, theta: float, tokens_per_step: int,
-               probes: ProbeCache, usable: float, rejected: list[str]) -> list[Candidate]:
+def candidates(ask: StageAsk, probes: ProbeCache, usable: float, rejected: list[str]) -> list[Candidate]:
     """Every CP (a power of two on the sharded GPUs) whose stage resolves and whose line fits, best first."""
-    sharded = gpus // (tp * base.parallelism.dp_replicate)
     out, cp = [], 1
-    while cp <= sharded:
-        if sharded % cp == 0:
+    while cp <= ask.sharded:
+        if ask.sharded % cp == 0:
             try:
-                cfg = stage_candidate(base, gpus, tp, cp, offload, seq_len, theta, tokens_per_step)
+                cfg = stage_candidate(ask, cp)
             except RecipeError as e:
                 rejected.append(f"cp {cp}: {_short(e)}")
                 cp *= 2
                 continue
             t, dp = cfg.training, cfg.parallelism.dp_shard * cfg.parallelism.dp_replicate
             tokens = t.local_batch_size * t.seq_len / cp
-            peak = probes.line(tp, offload).peak(tokens, t.grad_accum_steps(dp) > 1)
+            peak = probes.line(ask.tp, ask.offload).peak(tokens, t.grad_accum_steps(dp) > 1)
             if peak > usable:
                 rejected.append(f"cp {cp}: {peak:.0f} GiB predicted > {usable:g}")
             else:
-                dims = preflight_stages(cfg, gpus, check_data=False)[0].dims
-                times = roofline_times(cfg, dims, base.hardware.gpus_per_node, None)
-                out.append(Candidate(cfg, cp, tp, offload, peak, times["predicted_s"]))
+                dims = preflight_stages(cfg, ask.gpus, check_data=False)[0].dims
+                times = stage_times(cfg, dims, ask.base.hardware.gpus_per_node)
+                out.append(Candidate(cfg, cp, ask.tp, ask.offload, peak, times["predicted_s"]))
         cp *= 2
     return sorted(out, key=lambda c: (c.estimated_step_s, c.cp))
 
@@ -197,14 +211,15 @@ def _short(error: RecipeError) -> str:
     return text.split("; ")[0].rstrip(".")
 
 
-def plan_stage(base: Config, gpus: int, tp: int, seq_len: int, theta: float, tokens_per_step: int, offload: bool,
-               probes: ProbeCache, usable: float, rejected: list[str]) -> tuple[Candidate, RowResult] | None:
+def plan_stage(ask: StageAsk, probes: ProbeCache, usable: float,
+               rejected: list[str]) -> tuple[Candidate, RowResult] | None:
     """The fastest layout of one stage that the dry run's measurement confirms fits, or None; why each layout it
     passed over did not fit goes to `rejected`."""
-    for candidate in candidates(base, gpus, tp, offload, seq_len, theta, tokens_per_step, probes, usable, rejected):
-        result = measure_row(PlanRow(f"{seq_len}", candidate.cfg), gpus, base.hardware.gpus_per_node)
+    base = ask.base
+    for candidate in candidates(ask, probes, usable, rejected):
+        result = measure_row(PlanRow(f"{ask.seq_len}", candidate.cfg), ask.gpus, base.hardware.gpus_per_node)
         host = node_host_gib(result, base.hardware.gpus_per_node)
-        if base.training.cpu_offload:  # the offloaded state too (training/planning/host_memory.py)
+        if base.training.cpu_offload:  # the offloaded state too (training/launch_checks/host_memory.py)
             host = host + result.host.tensors * result.host.ranks / GIB
         if result.peak_gib <= usable and host <= base.hardware.host_memory_gib:
             return candidate, result
@@ -257,8 +272,8 @@ def _plan(base: Config, request: PlanRequest) -> tuple[RampPlan | None, int, Pro
             theta = stage_rope_theta(seq_len, theta)
             rejected: list[str] = []
             for offload in offloads:
-                found = plan_stage(base, request.gpus, tp, seq_len, theta, tokens_per_step, offload, probes, usable,
-                                   rejected)
+                ask = StageAsk(base, request.gpus, tp, offload, seq_len, theta, tokens_per_step)
+                found = plan_stage(ask, probes, usable, rejected)
                 if found is not None:
                     break
                 if offload is False and len(offloads) > 1:

@@ -8,31 +8,18 @@ import os
 import textwrap
 import time
 
+from config.recipe import toml_value
 from config.rope import RopeSettings
 from config.schema import Config, SECTIONS, SourceConfig
 from models.llama import recipe_model_config
 from training.planning.ramp_lengths import PlanRequest, default_out, length_name
 from training.planning.ramp_planner import RampPlan, plan_ramp
-from training.planning.roofline import parameter_count
-from training.planning.step_model import PREDICTION_STATEMENT
+from training.planning.workload import parameter_count
+from training.planning.price import PREDICTION_STATEMENT
 from training.planning.rope_rule import ROPE_RULE_SOURCE, men_lower_bound
 
 COLUMNS = ("stage", "seq_len", "cp", "dp_shard", "tp", "offload", "peak GiB", "host GiB", "step s", "tok/s/GPU",
            "steps", "GPU-h")
-
-
-def _fmt(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_fmt(v)}" for k, v in value.items()) + " }"
-    if isinstance(value, float):
-        return repr(value)
-    return str(value)
 
 
 def _changed(obj, default) -> list[tuple[str, object]]:
@@ -112,16 +99,16 @@ def render_recipe(plan: RampPlan, out: str, base_path: str, argv_tail: str = "")
         values = [(k, v) for k, v in values if k != "sources" or section != "data"]
         if not values and not sources:
             continue
-        lines += ["", f"[{section}]"] + [f"{k} = {_fmt(v)}" for k, v in values]
+        lines += ["", f"[{section}]"] + [f"{k} = {toml_value(v)}" for k, v in values]
         for source in sources:
-            lines += ["", "[[data.sources]]"] + [f"{k} = {_fmt(v)}" for k, v in _changed(source, SourceConfig())]
+            lines += ["", "[[data.sources]]"] + [f"{k} = {toml_value(v)}" for k, v in _changed(source, SourceConfig())]
     for i, stage in enumerate(plan.stages):
         rope = RopeSettings(theta=stage.rope_theta).recipe_fields()  # the [[ramp]] keys of the planned RoPE
         lines += [""] + _stage_comment(plan, i) + ["[[ramp]]", f"start_step = {stage.start_step}",
                                                     f"seq_len = {stage.seq_len}", f"cp = {stage.chosen.cp}",
                                                     *(f"{k} = {v!r}" for k, v in rope.items())]
         if i and stage.chosen.offload != plan.stages[i - 1].chosen.offload:  # absent = the previous stage's
-            lines.append(f"offload = {_fmt(stage.chosen.offload)}")
+            lines.append(f"offload = {toml_value(stage.chosen.offload)}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,5 +1,5 @@
 """Rates measured on the device: one JSON file per accelerator (training/planning/rates/<accelerator>.json, written by
-bench/bench_rates.py on that GPU), which the step model (training/planning/step_model.py) uses in place of the
+bench/bench_rates.py on that GPU), which the step model (training/planning/price.py) uses in place of the
 published figures of training/planning/accelerators.py, component by component.
 
 A file holds the device's name, torch and CUDA versions, the date, and a list of rates, each with the shape it was
@@ -24,14 +24,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from config.accelerators import accelerator_of
 from config.errors import Refusal
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RATES_DIR = os.path.join(REPO, "training", "planning", "rates")
 COMPONENTS = ("gemm", "attention", "hbm", "optimizer")
-DEVICE_MARKERS = {"h100-sxm": "H100", "h100-sxm-500w": "H100", "h200": "H200", "a100-80gb": "A100",
-                  "a100-40gb": "A100"}
-"""What the device name of a rates file must contain for each accelerator."""
 
 
 @dataclass(frozen=True)
@@ -124,8 +122,8 @@ def rates_warnings(rates: MeasuredRates | None, accelerator: str, torch_version:
         lines.append(f"warning: {_shown(rates.path)} was measured with torch {rates.torch}, this is torch "
                      f"{torch_version}: kernel rates may differ; measure again with python bench/bench_rates.py on the "
                      f"GPU")
-    marker = DEVICE_MARKERS.get(accelerator)
-    if (marker and marker not in rates.device_name) or rates.accelerator != accelerator:
+    measured_on = accelerator_of(rates.device_name) or ""  # the accelerator table's (config/accelerators.py)
+    if measured_on.split("-")[0] != accelerator.split("-")[0] or rates.accelerator != accelerator:
         lines.append(f"warning: {_shown(rates.path)} was measured on {rates.device_name!r} ({rates.accelerator}), "
                      f"not on a {accelerator}: its rates are used as they are")
     return lines

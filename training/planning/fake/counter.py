@@ -5,7 +5,7 @@
   (a GEMM one cuBLAS launch, a _foreach op one launch per chunk, fused AdamW a few multi-tensor launches); views,
   allocations, detach and prim/profiler records launch none ("no kernel"). The bytes are what an eager kernel reads
   and writes (each tensor input once, each output once; a view counts its whole tensor, an in-place op its tensor
-  twice), so for the kinds priced by bandwidth their sum is the step's HBM traffic (training/planning/step_model.py);
+  twice), so for the kinds priced by bandwidth their sum is the step's HBM traffic (training/planning/price.py);
 - attention calls (`attention`, `by_kernel`, and with `record` every call's op, arguments and result);
 - host syncs (`counts`, `syncs`) and, with `where`, the repository frame that made each one (`places`);
 - host-to-device copies (`host_to_device`): from pageable memory each one waits for the queue to drain.

@@ -27,47 +27,9 @@ from dataclasses import dataclass
 from models.llama import LlamaConfig
 from training.planning.accelerators import (EFFICIENT_VS_FLASH, AcceleratorSpec, attention_rate, flash_rate,
                                            ring_efficiency)
-from training.planning.float8_cost import cast_bytes, converted_gemm_share, converted_params_per_block
+from training.planning.float8_cost import cast_bytes, converted_gemm_share
 from training.planning.rates import MeasuredRates
-from training.planning.roofline import Layout, fsdp_bytes_per_step, parameter_count, recomputed_block_fraction
-
-DOCUMENT_MIX = ((0.5, None), (0.5, 4096))
-"""Without the recipe's prepared stores: half the tokens in documents at least a row long (plain causal over the
-row), half in 4,096-token documents (a ProLong-like long-document mix). (share of tokens, document length)."""
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one rank runs in one optimizer step (the recipe, resolved)."""
-    model: LlamaConfig
-    layout: Layout
-    seq_len: int
-    local_batch_size: int
-    grad_accum: int
-    dtype: str = "bfloat16"
-    ac_mode: str = "none"
-    ac_every: int = 2
-    compile: bool = False
-    loss_chunk_tokens: int = 0
-    reshard_after_forward: bool = True
-    visible_pair_fraction: float | None = None
-    """Visible (query, key) pairs / S^2 per row; None = plain causal."""
-    attention_length: float | None = None
-    """Tokens of one attention call's blocks (documents shorter than S / cp shorten it); None = S / cp."""
-    cp_ring_bytes: float | None = None
-    """The ring's sends per micro-batch, measured by the dry run; None = estimated from the K/V sizes."""
-    offload_bytes: float = 0.0
-    """Host bytes per micro-batch (activation offload), each way over PCIe."""
-    attention_kernel: str = "flash"
-    """The kernel family the attention runs (`stage_attention_kernel`): "cudnn" is priced at cuDNN's rate."""
-    float8: str = "off"
-    """training.float8: the blocks' converted linear layers priced in float8 (training/planning/float8_cost.py)."""
-    tiled_mlp: bool = False
-    """model.mlp_chunk_tokens > 0: the feed-forward stays in the training dtype under float8."""
-    bandwidth_bytes: float | None = None
-    """HBM bytes of one micro-step's elementwise kernels, copies and casts as the trainer launches them eagerly,
-    counted by the dry run's memory probe (training/planning/fake/counter.py); None = `elementwise_bytes_per_token`."""
-
+from training.planning.workload import Workload, comm_bytes, parameter_count, recomputed_block_fraction
 
 @dataclass
 class StepPrediction:
@@ -126,18 +88,7 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float, rates: Measured
     flash = clock * _pick(acc.flash_fraction, where)
     parts["attention"] = _attention_s(w, acc, flash, dtype_factor, attn_recompute, where, rates) * w.grad_accum
     eager = not w.compile
-    if w.bandwidth_bytes:  # counted: every cast, copy and FSDP2 copy the step launches is among them
-        # Compiled, the attention and feed-forward regions are fused and the rest still runs eagerly
-        # (parallelisms.parallelize.apply_compile): the eager count keeps the share the per-op formula leaves.
-        kept = 1.0 if eager else (elementwise_bytes_per_token(m, False, w.dtype)
-                                  / elementwise_bytes_per_token(m, True, w.dtype))
-        parts["elementwise"] = w.bandwidth_bytes * kept / hbm * w.grad_accum
-        parts["fsdp_copies"] = 0.0
-    else:  # compiled (fused regions) or nothing counted: bytes per token of each op class
-        per_token = elementwise_bytes_per_token(m, eager, w.dtype) * layers * (3 + elementwise_recompute)
-        loss_bytes = m.vocab_size * 28  # the chunked loss runs eagerly, compiled or not (apply_compile)
-        parts["elementwise"] = tokens / lay.tp * (per_token + loss_bytes) / hbm * w.grad_accum
-        parts["fsdp_copies"] = fsdp_copy_bytes(w) / hbm * w.grad_accum
+    parts.update(_elementwise(w, layers, elementwise_recompute, hbm))
     if float8_share and not (eager and w.bandwidth_bytes):  # fused (compiled: the probe leaves them uncounted)
         weight_bytes = 2 if w.dtype != "float32" and lay.dp_shard * lay.cp * lay.tp * lay.dp_replicate > 1 else 4
         casts = cast_bytes(m, w.float8, w.tiled_mlp, tokens / lay.tp, 1 + elementwise_recompute, weight_bytes)
@@ -148,6 +99,27 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float, rates: Measured
     compute = sum(parts.values())
     parts.update(_exposed_comm(w, acc, where, compute, parts["attention"]))
     return parts
+
+
+def _elementwise(w: Workload, layers: float, recompute: float, hbm: float) -> dict:
+    """Seconds of the memory-bound work: the blocks' elementwise kernels, the loss's and FSDP2's copies. Counted
+    (`bandwidth_bytes`: every cast, copy and FSDP2 copy an eager micro-step launches): eager, all of it; compiled,
+    the attention and feed-forward regions fuse (parallelisms.parallelize.apply_compile) and the blocks' share keeps
+    the per-op formula's compiled / eager ratio, while FSDP2's copies and the chunked loss, which run eagerly under
+    compile too, keep their eager bytes. Not counted: bytes per token of each op class."""
+    m, lay = w.model, w.layout
+    loss_bytes = w.micro_tokens / lay.tp * m.vocab_size * 28  # the chunked loss runs eagerly, compiled or not
+    if w.bandwidth_bytes:
+        if w.compile:
+            eager_rest = fsdp_copy_bytes(w) + loss_bytes
+            kept = (elementwise_bytes_per_token(m, False, w.dtype) / elementwise_bytes_per_token(m, True, w.dtype))
+            counted = max(0.0, w.bandwidth_bytes - eager_rest) * kept + min(eager_rest, w.bandwidth_bytes)
+        else:
+            counted = w.bandwidth_bytes
+        return {"elementwise": counted / hbm * w.grad_accum, "fsdp_copies": 0.0}
+    per_token = elementwise_bytes_per_token(m, not w.compile, w.dtype) * layers * (3 + recompute)
+    return {"elementwise": (w.micro_tokens / lay.tp * per_token + loss_bytes) / hbm * w.grad_accum,
+            "fsdp_copies": fsdp_copy_bytes(w) / hbm * w.grad_accum}
 
 
 def op_recomputed_matmul_share(m: LlamaConfig) -> float:
@@ -228,130 +200,30 @@ def _attention_s(w: Workload, acc: AcceleratorSpec, clock: float, dtype_factor: 
 
 
 def _exposed_comm(w: Workload, acc: AcceleratorSpec, where: float, compute_s: float, attention_s: float) -> dict:
-    m, lay = w.model, w.layout
+    """Seconds each collective waits beyond the compute: FSDP's prefetched gathers (per micro-step the first gather
+    and the last reduce-scatter wait, and whatever exceeds the compute), TP's all of it, the ring beyond its
+    layer's attention, activation offload's copies beyond the compute. Bytes: workload.comm_bytes."""
+    lay = w.layout
     nvlink = acc.nvlink_bytes_per_s * _pick(acc.nvlink_busbw_fraction, where)
     ib = acc.ib_bytes_per_s * _pick(acc.ib_busbw_fraction, where)
-
-    def seconds(nbytes: float, span: int) -> float:
-        return nbytes / (nvlink if lay.intra_node(span) else ib)
-
-    n = lay.dp_shard * lay.cp
-    float8_params = (converted_params_per_block(m, w.tiled_mlp) * m.n_layers if w.float8 == "tensorwise" else 0.0)
-    shard, replicate = fsdp_bytes_per_step(m, lay, w.dtype, w.grad_accum, w.reshard_after_forward, float8_params)
-    fsdp = seconds(shard, n * lay.tp) + seconds(replicate, lay.dp_replicate * n * lay.tp)
-    layers = m.n_layers / lay.pp
-    # Prefetch hides a layer's gather under the previous layer's compute: per micro-step the first gather and the
-    # last reduce-scatter wait, and whatever exceeds the compute waits too.
-    edges = 2 * fsdp / max(layers, 1) if n > 1 else 0.0
+    seconds = {name: nbytes / (nvlink if lay.intra_node(span) else ib)
+               for name, (nbytes, span) in comm_bytes(w).items()}
+    fsdp = seconds["fsdp"] + seconds["fsdp_replicate"]
+    edges = 2 * fsdp / max(w.model.n_layers / lay.pp, 1) if lay.dp_shard * lay.cp > 1 else 0.0
     out = {"fsdp_exposed": edges + max(0.0, fsdp - edges - compute_s)}
-    act_bytes = 4 if w.dtype == "float32" else 2
-    tokens = w.local_batch_size * w.seq_len / lay.cp
-    if lay.tp > 1:
-        collectives = 8 + 4 * recomputed_block_fraction(w.ac_mode, w.ac_every)
-        per_layer = collectives * tokens * m.dim * act_bytes * (lay.tp - 1) / lay.tp
-        out["tp_exposed"] = seconds(per_layer * layers * w.grad_accum, lay.tp)
-    if lay.cp > 1:
-        ring = w.cp_ring_bytes
-        if ring is None:
-            kv = 2 * tokens * m.num_kv_heads * m.head_dim / lay.tp
-            forwards = 1 + recomputed_block_fraction(w.ac_mode, w.ac_every)
-            ring = layers * (lay.cp - 1) * (forwards * kv * act_bytes + kv * (act_bytes + 4))
-        out["ring_exposed"] = max(0.0, seconds(ring * w.grad_accum, lay.cp * lay.tp) - attention_s)
+    if "tp" in seconds:
+        out["tp_exposed"] = seconds["tp"]
+    if "ring" in seconds:
+        out["ring_exposed"] = max(0.0, seconds["ring"] - attention_s)
     if w.offload_bytes:
         pcie = acc.pcie_bytes_per_s * _pick(acc.pcie_fraction, where)
         out["offload_exposed"] = max(0.0, 2 * w.offload_bytes * w.grad_accum / pcie - compute_s)
     return out
 
 
-def document_pair_fraction(seq_len: int, mix=DOCUMENT_MIX) -> tuple[float, float]:
-    """(visible pairs / S^2, pair-weighted block length) of rows packed from `mix` with document masking."""
-    fraction, length_weighted = 0.0, 0.0
-    for share, length in mix:
-        doc = min(length or seq_len, seq_len)
-        pairs = share * seq_len / doc * doc * (doc + 1) / 2 / seq_len ** 2
-        fraction += pairs
-        length_weighted += pairs * doc
-    return fraction, length_weighted / fraction
-
-
-PREDICTION_STATEMENT = ("predicted: calibrated step time (training/planning/step_model.py): GEMMs at cuBLAS's measured "
+PREDICTION_STATEMENT = ("predicted: calibrated step time (training/planning/price.py): GEMMs at cuBLAS's measured "
                         "rate, attention at its kernel's (cuDNN on H100/H200: FlashAttention-2's rate times cuDNN's "
                         "measured speed-up; FlashAttention-2 on A100 and for packed documents; a CP ring at the zigzag "
                         "ring's measured share of one call), "
                         "elementwise work at achieved HBM bandwidth, collectives at NCCL's bus bandwidth with FSDP "
                         "prefetch and the ring under attention; band = the sources' spread (docs/predictions.md)")
-
-
-def accelerator_for(hw) -> AcceleratorSpec:
-    """The recipe's accelerator with its link overrides (hardware.nvlink_gb_per_s, network_gb_per_s)."""
-    import dataclasses
-
-    from training.planning.accelerators import accelerator
-
-    spec = accelerator(hw.accelerator)
-    links = {"nvlink_bytes_per_s": hw.nvlink_gb_per_s * 1e9, "ib_bytes_per_s": hw.network_gb_per_s * 1e9}
-    return dataclasses.replace(spec, **{k: v for k, v in links.items() if v > 0})
-
-
-def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None, offload_bytes: float,
-                 bandwidth_bytes: float | None = None) -> Workload:
-    """The Workload of one resolved recipe stage; document masking counts the visible pairs of DOCUMENT_MIX;
-    `bandwidth_bytes`: the memory probe's count (Workload.bandwidth_bytes)."""
-    from models.llama import recipe_model_config
-
-    t, p = cfg.training, cfg.parallelism
-    fraction = length = None
-    if cfg.data.document_masking:
-        fraction, doc_length = pairs_from_stores(cfg, t.seq_len) or document_pair_fraction(t.seq_len)
-        length = min(doc_length, t.seq_len / dims.cp)
-    layout = Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node)
-    mcfg = recipe_model_config(cfg)
-    return Workload(mcfg, layout, t.seq_len, t.local_batch_size, t.grad_accum_steps(dims.dp),
-                    t.dtype, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every, t.compiles("cuda"),
-                    t.loss_tile_tokens(mcfg.vocab_size), p.reshard_after_forward, fraction, length, cp_ring_bytes,
-                    offload_bytes, stage_attention_kernel(cfg), t.float8, cfg.model.mlp_chunk_tokens > 0,
-                    bandwidth_bytes)
-
-
-def stage_attention_kernel(cfg) -> str:
-    """The kernel family a stage's attention runs on the recipe's accelerator: float32 the memory-efficient kernel,
-    packed documents the flash varlen calls; otherwise `parallelism.attention_kernel` resolved by the accelerator's compute capability (auto:
-    cuDNN on H100/H200), which the trainer also hands to SDPA as its backend order when no CP context runs."""
-    from training.planning.accelerators import kernel_on
-
-    if cfg.training.dtype == "float32":
-        return "efficient"  # flash and cuDNN are half precision only: the memory-efficient kernel
-    if cfg.data.document_masking:
-        return "flash"
-    return kernel_on(cfg.hardware.accelerator, cfg.parallelism.attention_kernel)
-
-
-def pairs_from_stores(cfg, seq_len: int) -> tuple[float, float] | None:
-    """(visible pairs / S^2, pair-weighted block length) of the recipe's prepared stores (data.cache_dir/stores/,
-    every shard's per-document lengths), sources weighted by `weight`; a document longer than a row is cut into
-    rows. None when a source has no prepared store here (the dry run then uses DOCUMENT_MIX)."""
-    import glob
-    import os
-
-    import numpy as np
-
-    from data.prepare import _safe
-
-    sources = cfg.data.sources
-    if not sources or not cfg.data.cache_dir:
-        return None
-    total_weight = sum(src.weight for src in sources)
-    fraction = weighted_length = 0.0
-    for src in sources:
-        files = glob.glob(os.path.join(cfg.data.cache_dir, "stores", f"{_safe(src.name)}-*", "shard-*.lengths"))
-        lengths = np.concatenate([np.fromfile(f, dtype=np.uint32) for f in files]) if files else np.zeros(0)
-        if lengths.sum() == 0:
-            return None
-        lengths = lengths.astype(np.float64)
-        whole, rest = np.divmod(lengths, seq_len)  # a document fills `whole` rows and a last piece of `rest`
-        pieces = np.concatenate([np.full(int(whole.sum()), float(seq_len)), rest[rest > 0]])
-        pairs = pieces * (pieces + 1) / 2
-        share = src.weight / total_weight / lengths.sum()  # per token of this source
-        fraction += share * pairs.sum() * seq_len / seq_len ** 2
-        weighted_length += share * (pairs * pieces).sum() * seq_len / seq_len ** 2
-    return fraction, weighted_length / fraction

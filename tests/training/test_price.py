@@ -32,10 +32,10 @@ OUTSIDE = {"table2_fsdp2_cp4_128k": (1.0, 1.26), "table2_fsdp1_cp8_256k": (1.0, 
 
 
 def predicted_tokens_per_gpu(seq_len: int, dp_shard: int, cp: int, batch: int, ac: str, compile_: bool) -> dict:
-    """The dry run's prediction (training/dry_run.roofline_times) for the TorchTitan recipe set to one row."""
+    """The dry run's prediction (training/planning/dry_run.stage_times) for the TorchTitan recipe set to one row."""
     from config.recipe import load_config
-    from training.planning.dry_run import roofline_times
-    from training.planning.preflight import preflight
+    from training.planning.dry_run import stage_times
+    from training.launch_checks.preflight import preflight
 
     # TorchTitan's rows are priced as FlashAttention-2 runs (torch's SDPA flash backend under its CP): priced at
     # cuDNN's Hopper rate instead, every row comes out 1.19-2.03x faster than published (FA2: 0.84-1.20x), so the
@@ -45,7 +45,7 @@ def predicted_tokens_per_gpu(seq_len: int, dp_shard: int, cp: int, batch: int, a
                                "--parallelism.dp_shard", str(dp_shard), "--parallelism.cp", str(cp),
                                "--training.local_batch_size", str(batch), "--activation_checkpoint.mode", ac,
                                "--training.compile", "true" if compile_ else "false"])
-    return roofline_times(cfg, preflight(cfg, 8), cfg.hardware.gpus_per_node, None)
+    return stage_times(cfg, preflight(cfg, 8), cfg.hardware.gpus_per_node, None)
 
 
 def _row_params():
@@ -79,14 +79,16 @@ def test_causal_attention_flops_match_the_closed_form():
     closed form for a causal row is S (S + 1) / 2 pairs."""
     from models.llama import model_config
     from training.planning.accelerators import ACCELERATORS
-    from training.planning.roofline import Layout
-    from training.planning.step_model import Workload, predict_step
+    from training.planning.price import predict_step
+    from training.planning.workload import Layout, Workload
 
     m = model_config("llama3_8b")
     acc = ACCELERATORS["h100-sxm"]
     seq = 65536
-    one = predict_step(Workload(m, Layout(1, 1, 1, 1, 1, 8), seq, 1, 1, ac_mode="none"), acc)
-    half = predict_step(Workload(m, Layout(1, 1, 1, 1, 1, 8), seq, 1, 1, ac_mode="none",
+    one = predict_step(Workload(model=m, layout=Layout(1, 1, 1, 1, 1, 8), seq_len=seq,
+                                local_batch_size=1, grad_accum=1), acc)
+    half = predict_step(Workload(model=m, layout=Layout(1, 1, 1, 1, 1, 8), seq_len=seq,
+                                 local_batch_size=1, grad_accum=1,
                                  visible_pair_fraction=(seq + 1) / (4 * seq)), acc)
     assert half.parts["attention"] == pytest.approx(one.parts["attention"] / 2, rel=1e-12)
     flops = 4 * seq * (seq + 1) / 2 * m.n_heads * m.head_dim * m.n_layers * (1 + 2.5)
@@ -96,17 +98,6 @@ def test_causal_attention_flops_match_the_closed_form():
     fwd_rate, bwd_rate = (flash_rate(acc, phase, 128, True, seq) * middle for phase in ("fwd", "bwd"))
     expected = flops / 3.5 * (1 / fwd_rate + 2.5 / bwd_rate)
     assert one.parts["attention"] == pytest.approx(expected, rel=1e-9)
-
-
-def test_document_mix_pairs_are_the_closed_form():
-    from training.planning.step_model import document_pair_fraction
-
-    seq = 65536
-    fraction, length = document_pair_fraction(seq, ((0.5, None), (0.5, 4096)))
-    whole = 0.5 * (seq + 1) / (2 * seq)
-    docs = 0.5 * (4096 + 1) / (2 * seq)
-    assert fraction == pytest.approx(whole + docs, rel=1e-12)
-    assert 4096 < length < seq
 
 
 def test_accelerator_memory_defaults_and_overrides():
@@ -138,6 +129,9 @@ def test_dry_run_json_carries_the_prediction_and_refuses_host_memory_over_the_no
     low, high = stage["predicted_step_s_band"]
     assert stage["roofline_step_s"] < low <= stage["predicted_step_s"] <= high
     assert stage["predicted_tokens_per_sec_per_gpu"] == pytest.approx(2048 / stage["predicted_step_s"], rel=1e-9)
+    # the one predicted peak every report compares (issue 50, bug 4): the CUDA path's, where it was measured
+    assert stage["predicted_peak_gib_per_rank"] == stage.get("peak_device_gib_per_rank_cuda_path",
+                                                             stage["peak_device_gib_per_rank"])
     assert stage["host_gib_per_node"] == pytest.approx(4 * 2048 * 256 * 4 / 2**30, rel=1e-9)
     # float32 runs the memory-efficient kernel, which the shipped file does not measure (its GEMMs, copies and
     # optimizer it does: bench/bench_rates.py on an H100)
@@ -153,42 +147,14 @@ def test_dry_run_json_carries_the_prediction_and_refuses_host_memory_over_the_no
     assert f"  rates: {source}" in done.stdout.splitlines()
 
 
-def test_visible_pairs_from_prepared_stores(tmp_path):
-    """Two sources at weights 1:3, their shards' document lengths written as the store does (uint32 per document):
-    'books' one 2-row document (two causal rows), 'web' 100-token documents. Closed form per row of S tokens:
-    1/4 of the tokens see S (S + 1) / 2 pairs per S tokens, 3/4 see 101 / 2 pairs per token."""
-    import numpy as np
-
-    from config.recipe import load_config
-    from training.planning.step_model import pairs_from_stores
-
-    seq = 4096
-    for name, lengths in (("books", [2 * seq]), ("web", [100] * 50)):
-        folder = tmp_path / "stores" / f"{name}-0123456789abcdef"
-        folder.mkdir(parents=True)
-        np.asarray(lengths, dtype=np.uint32).tofile(folder / "shard-00000.lengths")
-    recipe = tmp_path / "r.toml"
-    recipe.write_text(f'[data]\ncache_dir = "{tmp_path}"\ndocument_masking = true\n'
-                      '[[data.sources]]\nname = "books"\npath = ["x"]\nweight = 1.0\n'
-                      '[[data.sources]]\nname = "web"\npath = ["y"]\nweight = 3.0\n')
-    cfg = load_config(str(recipe))
-    fraction, length = pairs_from_stores(cfg, seq)
-    expected = 0.25 * (seq + 1) / (2 * seq) + 0.75 * 101 / (2 * seq)
-    assert fraction == pytest.approx(expected, rel=1e-12)
-    books, web = 0.25 * (seq + 1) / (2 * seq), 0.75 * 101 / (2 * seq)
-    assert length == pytest.approx((books * seq + web * 100) / expected, rel=1e-12)
-    cfg.data.sources[1].name = "unprepared"
-    assert pairs_from_stores(cfg, seq) is None
-
-
 def test_ring_attention_is_one_causal_call_at_the_rings_measured_share():
     """A CP ring's attention: the causal FlashAttention-2 rate over the rank's block times the zigzag ring's measured
     share of it (forward and backward); the backward's share reproduces the published forward + backward figure."""
     from models.llama import model_config
     from training.planning.accelerators import (ACCELERATORS, RING_MEASURED_LENGTH, RING_ZIGZAG_FWD,
                                                 RING_ZIGZAG_FWD_BWD, flash_rate, ring_efficiency)
-    from training.planning.roofline import Layout
-    from training.planning.step_model import Workload, predict_step
+    from training.planning.price import predict_step
+    from training.planning.workload import Layout, Workload
 
     acc = ACCELERATORS["h100-sxm"]
     t_f = 1 / flash_rate(acc, "fwd", 128, True, RING_MEASURED_LENGTH)
@@ -198,7 +164,8 @@ def test_ring_attention_is_one_causal_call_at_the_rings_measured_share():
         assert any(t_f / e_f + t_b / e_b == pytest.approx((t_f + t_b) / e_fb, rel=1e-12) for e_b in (b_low, b_high))
     m = model_config("llama3_8b")
     seq, cp = 65536, 4
-    ring = predict_step(Workload(m, Layout(1, 1, 1, cp, 1, 8), seq, 1, 1, ac_mode="none"), acc)
+    ring = predict_step(Workload(model=m, layout=Layout(1, 1, 1, cp, 1, 8), seq_len=seq,
+                                 local_batch_size=1, grad_accum=1), acc)
     fwd_flops = 4 * seq * (seq + 1) / 2 / cp * m.n_heads * m.head_dim * m.n_layers
     middle = sum(acc.flash_fraction) / 2
     expected = sum(flops / (flash_rate(acc, phase, 128, True, seq / cp) * middle * sum(ring_efficiency(phase, 128)) / 2)
@@ -214,11 +181,11 @@ def test_cudnn_attention_is_priced_at_its_measured_hopper_speedup_and_documents_
     from config.recipe import load_config
     from models.llama import model_config
     from training.planning.accelerators import ACCELERATORS, CUDNN_VS_FA2_HOPPER, flash_rate
-    from training.planning.roofline import Layout
-    from training.planning.step_model import Workload, predict_step, stage_attention_kernel
+    from training.planning.price import predict_step
+    from training.planning.workload import Layout, Workload, stage_attention_kernel
 
     m, acc = model_config("llama3_8b"), ACCELERATORS["h100-sxm"]
-    base = Workload(m, Layout(1, 1, 8, 1, 1, 8), 65536, 1, 1, ac_mode="none")
+    base = Workload(model=m, layout=Layout(1, 1, 8, 1, 1, 8), seq_len=65536, local_batch_size=1, grad_accum=1)
     flash, cudnn = (predict_step(dataclasses.replace(base, attention_kernel=k), acc).parts["attention"]
                     for k in ("flash", "cudnn"))
     t_f = 1 / flash_rate(acc, "fwd", 128, True, 65536)
@@ -239,7 +206,7 @@ def test_cudnn_attention_is_priced_at_its_measured_hopper_speedup_and_documents_
 def test_op_ac_recomputes_the_even_numbered_matmuls():
     """Of wq, wk, wv, wo, w1, w3, w2 the op policy saves the odd-numbered outputs: wk, wo and w3 run again."""
     from models.llama import model_config
-    from training.planning.step_model import op_recomputed_matmul_share
+    from training.planning.price import op_recomputed_matmul_share
 
     m = model_config("llama3_8b")
     d, q, kv, f = m.dim, m.n_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.ffn_hidden_dim
@@ -250,23 +217,24 @@ def test_op_ac_recomputes_the_even_numbered_matmuls():
 
 def test_an_eager_step_is_priced_from_its_counted_bytes():
     """With the memory probe's count (Workload.bandwidth_bytes) an eager step's elementwise time is those bytes over
-    the HBM rate, FSDP2's copies included in them; a compiled step keeps the share of them that runs outside
-    apply_compile's regions (the norms and residual adds: their bytes over all of a block's, by the per-op
-    formula)."""
+    the HBM rate, FSDP2's copies included in them; a compiled step keeps FSDP2's copies and the loss's bytes (eager
+    under compile too) and, of the rest, the share that runs outside apply_compile's regions (the norms and residual
+    adds: their bytes over all of a block's, by the per-op formula)."""
     import dataclasses
 
     from models.llama import model_config
     from training.planning.accelerators import ACCELERATORS
-    from training.planning.roofline import Layout
-    from training.planning.step_model import Workload, predict_step
+    from training.planning.price import predict_step
+    from training.planning.workload import Layout, Workload, parameter_count
 
     acc = ACCELERATORS["h100-sxm"]
-    base = Workload(model_config("llama3_8b"), Layout(1, 1, 8, 1, 1, 8), 8192, 1, 2, ac_mode="none")
+    base = Workload(model=model_config("llama3_8b"), layout=Layout(1, 1, 8, 1, 1, 8), seq_len=8192,
+                    local_batch_size=1, grad_accum=2)
     counted = predict_step(dataclasses.replace(base, bandwidth_bytes=100e9), acc)
     hbm = acc.hbm_bytes_per_s * sum(acc.hbm_fraction) / 2
     assert counted.parts["elementwise"] == pytest.approx(100e9 / hbm * 2, rel=1e-12)
     assert counted.parts["fsdp_copies"] == 0 and predict_step(base, acc).parts["fsdp_copies"] > 0
-    compiled = predict_step(dataclasses.replace(base, compile=True, bandwidth_bytes=100e9), acc)
+    compiled = predict_step(dataclasses.replace(base, compile=True, bandwidth_bytes=400e9), acc)
     m, e = base.model, 2
     norms_and_residuals = 2 * m.dim * (4 * e + 5 * 4) + 2 * 3 * m.dim * e
     rope = (m.n_heads + m.num_kv_heads) * m.head_dim * (2 * e + 4 * 4)
@@ -275,7 +243,9 @@ def test_an_eager_step_is_priced_from_its_counted_bytes():
     fused = (m.n_heads + m.num_kv_heads) * m.head_dim * 2 * e + m.ffn_hidden_dim * 3 * e
     kept = (norms_and_residuals + fused) / (norms_and_residuals + rope + layout + gate)
     assert 0.6 < kept < 0.75
-    assert compiled.parts["elementwise"] == pytest.approx(100e9 * kept / hbm * 2, rel=1e-12)
+    eager_rest = 14 * parameter_count(m) + 8192 * m.vocab_size * 28  # FSDP2's copies (bf16) and the loss
+    assert compiled.parts["elementwise"] == pytest.approx(((400e9 - eager_rest) * kept + eager_rest) / hbm * 2,
+                                                          rel=1e-12)
 
 
 def test_the_probes_counted_bytes_extrapolate_to_the_full_depth():
@@ -306,15 +276,15 @@ def test_float8_speedup_against_torchtitans_published_runs(recipe):
     """training.float8 prices the blocks' linear layers at the FP8 tensor-core rate, plus torchao's scaling casts
     and (tensorwise) float8 all-gathers: the predicted speed-up over bf16 is within 0.1 of TorchTitan's."""
     from config.recipe import load_config
-    from training.planning.dry_run import roofline_times
-    from training.planning.preflight import preflight
+    from training.planning.dry_run import stage_times
+    from training.launch_checks.preflight import preflight
 
     def tokens(float8: str) -> float:
         cfg = load_config(RECIPE, ["--hardware.accelerator", "h100-sxm-500w", "--parallelism.attention_kernel", "flash",
                                    "--training.seq_len", "8192", "--parallelism.dp_shard", "8", "--parallelism.cp", "1",
                                    "--training.local_batch_size", "1", "--activation_checkpoint.mode", "op",
                                    "--training.compile", "true", "--training.float8", float8])
-        times = roofline_times(cfg, preflight(cfg, 8), cfg.hardware.gpus_per_node, None)
+        times = stage_times(cfg, preflight(cfg, 8), cfg.hardware.gpus_per_node, None)
         return times["predicted_tokens_per_gpu_s"], times["predicted_parts"]
 
     (bf16, _), (fp8, parts) = tokens("off"), tokens(recipe)
@@ -325,7 +295,7 @@ def test_float8_speedup_against_torchtitans_published_runs(recipe):
 def test_float8_all_gathers_move_one_byte_per_converted_weight():
     from models.llama import model_config
     from training.planning.float8_cost import converted_gemm_share, converted_params_per_block
-    from training.planning.roofline import Layout, fsdp_bytes_per_step, parameter_count
+    from training.planning.workload import Layout, fsdp_bytes_per_step, parameter_count
 
     m, lay = model_config("llama3_8b"), Layout(1, 1, 8, 1, 1, 8)
     converted = converted_params_per_block(m, False) * m.n_layers
@@ -368,3 +338,29 @@ def test_compiled_float8_casts_are_priced_fused_not_op_by_op(tmp_path):
     assert 1.05 < bf16["predicted_step_s"] / fp8["predicted_step_s"] < 1.4
     assert fp8["predicted_parts_s"]["float8_casts"] > 0 and "float8_casts" not in eager["predicted_parts_s"]
     assert eager["predicted_parts_s"]["elementwise"] > 2 * fp8["predicted_parts_s"]["elementwise"]
+
+
+def test_a_compiled_step_keeps_the_eager_bytes_of_fsdp2_copies_and_the_loss():
+    """Issue 50, bug 3: with counted bytes, compile fuses the blocks' elementwise kernels only; FSDP2's copy-out of
+    gathered parameters, its float32 gradient packing and the chunked loss run eagerly under compile too. A count
+    made of nothing but those costs the same compiled as eager; a count with block work in it costs less compiled."""
+    import dataclasses
+
+    from models.llama import model_config
+    from training.planning.accelerators import ACCELERATORS
+    from training.planning.price import predict_step
+    from training.planning.workload import Layout, Workload, parameter_count
+
+    m, acc, seq = model_config("llama3_8b"), ACCELERATORS["h100-sxm"], 8192
+    # bf16, resharded after forward: two gathers copied out (read + write 2 bytes each), the gradient read in bf16
+    # and written in float32: 14 bytes per parameter; the loss 28 bytes per logit.
+    eager_only = 14 * parameter_count(m) + seq * m.vocab_size * 28
+    base = Workload(model=m, layout=Layout(1, 1, 8, 1, 1, 8), seq_len=seq, local_batch_size=1, grad_accum=2,
+                    loss_chunk_tokens=1024)
+
+    def memory_bound_s(compile_: bool, counted: float) -> float:
+        parts = predict_step(dataclasses.replace(base, compile=compile_, bandwidth_bytes=counted), acc).parts
+        return parts["elementwise"] + parts["fsdp_copies"]
+
+    assert memory_bound_s(True, eager_only) == pytest.approx(memory_bound_s(False, eager_only), rel=1e-12)
+    assert memory_bound_s(True, 3 * eager_only) < memory_bound_s(False, 3 * eager_only)

@@ -14,7 +14,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline_parallel import plan_pipeline
 from parallelisms.cp.layouts import sequence_divisor
 from parallelisms.tensor_parallel import check_tp_degree
-from training.planning.eval_memory import stage_eval_config
+from training.launch_checks.eval_config import stage_eval_config
 from training.evaluation.niah import niah_eval_lengths
 from training.ramp import RampStage, resolve_stages
 

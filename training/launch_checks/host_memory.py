@@ -160,7 +160,7 @@ def screen_node_bytes(cfg: Config, world: int, device_type: str, process_bytes: 
     or an offloading one, and on a CPU run the activations a block keeps (~34 values per token and hidden unit
     without checkpointing, as Korthikanti et al. count them, one with full checkpointing) over the CP ranks."""
     from models.llama import recipe_model_config
-    from training.planning.roofline import parameter_count
+    from training.planning.workload import parameter_count
 
     m, t, p = recipe_model_config(cfg), cfg.training, cfg.parallelism
     shards = max(1, world // max(1, p.tp * p.pp * p.dp_replicate))

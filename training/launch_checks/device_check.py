@@ -12,7 +12,7 @@ from config import RecipeError
 from config.schema import Config
 from models.llama import recipe_model_config
 from parallelisms.cp.kernel_blocks import kernel_problem, module_installed
-from training.planning.roofline import parameter_count
+from training.planning.workload import parameter_count
 
 GPU_SIZED_PARAMETERS = 1e9
 """With hardware.device = "auto", a model this large counts as GPU-sized (the 8B on CPU would not finish a step)."""
