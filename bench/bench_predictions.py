@@ -66,7 +66,16 @@ def _namespace(run: dict, steps: int) -> argparse.Namespace:
 
 def overrides(run: dict, out: str, steps: int) -> list[str]:
     return [*our_overrides(_namespace(run, steps), out, run["documents"], run["compile"], run["float8"]),
-            "--parallelism.attention_kernel", run.get("attention_kernel", "auto")]
+            "--parallelism.attention_kernel", run_kernel(run)]
+
+
+def run_kernel(run: dict) -> str:
+    """The attention_kernel a run is replayed (and priced) with. A measured run that names the documents kernel it
+    ran is priced on that kernel: `auto` took FlashAttention-2 varlen for documents until cuDNN THD's GPU tests
+    passed (bench/measurements/h200_documents_2026-11-28, commit 902c7b3) and takes THD since, so such a run's
+    `auto` is "flash" now."""
+    kernel = run.get("attention_kernel", "auto")
+    return "flash" if kernel == "auto" and run.get("documents_kernel") == "flash_varlen" else kernel
 
 
 def label(run: dict) -> str:

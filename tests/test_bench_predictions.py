@@ -69,3 +69,21 @@ def test_the_shipped_h100_runs_stay_predicted_within_15_percent():
         assert abs(step_ratio - 1) <= 0.15, (name, rows[name])
         if "compiled" not in name:  # compiled regions keep fewer activations than the eager probe counts
             assert abs(memory_ratio - 1) <= 0.02, (name, rows[name])
+
+
+H200 = os.path.join(ROOT, "bench", "measurements", "h200_documents_2026-11-28")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["predictions_64k.json", os.path.join("thd_recheck", "predictions_thd.json")])
+def test_the_h200_documents_runs_stay_predicted_within_15_percent(name):
+    """Issue 46: packed documents priced on the recipe's own documents (here Python's pydoc corpus, tokenized with
+    the run's tokenizer) at the kernel each run took (cuDNN THD or FlashAttention-2 varlen: the measured file names
+    it), piece by piece (training/planning/documents_cost.py), eager and compiled, at 8K and 64K."""
+    done = _bench("--predict", os.path.join(H200, name), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in done.stdout.splitlines()
+            if line.startswith("| ") and "documents" in line}
+    assert len(rows) >= 3, done.stdout
+    for name, cells in rows.items():
+        assert abs(float(cells[2]) - 1) <= 0.15, (name, cells)

@@ -1,11 +1,15 @@
 """The price of packed documents at CP 1 (training/planning/documents_cost.py): rows cut from a document stream as
 the packer cuts them, each piece at its own length's rate, times the kernel's measured overhead per call."""
+import os
+
 import numpy as np
 import pytest
 
 from training.planning.accelerators import ACCELERATORS
 from training.planning.documents_cost import (PUBLISHED, PackedCall, _web_like_pieces, call_overhead,
                                               packed_attention_seconds, pieces_seconds, row_pieces)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _packed_rows_by_hand(lengths: list[int], seq_len: int, rows: int) -> list[list[int]]:
@@ -69,3 +73,40 @@ def test_short_documents_cost_less_than_one_long_one_and_thd_less_than_varlen_at
     assert one / 64 < many < one / 16
     varlen = packed_attention_seconds(acc, "flash_varlen", {1024: 64}, 16, 128, 1.0)
     assert varlen > 1.3 * many
+
+
+def test_packed_documents_at_cp1_are_one_call_per_layer_priced_piece_by_piece():
+    """Issue 46: at CP 1 each layer runs one packed call per direction over the micro-batch's rows: priced on the
+    row's document pieces at the stage's documents kernel (cuDNN THD where the run takes cuDNN, FA2 varlen on A100),
+    not on the visible pairs at one block length; under CP the ring's blocks keep the pair pricing."""
+    import dataclasses
+
+    from config.recipe import load_config
+    from models.llama import model_config
+    from training.planning.accelerators import ACCELERATORS
+    from training.planning.documents_cost import packed_attention_seconds
+    from training.planning.price import predict_step
+    from training.planning.workload import Layout, Workload, stage_documents_kernel
+
+    m, acc = model_config("llama3_8b"), ACCELERATORS["h200"]
+    pieces = ((1000, 60.0), (5536, 1.0))
+    w = Workload(model=m, layout=Layout(1, 1, 1, 1, 1, 8), seq_len=65536, local_batch_size=2, grad_accum=3,
+                 visible_pair_fraction=0.02, attention_length=2000.0, document_pieces=pieces,
+                 documents_kernel="cudnn_thd")
+    one_row = packed_attention_seconds(acc, "cudnn_thd", dict(pieces), m.n_heads, m.head_dim, 1.0)
+    attention = predict_step(w, acc).parts["attention"]
+    assert attention <= 2 * 3 * m.n_layers * one_row  # two rows in one call: its overhead read at 128K tokens
+    assert attention == pytest.approx(3 * m.n_layers * packed_attention_seconds(
+        acc, "cudnn_thd", dict(pieces), m.n_heads, m.head_dim, 1.0, rows=2), rel=1e-9)
+    varlen = predict_step(dataclasses.replace(w, documents_kernel="flash_varlen"), acc).parts["attention"]
+    assert varlen > 1.3 * attention
+    ring = dataclasses.replace(w, layout=Layout(1, 1, 1, 2, 1, 8))
+    assert predict_step(ring, acc).parts["attention"] == predict_step(
+        dataclasses.replace(ring, document_pieces=None), acc).parts["attention"]
+
+    def kernel(*overrides):
+        return stage_documents_kernel(load_config(os.path.join(ROOT, "recipes", "debug.toml"), ["--data.document_masking", "true", *overrides]))
+    assert kernel("--hardware.accelerator", "h100-sxm", "--training.dtype", "bfloat16") == "cudnn_thd"
+    assert kernel("--hardware.accelerator", "a100-80gb", "--training.dtype", "bfloat16") == "flash_varlen"
+    assert kernel("--hardware.accelerator", "h200", "--training.dtype", "bfloat16",
+                  "--parallelism.attention_kernel", "flash") == "flash_varlen"

@@ -175,7 +175,8 @@ def test_ring_attention_is_one_causal_call_at_the_rings_measured_share():
 
 def test_cudnn_attention_is_priced_at_its_measured_hopper_speedup_and_documents_stay_on_flash():
     """The stage's kernel family prices its attention: cuDNN at the measured per-phase speed-up over FlashAttention-2
-    on Hopper (accelerators.CUDNN_VS_FA2_HOPPER), FlashAttention-2 on A100 and for packed documents (varlen)."""
+    on Hopper (accelerators.CUDNN_VS_FA2_HOPPER), FlashAttention-2 on A100; under CP the documents blocks on
+    FlashAttention-2 (varlen)."""
     import dataclasses
 
     from config.recipe import load_config

@@ -110,7 +110,8 @@ def test_bench_rates_writes_what_load_rates_reads(tmp_path):
     result = subprocess.run(
         [sys.executable, os.path.join("bench", "bench_rates.py"), "--accelerator", "h100-sxm", "--device", "cpu",
          "--gemm-shapes", "64x128,128x256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64",
-         "--lengths", "64,128", "--copy-bytes", "65536", "--optimizer-params", "1000", "--reps", "1",
+         "--lengths", "64,128", "--packed-lengths", "256", "--copy-bytes", "65536", "--optimizer-params", "1000",
+         "--reps", "1",
          "--host", "--host-optimizer-params", "1000", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=child_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -121,6 +122,9 @@ def test_bench_rates_writes_what_load_rates_reads(tmp_path):
     assert min(row[2] for row in rates.gemm_rows + rates.fp8_gemm_rows) > 0
     assert set(rates.attention) == {("flash", "fwd"), ("flash", "bwd")}
     assert [row[1] for row in rates.attention["flash", "fwd"]] == [64, 128]
+    (packed,) = rates.packed_calls  # the CPU's per-document calls, at the packed total asked
+    assert (packed.kernel, packed.tokens, packed.heads, packed.head_dim) == ("per_document", 256, 4, 16)
+    assert packed.seconds > 0 and rates.has("packed_attention", "per_document")
 
 
 def test_a_model_is_priced_at_the_gemm_row_and_attention_length_nearest_its_own(tmp_path):

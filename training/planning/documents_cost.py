@@ -99,10 +99,13 @@ def call_overhead(kernel: str, tokens: float, measured: tuple[PackedCall, ...] =
 
 
 def packed_attention_seconds(acc: AcceleratorSpec, kernel: str, pieces: dict[int, float], heads: float,
-                             head_dim: int, forwards: float, measured: tuple[PackedCall, ...] = PUBLISHED) -> float:
-    """One row's packed calls of one layer (forward passes and backward), `pieces` the row's document pieces."""
-    tokens = sum(length * count for length, count in pieces.items())
-    return pieces_seconds(acc, kernel, pieces, heads, head_dim, forwards) * call_overhead(kernel, tokens, measured)
+                             head_dim: int, forwards: float, measured: tuple[PackedCall, ...] = PUBLISHED,
+                             rows: int = 1) -> float:
+    """One layer's packed calls (forward passes and backward) over `rows` rows of `pieces` each: one call takes
+    every row of the micro-batch, so its overhead is read at rows x the row's tokens."""
+    tokens = rows * sum(length * count for length, count in pieces.items())
+    per_row = pieces_seconds(acc, kernel, pieces, heads, head_dim, forwards)
+    return rows * per_row * call_overhead(kernel, tokens, measured)
 
 
 def row_pieces(document_lengths: np.ndarray, seq_len: int, rows: int = 64) -> dict[int, float]:

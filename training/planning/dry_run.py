@@ -36,7 +36,7 @@ from training.launch_checks.host_memory import (HostPlan, host_plan, host_refusa
                                            resident_bytes)
 from training.planning.accelerators import accelerator_for
 from training.planning.price import PREDICTION_STATEMENT, predict_step
-from training.planning.workload import parameter_count, workload_for
+from training.planning.workload import document_lengths, parameter_count, stage_documents_kernel, workload_for
 
 RUNTIME_RESERVE_GIB = 2.0
 """Device memory that tensors cannot use: the CUDA context (~0.5 GiB) and NCCL communicator buffers (~1 GiB)."""
@@ -145,6 +145,16 @@ def stage_times(cfg: Config, dims, gpus_per_node: int, cp_ring_bytes: float | No
     return times
 
 
+def documents_statement(cfg: Config) -> str:
+    """Which kernel packed documents are priced on, and on which documents."""
+    kernel = stage_documents_kernel(cfg)
+    needs = (" (needs nvidia-cudnn-frontend on the nodes, requirements-gpu.txt; without it FlashAttention-2 varlen "
+             "runs)" if kernel == "cudnn_thd" else "")
+    lengths = "the recipe's own documents" if document_lengths(cfg) is not None else "the stated mix (workload.py)"
+    return (f"documents: at CP 1 one packed call per layer on {kernel}{needs}, priced piece by piece on {lengths} "
+            f"(training/planning/documents_cost.py); under CP the ring's blocks on their visible pairs")
+
+
 def _with(cfg: Config, section: str, **values) -> Config:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
 
@@ -209,6 +219,8 @@ def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[st
                                                  torch.__version__)],
         f"  {ROOFLINE_STATEMENT}",
     ]
+    if cfg.data.document_masking:
+        lines.append(f"  {documents_statement(cfg)}")
     if cfg.activation_checkpoint.offload:
         lines.append("  activation offload: each checkpointed block's input lives in host memory between forward "
                      "and backward (host GiB; not in the device peak). The host GiB cross PCIe each way per "

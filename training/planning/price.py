@@ -5,10 +5,12 @@ work at the rate published kernel benchmarks reach (training/planning/accelerato
 - large GEMMs (every linear layer, forward, backward = 2x forward, recomputation: op-level AC re-runs the
   even-numbered matmuls of a block) at the cuBLAS rate;
 - attention at the rate of the kernel the stage runs (`stage_attention_kernel`: cuDNN on H100/H200 at
-  FlashAttention-2's measured rate times cuDNN's measured speed-up, FlashAttention-2 on A100 and for packed
-  documents), for its head dim and the length of one call, on the visible query-key pairs (document masking: from a
-  stated document mix); a CP ring at one causal call's rate over the rank's block (S / cp) times the zigzag ring's
-  measured efficiency against that call; a rates file measured on the device (training/planning/rates.py) replaces
+  FlashAttention-2's measured rate times cuDNN's measured speed-up, FlashAttention-2 on A100), for its head dim and
+  the length of one call, on the visible query-key pairs (document masking: of the recipe's documents, else a stated
+  mix; workload.py); a CP ring at one causal call's rate over the rank's block (S / cp) times the zigzag ring's
+  measured efficiency against that call; packed documents at CP 1 (one packed call per layer and direction) piece
+  by piece at their kernel's rate (cuDNN THD or FlashAttention-2 varlen) times its measured per-call overhead
+  (training/planning/documents_cost.py); a rates file measured on the device (training/planning/rates.py) replaces
   each published rate it holds;
 - memory-bound elementwise work (norms, RoPE, SwiGLU's gate, residual adds, casts, the loss's softmax, AdamW,
   FSDP2's copy-out of gathered parameters and copy-in of gradients) as bytes moved at the achieved HBM bandwidth,
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from models.llama import LlamaConfig
 from training.planning.accelerators import (EFFICIENT_VS_FLASH, AcceleratorSpec, attention_rate, flash_rate,
                                            ring_efficiency)
+from training.planning.documents_cost import PUBLISHED, packed_attention_seconds
 from training.planning.float8_cost import cast_bytes, converted_gemm_share
 from training.planning.rates import MeasuredRates
 from training.planning.workload import Workload, comm_bytes, parameter_count, recomputed_block_fraction
@@ -177,6 +180,11 @@ def _attention_s(w: Workload, acc: AcceleratorSpec, clock: float, dtype_factor: 
     at the rate of one causal call over the rank's block times the zigzag ring's measured efficiency
     (accelerators.ring_efficiency), which carries the ring's per-hop launches, float32 merges and half-blocks."""
     m, lay = w.model, w.layout
+    if w.document_pieces is not None and lay.cp == 1 and dtype_factor == 1:  # one packed call per layer and way
+        measured = rates.packed_calls if rates is not None and rates.packed_calls else PUBLISHED
+        per_layer = packed_attention_seconds(acc, w.documents_kernel, dict(w.document_pieces), m.n_heads / lay.tp,
+                                             m.head_dim, 1 + recompute, measured, rows=w.local_batch_size)
+        return per_layer * m.n_layers / lay.pp
     fraction = w.visible_pair_fraction if w.visible_pair_fraction is not None else (w.seq_len + 1) / (2 * w.seq_len)
     pairs = w.local_batch_size * fraction * w.seq_len ** 2 / lay.cp
     fwd = 4.0 * pairs * m.n_heads / lay.tp * m.head_dim * m.n_layers / lay.pp
@@ -223,7 +231,8 @@ def _exposed_comm(w: Workload, acc: AcceleratorSpec, where: float, compute_s: fl
 
 PREDICTION_STATEMENT = ("predicted: calibrated step time (training/planning/price.py): GEMMs at cuBLAS's measured "
                         "rate, attention at its kernel's (cuDNN on H100/H200: FlashAttention-2's rate times cuDNN's "
-                        "measured speed-up; FlashAttention-2 on A100 and for packed documents; a CP ring at the zigzag "
-                        "ring's measured share of one call), "
+                        "measured speed-up; FlashAttention-2 on A100; a CP ring at the zigzag ring's measured share of "
+                        "one call; packed documents at CP 1 piece by piece at cuDNN THD's or FlashAttention-2 varlen's "
+                        "rate times its measured per-call overhead), "
                         "elementwise work at achieved HBM bandwidth, collectives at NCCL's bus bandwidth with FSDP "
                         "prefetch and the ring under attention; band = the sources' spread (docs/predictions.md)")

@@ -11,6 +11,9 @@ measured at:
   block length and head dim (FLOPs: forward 4 x visible pairs x heads x head dim, backward 2.5x that, the step
   model's own count), one row per measured length. A stage is priced at the row nearest its call length, carried to
   its exact length and head dim by the shape of the FlashAttention-2 table (accelerators.py);
+- `packed_attention`: seconds of one packed-sequence call (the CP 1 documents path) forward + backward per documents
+  kernel (cudnn_thd, flash_varlen) at a total of tokens over web-like documents, which replace the published
+  calls of training/planning/documents_cost.py;
 - `hbm`: achieved bytes/s of elementwise and copy kernels (read + write);
 - `optimizer`: bytes/s of the AdamW step (its bytes as the step model counts them).
 A rate the file lacks falls back to the published figure, and `rates_source` says which components are measured and
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 
 from config.accelerators import accelerator_of
 from config.errors import Refusal
+from training.planning.documents_cost import PackedCall
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RATES_DIR = os.path.join(REPO, "training", "planning", "rates")
@@ -52,10 +56,15 @@ class MeasuredRates:
     """bytes/s of pinned host <-> device copies, the slower direction (--host)."""
     attention: dict = field(default_factory=dict)
     """{(kernel, phase): ((FLOP/s, block length, head dim), ...)} of causal calls, one per measured length."""
+    packed_calls: tuple = ()
+    """documents_cost.PackedCall per documents kernel and total tokens: one packed-sequence call forward + backward
+    over web-like documents (bench_rates' packed_attention rows)."""
 
     def has(self, component: str, kernel: str | None = None) -> bool:
         if component == "attention":
             return any(k == kernel for k, _ in self.attention) if kernel else bool(self.attention)
+        if component == "packed_attention":
+            return any(c.kernel == kernel for c in self.packed_calls) if kernel else bool(self.packed_calls)
         if component in ("gemm", "fp8_gemm"):
             return bool(getattr(self, f"{component}_rows"))
         return getattr(self, component) is not None
@@ -94,9 +103,12 @@ def load_rates(accelerator: str, directory: str = RATES_DIR) -> MeasuredRates | 
         single = {name: float(data[name]["value"]) for name in ("hbm", "optimizer", "host_optimizer", "host_copy")
                   if name in data}
         gemms = {name: tuple(_gemm_rows(data[name])) for name in ("gemm", "fp8_gemm") if name in data}
+        packed = tuple(PackedCall(r["kernel"], int(r["tokens"]), float(r["seconds"]), data["accelerator"],
+                                  int(r["heads"]), int(r["kv_heads"]), int(r["head_dim"]))
+                       for r in data.get("packed_attention", []))
         return MeasuredRates(path, data["accelerator"], data["device_name"], data["torch"], data.get("cuda", ""),
                              data["date"], attention={k: tuple(v) for k, v in attention.items()},
-                             **{f"{k}_rows": v for k, v in gemms.items()}, **single)
+                             packed_calls=packed, **{f"{k}_rows": v for k, v in gemms.items()}, **single)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise Refusal(f"{path}: not a rates file ({type(e).__name__}: {e}); rewrite it with "
                          f"python bench/bench_rates.py or delete it to use the published rates") from None

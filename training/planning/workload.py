@@ -71,6 +71,11 @@ class Workload:
     """Host bytes per micro-batch (activation offload), each way over PCIe."""
     attention_kernel: str = "flash"
     """The kernel family the attention runs (`stage_attention_kernel`): "cudnn" is priced at cuDNN's rate."""
+    document_pieces: tuple[tuple[int, float], ...] | None = None
+    """Document masking: ((piece length, pieces per row), ...) of the recipe's documents cut into rows as the packer
+    cuts them (documents_cost.row_pieces); at CP 1 each layer's packed call is priced piece by piece."""
+    documents_kernel: str = "flash_varlen"
+    """What the packed calls of documents run (`stage_documents_kernel`): cudnn_thd or flash_varlen."""
     float8: str = "off"
     """training.float8: the blocks' converted linear layers priced in float8 (training/planning/float8_cost.py)."""
     tiled_mlp: bool = False
@@ -155,10 +160,11 @@ def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None = No
     from models.llama import recipe_model_config
 
     t, p = cfg.training, cfg.parallelism
-    fraction = length = None
+    fraction = length = pieces = None
     if cfg.data.document_masking:
         fraction, doc_length = document_pairs(cfg, t.seq_len)
         length = min(doc_length, t.seq_len / dims.cp)
+        pieces = document_row_pieces(cfg, t.seq_len)
     mcfg = recipe_model_config(cfg)
     return Workload(
         model=mcfg, layout=Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node),
@@ -167,6 +173,7 @@ def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None = No
         compile=t.compiles("cuda"), loss_chunk_tokens=t.loss_tile_tokens(mcfg.vocab_size),
         reshard_after_forward=p.reshard_after_forward, visible_pair_fraction=fraction, attention_length=length,
         cp_ring_bytes=cp_ring_bytes, offload_bytes=offload_bytes, attention_kernel=stage_attention_kernel(cfg),
+        document_pieces=pieces, documents_kernel=stage_documents_kernel(cfg),
         float8=t.float8, tiled_mlp=cfg.model.mlp_chunk_tokens > 0, bandwidth_bytes=bandwidth_bytes)
 
 
@@ -181,6 +188,38 @@ def stage_attention_kernel(cfg) -> str:
     if cfg.data.document_masking:
         return "flash"
     return kernel_on(cfg.hardware.accelerator, cfg.parallelism.attention_kernel)
+
+
+def stage_documents_kernel(cfg) -> str:
+    """What a stage's packed documents run on its accelerator (parallelisms/cp/kernel_cudnn_thd.packed_kernel_for):
+    cuDNN THD where the run takes cuDNN (`attention_kernel` resolved on the accelerator), in half precision, with a
+    head dim cuDNN serves; FlashAttention-2 varlen otherwise. THD needs nvidia-cudnn-frontend on the nodes
+    (requirements-gpu.txt): without it the run takes FA2 varlen, as the dry run's documents line says."""
+    from models.llama import recipe_model_config
+    from training.planning.accelerators import kernel_on
+
+    head_dim = recipe_model_config(cfg).head_dim
+    half = cfg.training.dtype in ("bfloat16", "float16")
+    cudnn = kernel_on(cfg.hardware.accelerator, cfg.parallelism.attention_kernel) == "cudnn"
+    return "cudnn_thd" if half and cudnn and head_dim % 8 == 0 and head_dim <= 128 else "flash_varlen"
+
+
+def document_row_pieces(cfg, seq_len: int) -> tuple[tuple[int, float], ...]:
+    """((piece length, pieces per row), ...) of rows packed from the recipe's documents (`document_lengths`, sources
+    weighted by `weight`), else of DOCUMENT_MIX's row."""
+    from training.planning import documents_cost
+
+    stores = document_lengths(cfg)
+    if stores is None:
+        lengths = np.bincount(mix_row(seq_len))
+        return tuple(sorted(documents_cost.row_pieces(lengths, seq_len, rows=1).items()))
+    weights = {name: 1.0 for name in stores} | {s.name: s.weight for s in cfg.data.sources}
+    total = sum(weights[name] for name in stores)
+    pieces: dict[int, float] = {}
+    for name, lengths in stores.items():
+        for length, count in documents_cost.row_pieces(lengths, seq_len).items():
+            pieces[length] = pieces.get(length, 0.0) + weights[name] / total * count
+    return tuple(sorted(pieces.items()))
 
 
 def document_pairs(cfg, seq_len: int) -> tuple[float, float]:
