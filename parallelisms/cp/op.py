@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from parallelisms.cp import op_variants
+from parallelisms.cp.op_variants import backward as variant_backward, forward as variant_forward
 
 if TYPE_CHECKING:
     from parallelisms.context_parallel import SdpaToContextParallel
@@ -64,17 +64,24 @@ ACTIVE = ActiveRuns()
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
                  group_name: str, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out like q, float32 log-sum-exp (B, Hq, S_local)) of this rank's queries against the whole sequence."""
-    out, lse = op_variants.forward(ACTIVE.current(group_name), variant, q, k, v, is_causal, scale)
-    return _laid_out_like(out, q), lse.contiguous()
+    out, lse = variant_forward(ACTIVE.current(group_name), variant, q, k, v, is_causal, scale)
+    lse = lse.contiguous()
+    return _own_outputs([out, lse], [q, lse], (q, k, v))
 
 
-def _laid_out_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`x` in `torch.empty_like(like)`'s memory layout (a copy only where a kernel wrote another one), so the fake
-    implementation's strides are the real ones on every path."""
-    want = torch.empty_like(like)
-    if x.stride() == want.stride():
-        return x
-    return want.copy_(x)
+def _own_outputs(results: list, likes: list, inputs: tuple) -> tuple:
+    """Each result in `torch.empty_like(like)`'s memory layout, so the fake implementation's strides are the real ones
+    on every path, and in storage of its own: an op's outputs may not alias its inputs or each other (the all-to-all
+    returns dQ, dK and dV as views of one buffer). A copy only where either is not so already."""
+    taken = {x.untyped_storage().data_ptr() for x in inputs}
+    owned = []
+    for x, like in zip(results, likes):
+        want = torch.empty_like(like)
+        if x.stride() != want.stride() or x.untyped_storage().data_ptr() in taken:
+            x = want.copy_(x)
+        taken.add(x.untyped_storage().data_ptr())
+        owned.append(x)
+    return tuple(owned)
 
 
 @cp_attention.register_fake
@@ -87,8 +94,8 @@ def cp_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           lse: torch.Tensor, is_causal: bool, scale: float | None, group_name: str,
                           variant: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the forward's own output and log-sum-exp: nothing is recomputed but the exchanges."""
-    grads = op_variants.backward(ACTIVE.current(group_name), variant, dout, q, k, v, out, lse, is_causal, scale)
-    return tuple(_laid_out_like(g, x) for g, x in zip(grads, (q, k, v)))
+    grads = variant_backward(ACTIVE.current(group_name), variant, dout, q, k, v, out, lse, is_causal, scale)
+    return _own_outputs(list(grads), [q, k, v], (dout, q, k, v, out, lse))
 
 
 @cp_attention_backward.register_fake
