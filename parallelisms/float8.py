@@ -241,9 +241,10 @@ def float8_tp_styles(recipe: str, backend: str) -> Float8TpStyles | None:
 
 class _SequenceAmax:
     """What `amax_over_sequence` reads while a micro-step runs under CP: torchao's own `tensor_to_amax` and the CP
-    mesh. One object for the process, so the function torchao calls is the same object every micro-step and a
-    compiled graph's guards on it (and on the mesh, the same for the whole run) hold: a closure made per micro-step
-    recompiled every step."""
+    mesh. One object for the process, so the function torchao calls is the same object every micro-step, and
+    whatever dynamo guards on (the function, the mesh: the same for the whole run) holds from step to step. (On
+    torch 2.13 torchao's casts are traced below dynamo, in the AOT trace, so the per-micro-step closure this
+    replaced did not recompile there either.)"""
 
     def __init__(self):
         self.local_amax = None
