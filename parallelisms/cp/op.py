@@ -76,9 +76,8 @@ def _own_outputs(results: list, likes: list, inputs: tuple) -> tuple:
     taken = {x.untyped_storage().data_ptr() for x in inputs}
     owned = []
     for x, like in zip(results, likes):
-        want = torch.empty_like(like)
-        if x.stride() != want.stride() or x.untyped_storage().data_ptr() in taken:
-            x = want.copy_(x)
+        if x.stride() != torch.empty_like(like, device="meta").stride() or x.untyped_storage().data_ptr() in taken:
+            x = torch.empty_like(like).copy_(x)
         taken.add(x.untyped_storage().data_ptr())
         owned.append(x)
     return tuple(owned)
