@@ -23,7 +23,7 @@ from config.errors import Refusal
 from parallelisms.cp.attention import ring_attention
 from parallelisms.cp.choice import CP_IMPLS, CPAttention, check_cp_impl
 from parallelisms.cp.counters import CommStats, UnsupportedAttentionError
-from parallelisms.cp.groups import resolve_group
+from parallelisms.cp.groups import group_name, resolve_group
 from parallelisms.cp.kernel_blocks import ATTENTION_KERNELS, kernel_family
 from parallelisms.cp.op import ACTIVE, ATTENTION_OP
 from parallelisms.cp.op_variants import PACKED
@@ -54,7 +54,7 @@ class SdpaToContextParallel(TorchFunctionMode):
         self.local_lengths, self.documents, self.stats = local_lengths, documents, stats
         self.variant = variant  # None: the ring
         # Run constants of the registered op (cp/op.py), the only attributes a compiled graph reads (and guards on):
-        self.group_name = group.group_name
+        self.group_name = group_name(group)
         self.op_variant = PACKED if packed is not None else (variant.cp_impl if variant is not None else RING)
 
     def __enter__(self):

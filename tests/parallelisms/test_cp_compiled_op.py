@@ -2,7 +2,7 @@
 fake implementation against the real one, autograd registration, AOT dispatch with dynamic shapes), on a group of
 one and in lockstep on 2 gloo ranks; and a whole transformer block compiled under CP 2 for every variant and
 checkpoint mode: one graph, no break, one CP op per block and no point-to-point collective in the graph, and the
-same numbers as the eager CP path."""
+same numbers as the eager CP path; and the op's exchanges under tests/nccl_rules.py's NCCL double."""
 from __future__ import annotations
 
 import pytest
@@ -83,3 +83,40 @@ def test_a_compiled_block_is_one_graph_for_every_variant_and_checkpoint_mode():
             assert report["aot_forward_cp_ops"] == [1] and report["aot_backward_cp_ops"] == [1], (key, report)
             assert not report["aot_p2p"], (key, report)
             assert report["max_error"] <= 1e-6, (key, report)
+
+
+def _op_and_eager(group, variant: str) -> list:
+    """This rank's (out, dq, dk, dv) through the op pair and through the eager CP path, in one context_parallel
+    block on `group` (the NCCL double's: every exchange inside the op under NCCL's rules)."""
+    import torch
+    import torch.nn.functional as F
+
+    from parallelisms.context_parallel import context_parallel
+    from parallelisms.cp.op import ACTIVE
+    from parallelisms.cp.groups import group_name
+
+    load_balancer, cp_impl, with_ids = VARIANTS[variant]
+    seq, generator = 32, torch.Generator().manual_seed(11)
+    tokens = torch.zeros(2, seq, dtype=torch.long)
+    buffers = [tokens] + ([document_ids(2, seq)] if with_ids else [])
+    q, k, v, dout = (torch.randn(2, heads, seq // group.size, 8, generator=generator) for heads in (4, 2, 2, 4))
+    with context_parallel(group, buffers, [1] * len(buffers), load_balancer=load_balancer, cp_impl=cp_impl,
+                          document_ids=buffers[1] if with_ids else None, ulysses_degree=1 if variant == "hybrid"
+                          else None):
+        constants = (True, None, group_name(group), ACTIVE.current(group_name(group)).op_variant)
+        out, lse = torch.ops.titan_cp.attention(q, k, v, *constants)
+        op_grads = torch.ops.titan_cp.attention_backward(dout, q, k, v, out, lse, *constants)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        eager = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        eager.backward(dout)
+    return [(a - b).abs().max().item() for a, b in zip((out, *op_grads), (eager, *(x.grad for x in leaves)))]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_ops_exchanges_keep_nccls_rules(monkeypatch, variant):
+    """Ranks as threads under tests/nccl_rules.py's double (it raises where NCCL would hang or misread a buffer):
+    the op pair's forward and backward equal the eager path's on every rank."""
+    from tests.nccl_rules import run_ring_ranks
+
+    for errors in run_ring_ranks(lambda group: _op_and_eager(group, variant), 2, monkeypatch):
+        assert max(errors) <= 1e-6, (variant, errors)
