@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from config.errors import Refusal
 from parallelisms.cp.op_variants import backward as variant_backward, forward as variant_forward
 
 if TYPE_CHECKING:
@@ -51,9 +52,9 @@ class ActiveRuns:
     def current(self, group_name: str) -> SdpaToContextParallel:
         stack = self._by_group.get(group_name)
         if not stack:
-            raise RuntimeError(f"torch.ops.{LIBRARY}.attention ran outside a context_parallel block on group "
-                               f"{group_name!r}: it reads that block's layout and plans; call the model (forward "
-                               "and backward) inside `context_parallel(...)`")
+            raise Refusal(f"torch.ops.{LIBRARY}.attention ran outside a context_parallel block on group "
+                          f"{group_name!r} (parallelisms/cp/op.py): it reads that block's layout and plans; call the "
+                          "model, forward and backward, inside `context_parallel(...)`")
         return stack[-1]
 
 
