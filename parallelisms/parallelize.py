@@ -68,7 +68,22 @@ def apply_compile(model: torch.nn.Module, split: bool = False) -> None:
             for module in (inner.attention, inner.feed_forward):
                 module.forward = torch.compile(module.forward)
         else:
-            getattr(block, "_checkpoint_wrapped_module", block).compile(fullgraph=True)
+            inner = getattr(block, "_checkpoint_wrapped_module", block)
+            inner.forward = _whole_graph(inner.forward)
+
+
+def _whole_graph(forward):
+    """`forward` compiled with `fullgraph=True`, run eagerly while a fake-tensor mode is active: the dry run steps
+    the model on fake tensors, where dynamo compiles nothing and `fullgraph=True` would refuse to run."""
+    compiled = torch.compile(forward, fullgraph=True)
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            return forward(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return run
 
 
 def apply_autocast(model: torch.nn.Module, dtype: torch.dtype) -> None:
