@@ -10,6 +10,10 @@ dtypes; only the weight gradient's sum over tokens is accumulated per tile (in f
 
 Under tensor parallelism's SequenceParallel plan the input is a DTensor sharded on the sequence and the weight is
 replicated: the norm runs on the local rows and the weight's local gradient is a partial sum over this rank's rows.
+
+Under torch.compile the tile loops are registered ops (`titan_models::tiled_rms_norm` and its backward): dynamo
+sees one call each way, so a compiled block's graph does not unroll with the sequence length, and inductor does not
+fuse the tiles back into whole-sequence float32 temporaries.
 """
 from __future__ import annotations
 
@@ -17,34 +21,60 @@ import torch
 from torch.distributed.tensor import DTensor, Partial
 
 
-class _TiledRMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps: float, tile_tokens: int):
-        out = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
-        rstd = torch.empty(x.size(0), 1, dtype=torch.float32, device=x.device)
-        for start in range(0, x.size(0), tile_tokens):
-            rows = slice(start, start + tile_tokens)
-            x32 = x[rows].float()
-            torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps, out=rstd[rows])
-            torch.mul((x32 * rstd[rows]).type_as(x), weight, out=out[rows])
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.tile_tokens = tile_tokens
-        return out
+@torch.library.custom_op("titan_models::tiled_rms_norm", mutates_args=())
+def _tiled_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, tile_tokens: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, float32 rstd per row) of 2-D x, `tile_tokens` rows at a time."""
+    out = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    rstd = torch.empty(x.size(0), 1, dtype=torch.float32, device=x.device)
+    for start in range(0, x.size(0), tile_tokens):
+        rows = slice(start, start + tile_tokens)
+        x32 = x[rows].float()
+        torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps, out=rstd[rows])
+        torch.mul((x32 * rstd[rows]).type_as(x), weight, out=out[rows])
+    return out, rstd
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight, rstd = ctx.saved_tensors
-        grad_x = torch.empty_like(x)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, x.size(0), ctx.tile_tokens):
-            rows = slice(start, start + ctx.tile_tokens)
-            normed = x[rows].float() * rstd[rows]
-            g = grad_out[rows]
-            grad_w += (g * normed.type_as(x)).float().sum(0)
-            grad_normed = (g * weight).type_as(x).float()  # the plain norm's cast back to x's dtype
-            dot = (grad_normed * normed).mean(-1, keepdim=True)
-            grad_x[rows] = (rstd[rows] * (grad_normed - normed * dot)).type_as(x)
-        return grad_x, grad_w.to(weight.dtype), None, None
+
+@_tiled_forward.register_fake
+def _(x, weight, eps, tile_tokens):
+    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
+            x.new_empty(x.size(0), 1, dtype=torch.float32))
+
+
+@torch.library.custom_op("titan_models::tiled_rms_norm_backward", mutates_args=())
+def _tiled_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                    tile_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x = torch.empty_like(x)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    for start in range(0, x.size(0), tile_tokens):
+        rows = slice(start, start + tile_tokens)
+        normed = x[rows].float() * rstd[rows]
+        g = grad_out[rows]
+        grad_w += (g * normed.type_as(x)).float().sum(0)
+        grad_normed = (g * weight).type_as(x).float()  # the plain norm's cast back to x's dtype
+        dot = (grad_normed * normed).mean(-1, keepdim=True)
+        grad_x[rows] = (rstd[rows] * (grad_normed - normed * dot)).type_as(x)
+    return grad_x, grad_w.to(weight.dtype)
+
+
+@_tiled_backward.register_fake
+def _(grad_out, x, weight, rstd, tile_tokens):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, tile_tokens = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.tile_tokens = tile_tokens
+
+
+def _backward(ctx, grad_out, grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    grad_x, grad_w = _tiled_backward(grad_out.contiguous(), x, weight, rstd, ctx.tile_tokens)
+    return grad_x, grad_w, None, None
+
+
+_tiled_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def tiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tile_tokens: int) -> torch.Tensor:
@@ -56,4 +86,4 @@ def tiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tile_token
                                if isinstance(weight, DTensor) else weight, eps, tile_tokens)
         return DTensor.from_local(local, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
     shape = x.shape
-    return _TiledRMSNorm.apply(x.reshape(-1, shape[-1]), weight, eps, tile_tokens).view(shape)
+    return _tiled_forward(x.reshape(-1, shape[-1]), weight, eps, tile_tokens)[0].view(shape)

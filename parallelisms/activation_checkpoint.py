@@ -2,8 +2,8 @@
 
 - full: every block keeps only its input; backward re-runs the whole block (attention included).
 - selective: the same for every `every`-th block (by block id, so pipeline stages agree with the full model).
-- op: inside every block, the outputs of the attention kernels (CPU and CUDA SDPA ops) and of every other matmul are
-  saved, the rest (norms, RoPE, activations, the other matmuls) is recomputed. No attention call ever runs twice,
+- op: inside every block, the outputs of the attention kernels (CPU and CUDA SDPA ops, and the registered CP
+  attention op a compiled block calls, parallelisms/cp/op.py) and of every other matmul are saved, the rest (norms, RoPE, activations, the other matmuls) is recomputed. No attention call ever runs twice,
   and a tensor-parallel reduce-scatter is saved rather than repeated.
 
 Recompute runs inside backward, where torch-function modes are not active (autograd does not carry them over).
@@ -29,6 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from config import Refusal, choices
 from config.schema import ActivationCheckpointMode
 from parallelisms.activation_offload import ActivationOffloader
+from parallelisms.cp.op import ATTENTION_OP as CP_ATTENTION_OP
 
 _aten = torch.ops.aten
 ATTENTION_OPS = frozenset({
@@ -38,7 +39,7 @@ ATTENTION_OPS = frozenset({
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_attention_math.default,
 })
-ALWAYS_SAVED_OPS = ATTENTION_OPS | {torch.ops._c10d_functional.reduce_scatter_tensor.default}
+ALWAYS_SAVED_OPS = ATTENTION_OPS | {torch.ops._c10d_functional.reduce_scatter_tensor.default, CP_ATTENTION_OP}
 MATMUL_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default})
 MODES = choices(ActivationCheckpointMode)
 
@@ -70,7 +71,10 @@ def _entered(contexts):
 
 
 def _full_context():
-    """(forward, recompute) contexts: recompute re-enters the forward's torch-function modes (e.g. the CP ring)."""
+    """(forward, recompute) contexts: recompute re-enters the forward's torch-function modes (e.g. the CP ring).
+    The checkpoint stays eager around a compiled block (parallelisms/parallelize.apply_compile): dynamo traces a
+    checkpoint body as a higher-order op without the torch-function modes, so CP would not route its attention there
+    (and dynamo refuses these contexts, which keeps that mistake loud)."""
     return contextlib.nullcontext(), _entered(_get_current_function_mode_stack())
 
 

@@ -23,8 +23,10 @@ from config.errors import Refusal
 from parallelisms.cp.attention import ring_attention
 from parallelisms.cp.choice import CP_IMPLS, CPAttention, check_cp_impl
 from parallelisms.cp.counters import CommStats, UnsupportedAttentionError
-from parallelisms.cp.groups import resolve_group
+from parallelisms.cp.groups import group_name, resolve_group
 from parallelisms.cp.kernel_blocks import ATTENTION_KERNELS, kernel_family
+from parallelisms.cp.op import ACTIVE, ATTENTION_OP
+from parallelisms.cp.op_variants import PACKED
 from parallelisms.cp.layouts import (AUTO, DOCUMENTS, LOAD_BALANCERS, RING, ZIGZAG, check_load_balancer,
                                      check_sequence_length)
 from parallelisms.cp.kernel_cudnn_thd import packed_kernel
@@ -36,10 +38,6 @@ from parallelisms.cp.plan_sharding import local_positions, shard_sequence, unsha
 __all__ = ["shard_sequence", "unshard_sequence", "ring_attention", "context_parallel", "CommStats",
            "UnsupportedAttentionError", "LOAD_BALANCERS", "CP_IMPLS", "ATTENTION_KERNELS", "check_sequence_length",
            "local_positions"]
-
-
-CP_EAGER_REASON = "context-parallel attention runs eagerly between compiled graphs"
-"""The one graph break a compiled CP run expects (dynamo's reason for it): parallelize.compile_surprises skips it."""
 
 
 class SdpaToContextParallel(TorchFunctionMode):
@@ -55,18 +53,50 @@ class SdpaToContextParallel(TorchFunctionMode):
         self.group, self.load_balancer = group, load_balancer
         self.local_lengths, self.documents, self.stats = local_lengths, documents, stats
         self.variant = variant  # None: the ring
+        # Run constants of the registered op (cp/op.py), the only attributes a compiled graph reads (and guards on):
+        self.group_name = group_name(group)
+        self.op_variant = PACKED if packed is not None else (variant.cp_impl if variant is not None else RING)
+
+    def __enter__(self):
+        ACTIVE.push(self.group_name, self)  # where the op, traced without this block's state, finds it at run time
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        ACTIVE.pop(self.group_name, self)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
+            if torch.compiler.is_compiling():
+                return self._route_op(*args, **kwargs)
             return self._route(*args, **kwargs)
         return func(*args, **kwargs)
 
-    # Under torch.compile the CP attention runs as one opaque eager call: dynamo would otherwise trace the ring's
-    # point-to-point loop, break inside it and guard on its Python counters, recompiling at every call.
-    @torch.compiler.disable(reason=CP_EAGER_REASON)
+    def _route_op(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False):
+        """Under torch.compile: one registered op (cp/op.py) whose arguments are run constants, so the block stays
+        one graph and a new batch's plans need no recompile. The op runs the same kernels as `_route`."""
+        self._check(query, key, attn_mask, dropout_p, enable_gqa)
+        return ATTENTION_OP(query, key, value, is_causal, scale, self.group_name, self.op_variant)[0]
+
     def _route(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
+        self._check(query, key, attn_mask, dropout_p, enable_gqa)
+        if self.packed is not None:
+            if self.stats is not None:
+                self.stats.calls += 1  # one CP attention call, nothing sent
+            return packed_attention(query, key, value, self.packed, is_causal=is_causal, scale=scale,
+                                    kernel=kernel_family(self.kernel, query),
+                                    packed=packed_kernel(self.kernel, query))
+        if self.variant is not None:
+            return self.variant(query, key, value, is_causal=is_causal, scale=scale)
+        return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale,
+                              load_balancer=self.load_balancer, stats=self.stats, head_groups=self.head_groups,
+                              kernel=self.kernel, _documents=self.documents)
+
+    def _check(self, query, key, attn_mask, dropout_p, enable_gqa) -> None:
+        """The SDPA calls CP computes exactly; anything else raises instead of computing something else."""
         if attn_mask is not None:
             raise UnsupportedAttentionError(
                 "scaled_dot_product_attention under context_parallel: an explicit attn_mask cannot be split over the "
@@ -84,17 +114,6 @@ class SdpaToContextParallel(TorchFunctionMode):
                 f"scaled_dot_product_attention under context_parallel got a sequence of {query.size(-2)} tokens, but "
                 f"the sharded buffers hold {sorted(self.local_lengths)} per rank: was the input sharded by "
                 "context_parallel's buffers?")
-        if self.packed is not None:
-            if self.stats is not None:
-                self.stats.calls += 1  # one CP attention call, nothing sent
-            return packed_attention(query, key, value, self.packed, is_causal=is_causal, scale=scale,
-                                    kernel=kernel_family(self.kernel, query),
-                                    packed=packed_kernel(self.kernel, query))
-        if self.variant is not None:
-            return self.variant(query, key, value, is_causal=is_causal, scale=scale)
-        return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale,
-                              load_balancer=self.load_balancer, stats=self.stats, head_groups=self.head_groups,
-                              kernel=self.kernel, _documents=self.documents)
 
 
 def _check_buffers(buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int], document_ids) -> None:

@@ -239,6 +239,38 @@ def float8_tp_styles(recipe: str, backend: str) -> Float8TpStyles | None:
                           ao.PrepareFloat8ModuleInput)
 
 
+class _SequenceAmax:
+    """What `amax_over_sequence` reads while a micro-step runs under CP: torchao's own `tensor_to_amax` and the CP
+    mesh. One object for the process, so the function torchao calls is the same object every micro-step, and
+    whatever dynamo guards on (the function, the mesh: the same for the whole run) holds from step to step. (On
+    torch 2.13 torchao's casts are traced below dynamo, in the AOT trace, so the per-micro-step closure this
+    replaced did not recompile there either.)"""
+
+    def __init__(self):
+        self.local_amax = None
+        self.mesh = None
+
+
+_SEQUENCE_AMAX = _SequenceAmax()
+
+
+def amax_over_sequence(x, reduce_amax=False, device_mesh=None, scaling_granularity=None, axiswise_dim=None):
+    """torchao's `tensor_to_amax` with maxima over tokens also taken over the CP group (`scales_over_context_parallel`).
+    """
+    from torchao.float8.config import ScalingGranularity
+
+    local_amax, cp_mesh = _SEQUENCE_AMAX.local_amax, _SEQUENCE_AMAX.mesh
+    granularity = ScalingGranularity.TENSORWISE if scaling_granularity is None else scaling_granularity
+    over_tokens = granularity is ScalingGranularity.TENSORWISE or axiswise_dim == 0
+    if reduce_amax or not over_tokens:  # torchao's own reduction (FSDP's precompute), or a maximum per token
+        return local_amax(x, reduce_amax, device_mesh, granularity, axiswise_dim)
+    amax = local_amax(x, False, None, granularity, axiswise_dim)  # a DTensor's: over the TP mesh too
+    if isinstance(amax, DTensor):
+        return DTensor.from_local(_max_over(amax.to_local(), cp_mesh), amax.device_mesh, amax.placements,
+                                  run_check=False)
+    return _max_over(amax, cp_mesh)
+
+
 @contextlib.contextmanager
 def scales_over_context_parallel(recipe: str, cp_mesh):
     """Float8 scales of this micro-step taken over the whole sequence, not over this CP rank's share of it.
@@ -253,32 +285,24 @@ def scales_over_context_parallel(recipe: str, cp_mesh):
     whose maximum torchao already takes over the TP mesh, so only the CP reduction is added to it. A weight's maximum
     is the same on every CP rank (FSDP gathers it whole), so reducing it changes nothing.
 
-    torchao looks `tensor_to_amax` up in its module at each call; it is swapped for the micro-step only."""
+    torchao looks `tensor_to_amax` up in its module at each call; it is swapped for the micro-step only, always for
+    the one module-level `amax_over_sequence` (no recompile under torch.compile)."""
     if recipe == "off" or cp_mesh is None or cp_mesh.size() == 1:
         yield
         return
     torchao()  # imported (and its warnings quieted) before its module is read
     utils = sys.modules["torchao.float8.float8_utils"]
-    from torchao.float8.config import ScalingGranularity
-
     local_amax = utils.tensor_to_amax
-
-    def amax_over_sequence(x, reduce_amax=False, device_mesh=None,
-                           scaling_granularity=ScalingGranularity.TENSORWISE, axiswise_dim=None):
-        over_tokens = scaling_granularity is ScalingGranularity.TENSORWISE or axiswise_dim == 0
-        if reduce_amax or not over_tokens:  # torchao's own reduction (FSDP's precompute), or a maximum per token
-            return local_amax(x, reduce_amax, device_mesh, scaling_granularity, axiswise_dim)
-        amax = local_amax(x, False, None, scaling_granularity, axiswise_dim)  # a DTensor's: over the TP mesh too
-        if isinstance(amax, DTensor):
-            return DTensor.from_local(_max_over(amax.to_local(), cp_mesh), amax.device_mesh, amax.placements,
-                                      run_check=False)
-        return _max_over(amax, cp_mesh)
-
+    if local_amax is amax_over_sequence:  # nested (an evaluation inside a step): already installed
+        yield
+        return
+    _SEQUENCE_AMAX.local_amax, _SEQUENCE_AMAX.mesh = local_amax, cp_mesh
     utils.tensor_to_amax = amax_over_sequence
     try:
         yield
     finally:
         utils.tensor_to_amax = local_amax
+        _SEQUENCE_AMAX.local_amax = _SEQUENCE_AMAX.mesh = None
 
 
 def _max_over(t: torch.Tensor, mesh) -> torch.Tensor:

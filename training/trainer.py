@@ -262,8 +262,10 @@ class Trainer:
         if self.compile_first_step_s is None:
             self.compile_first_step_s = step_time
             if self.rank == 0:
-                print(f"torch.compile: the first step took {step_time:.1f}s (the blocks' graphs compiled: "
-                      f"{compile_counters()['unique_graphs']})", flush=True)
+                counters = compile_counters()
+                print(f"torch.compile: the first step took {step_time:.1f}s (graphs built: "
+                      f"{counters['unique_graphs']}, graph breaks: {sum(counters['graph_breaks'].values())})",
+                      flush=True)
         for line in compile_surprises(compile_counters()):
             if line not in self.compile_warned:
                 self.compile_warned.add(line)

@@ -24,11 +24,11 @@ from config.schema import CpImpl
 from parallelisms.cp.attention import allgather_attention, ring_attention
 from parallelisms.cp.counters import CommStats
 from parallelisms.cp.exchange_alltoall import (concatenated_documents, concatenated_order_plan, document_segments,
-                                               global_order_plan, ulysses_feasible)
+                                               global_order_plan, kv_replication, ulysses_feasible)
 from parallelisms.cp.exchange_hybrid import (check_hybrid, documents_ring_shards, hybrid_attention, hybrid_groups,
                                              hybrid_plan, ring_documents)
 from parallelisms.cp.exchange_ulysses import ulysses_attention
-from parallelisms.cp.layouts import (ALLGATHER, AUTO, DENSE, DOCUMENTS, HYBRID, RING, STRIPED, ULYSSES,
+from parallelisms.cp.layouts import (ALLGATHER, AUTO, CONTIGUOUS, DENSE, DOCUMENTS, HYBRID, RING, STRIPED, ULYSSES,
                                      layout_kind)
 from parallelisms.cp.plan_pieces import DocumentShards
 
@@ -155,7 +155,7 @@ class CPAttention:
         self.choice: CPChoice | None = None
         self._cache: dict = {}
 
-    def _resolve(self, q: torch.Tensor, k: torch.Tensor) -> CPChoice:
+    def resolve(self, q: torch.Tensor, k: torch.Tensor) -> CPChoice:
         if self.choice is None:
             topology = Topology.of(self.group, q.device.type)
             if self.cp_impl == AUTO:
@@ -184,13 +184,17 @@ class CPAttention:
                                "(parallelisms/stage_meshes.py); the setup's degree must match the attention's")
         return self.subgroups[degree]
 
+    def head_exchange(self, q) -> HeadExchange:
+        """Ulysses' or hybrid's exchange for this batch (the eager routes and the registered op's bodies share it)."""
+        return (_hybrid_exchange if self.choice.impl == HYBRID else _ulysses_exchange)(self, q)
+
     def cached(self, key, build):
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
 
     def __call__(self, q, k, v, *, is_causal: bool, scale: float | None) -> torch.Tensor:
-        choice = self._resolve(q, k)
+        choice = self.resolve(q, k)
         common = dict(is_causal=is_causal, scale=scale, load_balancer=self.load_balancer, stats=self.stats,
                       head_groups=self.head_groups, kernel=self.kernel)
         return ROUTES[(choice.impl, layout_kind(self.load_balancer))](self, q, k, v, common)
@@ -208,42 +212,59 @@ def _seq_len(attn: CPAttention, q) -> int:
     return q.size(2) * dist.get_world_size(attn.group)
 
 
-def _ulysses_documents(attn: CPAttention, q, k, v, common):
-    seq_len = _seq_len(attn, q)
-    plan = attn.cached(("plan", seq_len), lambda: concatenated_order_plan(attn.group, seq_len))
-    segments = attn.cached("segments", lambda: concatenated_documents(attn.documents))
-    return ulysses_attention(q, k, v, attn.group, _plan=plan, _documents=segments, **common)
+@dataclass(frozen=True)
+class HeadExchange:
+    """What Ulysses and hybrid run with, planned once per batch: the all-to-all `plan`, the ring group after it
+    (None: Ulysses, one rank), that ring's layout and documents, and the Ulysses degree."""
+    plan: object
+    degree: int
+    ring_group: dist.ProcessGroup | None
+    load_balancer: str
+    docs: DocumentShards | None
+
+    def kv_repeats(self, q_heads: int, kv_heads: int) -> int:
+        return kv_replication(q_heads, kv_heads, self.degree)
 
 
-def _ulysses_dense(attn: CPAttention, q, k, v, common):
-    seq_len = _seq_len(attn, q)
+def _ulysses_exchange(attn: CPAttention, q) -> HeadExchange:
+    seq_len, size = _seq_len(attn, q), dist.get_world_size(attn.group)
+    if attn.load_balancer == DOCUMENTS:
+        plan = attn.cached(("plan", seq_len), lambda: concatenated_order_plan(attn.group, seq_len))
+        segments = attn.cached("segments", lambda: concatenated_documents(attn.documents))
+        return HeadExchange(plan, size, None, DOCUMENTS, segments)
     plan = attn.cached(("plan", seq_len), lambda: global_order_plan(attn.group, seq_len, attn.load_balancer))
     segments = None
     if attn.full_document_ids is not None:
         segments = attn.cached("segments", lambda: document_segments(attn.full_document_ids))
-    return ulysses_attention(q, k, v, attn.group, _plan=plan, _documents=segments, **common)
+    return HeadExchange(plan, size, None, CONTIGUOUS, segments)
 
 
-def _hybrid_documents(attn: CPAttention, q, k, v, common):
-    degree = attn.choice.ulysses_degree
-    groups = attn.hybrid_groups(degree)
-    plan = attn.cached(("plan", _seq_len(attn, q)), lambda: concatenated_order_plan(groups[0], q.size(2) * degree))
-    docs = attn.cached("docs", lambda: documents_ring_shards(attn.documents, degree))
-    return hybrid_attention(q, k, v, attn.group, ulysses_degree=degree, _plan=plan, _documents=docs, _groups=groups,
-                            **common)
-
-
-def _hybrid_dense(attn: CPAttention, q, k, v, common):
+def _hybrid_exchange(attn: CPAttention, q) -> HeadExchange:
     degree = attn.choice.ulysses_degree
     groups = attn.hybrid_groups(degree)
     rank, size = dist.get_rank(attn.group), dist.get_world_size(attn.group)
+    if attn.load_balancer == DOCUMENTS:
+        plan = attn.cached(("plan", _seq_len(attn, q)),
+                           lambda: concatenated_order_plan(groups[0], q.size(2) * degree))
+        docs = attn.cached("docs", lambda: documents_ring_shards(attn.documents, degree))
+        return HeadExchange(plan, degree, groups[1], DOCUMENTS, docs)
     plan = attn.cached(("plan", _seq_len(attn, q)), lambda: hybrid_plan(groups[0], _seq_len(attn, q), rank, size,
                                                                          degree, attn.load_balancer))
     docs = None
     if attn.full_document_ids is not None:
         docs = attn.cached("docs", lambda: ring_documents(attn.full_document_ids, size, degree, attn.load_balancer))
-    return hybrid_attention(q, k, v, attn.group, ulysses_degree=degree, _plan=plan, _documents=docs, _groups=groups,
-                            **common)
+    return HeadExchange(plan, degree, groups[1], attn.load_balancer, docs)
+
+
+def _ulysses(attn: CPAttention, q, k, v, common):
+    ex = attn.head_exchange(q)
+    return ulysses_attention(q, k, v, attn.group, _plan=ex.plan, _documents=ex.docs, **common)
+
+
+def _hybrid(attn: CPAttention, q, k, v, common):
+    ex = attn.head_exchange(q)
+    return hybrid_attention(q, k, v, attn.group, ulysses_degree=ex.degree, _plan=ex.plan, _documents=ex.docs,
+                            _groups=attn.hybrid_groups(ex.degree), **common)
 
 
 # The one dispatch table: (implementation, layout kind) -> the call that plans (once per batch, cached on the
@@ -251,6 +272,6 @@ def _hybrid_dense(attn: CPAttention, q, k, v, common):
 ROUTES = {
     (RING, DENSE): _ring, (RING, DOCUMENTS): _ring,
     (ALLGATHER, DENSE): _allgather, (ALLGATHER, DOCUMENTS): _allgather,
-    (ULYSSES, DENSE): _ulysses_dense, (ULYSSES, DOCUMENTS): _ulysses_documents,
-    (HYBRID, DENSE): _hybrid_dense, (HYBRID, DOCUMENTS): _hybrid_documents,
+    (ULYSSES, DENSE): _ulysses, (ULYSSES, DOCUMENTS): _ulysses,
+    (HYBRID, DENSE): _hybrid, (HYBRID, DOCUMENTS): _hybrid,
 }

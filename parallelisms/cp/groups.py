@@ -15,3 +15,11 @@ def resolve_group(group) -> dist.ProcessGroup:
                              f"{group.mesh_dim_names}; pass mesh['cp']")
         return group.get_group()
     return group if group is not None else dist.group.WORLD
+
+
+def group_name(group) -> str:
+    """The name the registered CP op (cp/op.py) finds this group's open `context_parallel` block by: the process
+    group's own name (a run constant, so a compiled graph may hold it). A stand-in without one (the NCCL double runs
+    its ranks as threads of one process, each with its own group object) is named per object."""
+    name = getattr(group, "group_name", None)
+    return name if isinstance(name, str) and name else f"{type(group).__name__}@{id(group):x}"

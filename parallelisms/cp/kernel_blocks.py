@@ -46,6 +46,12 @@ class CpuFlashBlock:
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
 
 
+def philox_placeholders(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (seed, offset) a dropout-free backward is handed when its forward's were not kept (the registered CP op's
+    backward, cp/op_variants.py): with dropout 0 no kernel reads them, they only fill the schema."""
+    return (torch.zeros(2, dtype=torch.int64, device=q.device), torch.zeros((), dtype=torch.int64, device=q.device))
+
+
 def sdpa_output_layout(t: torch.Tensor) -> torch.Tensor:
     """(B, H, L, D) over (B, L, H, D) memory: how the fused CUDA kernels write their output, and how the efficient
     backward READS it (its kernel derives out's row stride as num_heads * head_dim, whatever strides the tensor
@@ -77,7 +83,8 @@ class CudaFlashBlock:
         return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
 
     def backward(self, dout, q, k, v, out, lse, aux, *, is_causal, scale, mask):
-        cum_q, cum_k, max_q, max_k, rng_state, unused = aux
+        cum_q, cum_k, max_q, max_k, rng_state, unused = aux or (None, None, q.size(2), k.size(2),
+                                                                 *philox_placeholders(q))
         return aten._scaled_dot_product_flash_attention_backward.default(
             dout.contiguous(), q, k, v, sdpa_output_layout(out), lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0,
             is_causal, rng_state, unused, scale=scale)
@@ -105,7 +112,7 @@ class CudaEfficientBlock:
         return out, lse[..., :lq], (seed, offset)
 
     def backward(self, dout, q, k, v, out, lse, aux, *, is_causal, scale, mask):
-        seed, offset = aux
+        seed, offset = aux or philox_placeholders(q)
         n_heads, n_kv, lq = q.size(1), k.size(1), q.size(2)
         padded_rows = math.ceil(lq / self.LSE_ROW_ALIGN) * self.LSE_ROW_ALIGN
         lse = F.pad(lse, (0, padded_rows - lq)).contiguous()
@@ -211,7 +218,7 @@ class CudnnBlock:
     def backward(self, dout, q, k, v, out, lse, aux, *, is_causal, scale, mask):
         if self._flash_instead(q, k, is_causal, mask):
             return CudaFlashBlock().backward(dout, q, k, v, out, lse, aux, is_causal=is_causal, scale=scale, mask=mask)
-        seed, offset = aux
+        seed, offset = aux or philox_placeholders(q)
         dq, dk, dv = _cudnn_backward(sdpa_output_layout(dout), q, k, v, sdpa_output_layout(out), lse_for_cudnn(lse),
                                      seed, offset, is_causal, scale)
         return dq, dk, dv

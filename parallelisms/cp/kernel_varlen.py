@@ -223,6 +223,9 @@ def varlen_backward(dout, q, k_blk, v_blk, out, lse, aux, call: VarlenCall, scal
         return thd.graphs_for(q.device).backward(dos, qs, ks, vs, os_, stats, _thd_call(call),
                                                  thd.default_scale(scale, q.size(-1)),
                                                  torch.are_deterministic_algorithms_enabled())
+    if aux is None:  # the registered CP op's backward keeps none: dropout-free, placeholders as
+        # kernel_blocks.philox_placeholders makes them (not imported: this file stays a floor below it)
+        aux = (torch.zeros(2, dtype=torch.int64, device=q.device), torch.zeros((), dtype=torch.int64, device=q.device))
     rng_state, unused = aux
     lses = gather_tokens(lse, call.q_batch, call.q_rows).transpose(0, 1).contiguous()  # (Hq, total_q)
     return aten._flash_attention_backward.default(

@@ -21,6 +21,7 @@ contract) has no packed form: `PackedDocuments.from_ids` returns None and the ca
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 
 from config.errors import Refusal
 from parallelisms.cp import kernel_cudnn_thd as thd
-from parallelisms.cp.kernel_blocks import CudaFlashBlock, choose_block_kernel
+from parallelisms.cp.kernel_blocks import CudaFlashBlock, choose_block_kernel, philox_placeholders
 from parallelisms.cp.kernel_calls import block_backward, block_forward
 from parallelisms.cp.plan_piece import Piece
 
@@ -164,6 +165,27 @@ def packed_backward(dout, q, k, v, saved, docs: PackedDocuments, is_causal: bool
         dq[piece.batch, :, piece.q_rows] = gq
         dk[piece.batch, :, piece.kv_rows], dv[piece.batch, :, piece.kv_rows] = gk, gv
     return dq, dk, dv
+
+
+def packed_lse(saved, q: torch.Tensor) -> torch.Tensor:
+    """The forward's log-sum-exp as (B, Hq, S) float32 (a view), whatever layout its kernel wrote: what the
+    registered CP op returns (cp/op.py). `packed_saved` turns it back."""
+    b, h, s, _ = q.shape
+    if len(saved) == 4:  # one flash varlen call: (H, B x S)
+        return saved[1].view(h, b, s).permute(1, 0, 2)
+    if isinstance(saved[2], thd.ThdCall):  # token-major (B x S, H, 1) stats
+        return saved[1].view(b, s, h).permute(0, 2, 1)
+    return saved[1]  # per document: (B, H, S) already
+
+
+def packed_saved(out, lse, docs: PackedDocuments, is_causal: bool, q, kernel: str, packed: str):
+    """What `packed_backward` takes, from the op's (B, H, S, D) output and (B, Hq, S) log-sum-exp; the flash
+    kernels' philox state is a placeholder (dropout-free)."""
+    if not one_packed_call(q, kernel):
+        return out, lse, itertools.repeat(None)
+    if packed == "cudnn_thd":
+        return _packed(out), lse.permute(0, 2, 1).reshape(-1, q.size(1), 1), docs.thd_call(is_causal)
+    return (_packed(out), lse.permute(1, 0, 2).reshape(q.size(1), -1).contiguous(), *philox_placeholders(q))
 
 
 class PackedDocumentAttention(torch.autograd.Function):

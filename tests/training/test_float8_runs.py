@@ -74,17 +74,24 @@ def test_a_float8_checkpoint_reshards(tmp_path):
 
 @pytest.mark.slow
 def test_float8_compiles_without_surprises(tmp_path):
-    """torch.compile (CUDA's default) over float8 blocks under FSDP2 (float8 all-gathers): the same losses as eager up
-    to bf16 fusion (measured 1.3e-5 relative over 3 steps), the blocks' two graphs built, and no compile warning
-    (parallelisms/parallelize.compile_surprises: graph breaks, failed frames, unsupported constructs)."""
+    """torch.compile (CUDA's default) over float8 blocks under CP 2 and FSDP2 over it (float8 all-gathers): the same
+    losses as eager up to bf16 fusion, one graph per block kind, no graph break, no compile warning (parallelisms/parallelize.compile_surprises: graph breaks, failed
+    frames, unsupported constructs) and no graph built after the first step: the float8 scales' CP maximum is one
+    module-level function (parallelisms/float8.amax_over_sequence), not a closure per micro-step (issue 47)."""
     losses = {}
     for compiled in ("false", "true"):
         out = str(tmp_path / compiled)
         result = run_train("--training.steps", "3", "--training.dtype", "bfloat16", "--training.float8", "tensorwise",
                            "--training.compile", compiled, "--metrics.enable_tensorboard", "false",
+                           "--parallelism.cp", "2", "--parallelism.dp_shard", "1",
                            "--job.dump_folder", out, nproc=2, timeout=400, forked=True)
         assert result.returncode == 0, result.stderr[-3000:]
-        losses[compiled] = [r["loss"] for r in read_metrics(out)]
-    assert "torch.compile: the first step took" in result.stdout and "(the blocks' graphs compiled: 2)" in result.stdout
+        records = read_metrics(out)
+        losses[compiled] = [r["loss"] for r in records]
+    assert "torch.compile: the first step took" in result.stdout and "graph breaks: 0)" in result.stdout
+    assert records[0]["compile"]["unique_graphs"] == records[-1]["compile"]["unique_graphs"], records
     assert "warning: torch.compile" not in result.stdout + result.stderr, result.stdout[-3000:]
-    assert _max_rel(losses["true"], losses["false"]) <= 1e-4, losses
+    # bf16 fusion: each whole block is one graph, whose fused norms and residual adds skip eager's bf16 roundings of
+    # their intermediates. Measured 1.03e-4 relative over 3 steps (1.3e-5 when only attention and feed-forward were
+    # compiled); with inductor's emulate_precision_casts, which keeps those roundings, 2.1e-5.
+    assert _max_rel(losses["true"], losses["false"]) <= 2e-4, losses
