@@ -12,9 +12,8 @@ real plan, made from real document ids, under the dispatch counter (training/pla
   cached per batch, so these happen once per micro-step, not once per layer.
 The transient peak of the layer's attention (its inputs excluded) is read with torch's MemTracker, for the current
 path (GQA unexpanded) and for the earlier one (one flash call per piece, K/V expanded), so the dry run can print both.
-
-Document lengths: the recipe's prepared stores when given, else the stated web-like mix (lognormal(6.5, 1.0) tokens,
-the bench's "web-like" mix) packed into one row.
+The row's documents are the caller's (training/planning/cuda_path_table.py); `web_like_row` is the benches' and
+tests' stated mix (lognormal(6.5, 1.0) tokens).
 """
 from __future__ import annotations
 
