@@ -32,14 +32,13 @@ def _stage_shape(cfg, cp: int, tp: int, gathered: bool) -> tuple:
     return (1, cfg.training.seq_len // cp, heads, kv, m.head_dim)
 
 
-def _one_document_layer(cfg, cp: int, tp: int, device: str, expand_gqa: bool = False,
+def _one_document_layer(cfg, cp: int, tp: int, device: str, dtype, expand_gqa: bool = False,
                         kernel: str = "flash") -> LayerCounts:
     """One layer's attention (forward + backward) on the row the dry run's step measures (one document, the recipe's
     fixed layout, zigzag for the documents layout): the dense ring on fake `device` tensors, counted, with its
     transient peak (inputs excluded)."""
     p = cfg.parallelism
     layout = "zigzag" if p.cp_load_balancer == DOCUMENTS else p.cp_load_balancer
-    dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
     return layer_counts(_stage_shape(cfg, cp, tp, gathered=False), dtype, device, cp, 0,
                         lambda group: BlockSpec(group if cp > 1 else None, True, None, layout, None, None,
                                                 p.attention_head_groups, kernel),
@@ -67,9 +66,9 @@ def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
         counts = run(ids, cp, shape, dtype=dtype, memory=True, head_groups=groups, kernel=kernel)
         expanded_docs = run(ids, cp, shape, dtype=dtype, memory=True, expand_gqa=True,
                             head_groups=groups, kernel=kernel).transient_peak_bytes
-    cpu = _one_document_layer(cfg, cp, tp, "cpu").transient_peak_bytes
-    one_doc = _one_document_layer(cfg, cp, tp, "cuda", kernel=kernel)
-    expanded = _one_document_layer(cfg, cp, tp, "cuda", expand_gqa=True, kernel=kernel).transient_peak_bytes
+    cpu = _one_document_layer(cfg, cp, tp, "cpu", dtype).transient_peak_bytes
+    one_doc = _one_document_layer(cfg, cp, tp, "cuda", dtype, kernel=kernel)
+    expanded = _one_document_layer(cfg, cp, tp, "cuda", dtype, expand_gqa=True, kernel=kernel).transient_peak_bytes
     unexpanded = one_doc.transient_peak_bytes
     if counts is None:  # one document per row as far as CP goes: the dense ring's (or one rank's) calls
         counts = one_doc

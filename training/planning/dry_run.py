@@ -182,9 +182,9 @@ def propose_fix(result: RowResult, usable_gib: float) -> tuple[str, Config | Non
             f"or shorten training.seq_len by {factor}x{offload}", None)
 
 
-def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[str]:
-    hw, memory = cfg.hardware, first.memory
-    mcfg = recipe_model_config(cfg)
+def _header(cfg: Config, world: int, first: RowResult) -> list[str]:
+    hw, memory, mcfg = cfg.hardware, first.memory, recipe_model_config(cfg)
+    n_layers = mcfg.n_layers
     nodes = math.ceil(world / hw.gpus_per_node)
     usable = hw.device_memory_gib - RUNTIME_RESERVE_GIB
     depth = (f"blocks {memory.blocks_measured[0]} and {memory.blocks_measured[1]} measured, extrapolated linearly to "
@@ -343,8 +343,7 @@ def run_dry_run(cfg: Config, world: int) -> int:
             print(f"stage {index + 1} ({row.name}, seq_len {row.cfg.training.seq_len:,}): the training step fails "
                   f"under the dry run, so it would fail on the GPUs too: {type(e).__name__}: {first_line}")
             return 1
-    n_layers = recipe_model_config(cfg).n_layers
-    print("\n".join(_header(cfg, world, results[0], n_layers)))
+    print("\n".join(_header(cfg, world, results[0])))
     print("  columns: GiB per rank (params/grads/optim = persistent state; activ = the rest of the peak: saved and "
           "recomputed activations, logits and loss, gathered parameters, comm buffers; peak = device memory, the "
           "larger of the training step and the stage's evaluations (eval = the evaluations' own peak, 0 where the "
