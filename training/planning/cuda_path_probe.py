@@ -12,9 +12,8 @@ real plan, made from real document ids, under the dispatch counter (training/pla
   cached per batch, so these happen once per micro-step, not once per layer.
 The transient peak of the layer's attention (its inputs excluded) is read with torch's MemTracker, for the current
 path (GQA unexpanded) and for the earlier one (one flash call per piece, K/V expanded), so the dry run can print both.
-
-Document lengths: the recipe's prepared stores when given, else the stated web-like mix (lognormal(6.5, 1.0) tokens,
-the bench's "web-like" mix) packed into one row.
+The row's documents are the caller's (training/planning/cuda_path_table.py); `web_like_row` is the benches' and
+tests' stated mix (lognormal(6.5, 1.0) tokens).
 """
 from __future__ import annotations
 
@@ -39,16 +38,21 @@ from training.planning.fake.counter import DispatchCounter
 from training.planning.fake.world import fake_process_group
 
 aten = torch.ops.aten
-WEB_LIKE = "web-like: document lengths lognormal(6.5, 1.0) tokens (median ~665), packed into one row"
 
 
 def web_like_row(seq_len: int, seed: int = 0) -> np.ndarray:
     """(S,) document ids of one row packed from the web-like mix (the last document cut at the row's end)."""
     rng = np.random.default_rng(seed)
+    return packed_row(lambda: np.ceil(rng.lognormal(6.5, 1.0, 256)).astype(int).tolist(), seq_len)
+
+
+def packed_row(draw, seq_len: int) -> np.ndarray:
+    """(S,) ids of documents whose lengths `draw()` returns, 256 at a time, packed into one row (the last one cut
+    at the row's end)."""
     lengths = []
     while sum(lengths) < seq_len:
-        lengths += [int(x) for x in np.ceil(rng.lognormal(6.5, 1.0, 256))]
-    lengths = np.array(lengths)
+        lengths += draw()
+    lengths = np.maximum(np.array(lengths), 1)
     lengths = lengths[:np.searchsorted(np.cumsum(lengths), seq_len) + 1]
     lengths[-1] -= lengths.sum() - seq_len
     return np.repeat(np.arange(lengths.size), lengths)
@@ -77,9 +81,9 @@ class LayerCounts:
     """The attention calls by kernel (flash, cudnn, efficient, cpu_flash)."""
 
 
-def _qkv(batch, length, heads, kv_heads, head_dim, dtype):
-    """Fake CUDA q, k, v as the model hands them over: (B, L, H, D) projections seen as (B, H, L, D)."""
-    make = lambda h: torch.empty(batch, length, h, head_dim, dtype=dtype, device="cuda").transpose(1, 2)  # noqa: E731
+def _qkv(batch, length, heads, kv_heads, head_dim, dtype, device="cuda"):
+    """Fake q, k, v as the model hands them over: (B, L, H, D) projections seen as (B, H, L, D)."""
+    make = lambda h: torch.empty(batch, length, h, head_dim, dtype=dtype, device=device).transpose(1, 2)  # noqa: E731
     return make(heads), make(kv_heads), make(kv_heads)
 
 
@@ -153,26 +157,35 @@ def measure_layer(docs: DocumentShards, rank: int, impl: str, shape: tuple, dtyp
     query heads, K/V heads, head dim) as this rank's attention sees them (Ulysses: the whole sequence, heads / P).
     `kernel`: the kernel family the stage runs (cp/kernel_blocks.py, "auto" resolved); `packed`: the packed calls'
     kernel (cp/kernel_cudnn_thd.PACKED_KERNELS)."""
-    batch, length, heads, kv_heads, head_dim = shape
-    cp = len(docs.per_rank)
+    cp, ring = len(docs.per_rank), impl == "ring"
     pieces = sum(len(docs.layout_pieces(rank, src, True)) for src in range(cp))
-    with fake_process_group(max(cp, 1) if impl == "ring" else 1, rank if impl == "ring" else 0) as group, \
-            FakeTensorMode(allow_non_fake_inputs=True):
-        q, k, v = _qkv(batch, length, heads, kv_heads, head_dim, dtype)
-        if impl == "ring":
-            spec, fwd, bwd = BlockSpec(group, True, None, DOCUMENTS, docs, None, head_groups, kernel, packed), \
-                sparse_forward, sparse_backward
-        else:  # Ulysses / hybrid on documents: the ring's code at P = 1 over the gathered sequence
-            spec, fwd, bwd = BlockSpec(None, True, None, DOCUMENTS, docs, None, head_groups, kernel, packed), ring_forward, \
-                ring_backward
+    # Ulysses / hybrid on documents: the ring's code at P = 1 over the gathered sequence
+    counts = layer_counts(shape, dtype, "cuda", max(cp, 1) if ring else 1, rank if ring else 0,
+                          lambda group: BlockSpec(group if ring else None, True, None, DOCUMENTS, docs, None,
+                                                  head_groups, kernel, packed),
+                          (sparse_forward, sparse_backward) if ring else (ring_forward, ring_backward),
+                          memory, expand_gqa, counter)
+    counts.rank, counts.pieces = rank, pieces
+    return counts
+
+
+def layer_counts(shape: tuple, dtype, device: str, group_size: int, rank: int, spec_for, passes: tuple,
+                 memory: bool = True, expand_gqa: bool = False, counter: DispatchCounter | None = None) -> LayerCounts:
+    """One layer's attention (`passes` = its forward and backward functions, on the BlockSpec `spec_for(group)`)
+    on fake `device` tensors of `shape`, as `rank` of a fake process group of `group_size`: counted, and with
+    `memory` its transient peak (inputs excluded) under the modelled flash scratch."""
+    batch, length, heads, kv_heads, head_dim = shape
+    with fake_process_group(group_size, rank) as group, FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = _qkv(batch, length, heads, kv_heads, head_dim, dtype, device)
+        spec = spec_for(group)
         tracker = MemTracker() if memory else contextlib.nullcontext()
         counter = counter or DispatchCounter()
         # the modelled scratch sits below the counter: allocated and tracked, not counted as ops
         with tracker, (FlashWorkspace() if memory else contextlib.nullcontext()), counter, \
                 (ExpandGqa() if expand_gqa else contextlib.nullcontext()):
-            run_layer(fwd, bwd, q, k, v, spec)
+            run_layer(*passes, q, k, v, spec)
         peak = total_bytes(tracker.get_tracker_snapshot("peak")) if memory else 0.0
-    return LayerCounts(counter.attention, counter.ops, counter.syncs, peak, rank, pieces, dict(counter.by_kernel))
+    return LayerCounts(counter.attention, counter.ops, counter.syncs, peak, rank, 0, dict(counter.by_kernel))
 
 
 def total_bytes(snapshot: dict) -> float:

@@ -4,35 +4,22 @@ unexpanded vs the earlier expanded path. Document lengths: the recipe's prepared
 built-in pydoc corpus), else the stated mix: the documents the step-time prediction prices (planning/workload.py)."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from parallelisms.cp.block_spec import BlockSpec
 from parallelisms.cp.exchange_ring import ring_backward, ring_forward
 from parallelisms.cp.layouts import DOCUMENTS
 from training.planning.accelerators import kernel_on
-from training.planning.cuda_path_probe import (ExpandGqa, FlashWorkspace, LayerCounts, ring_counts, run_layer,
-                                               total_bytes, ulysses_counts)
-from training.planning.fake.counter import DispatchCounter
+from training.planning.cuda_path_probe import LayerCounts, layer_counts, packed_row, ring_counts, ulysses_counts
 from training.planning.fake.cuda import load_fake_cuda_guard
-from training.planning.fake.world import fake_process_group
 from training.planning.workload import MIX_ROW, document_lengths, mix_row
 
 
 def row_from_lengths(lengths: np.ndarray, seq_len: int, seed: int = 0) -> np.ndarray:
     """(S,) ids of documents drawn from `lengths` packed into one row (the last one cut at the row's end)."""
     rng = np.random.default_rng(seed)
-    drawn = []
-    while sum(drawn) < seq_len:
-        drawn += rng.choice(lengths, 256).tolist()
-    drawn = np.maximum(np.array(drawn), 1)
-    drawn = drawn[:np.searchsorted(np.cumsum(drawn), seq_len) + 1]
-    drawn[-1] -= drawn.sum() - seq_len
-    return np.repeat(np.arange(drawn.size), drawn)
+    return packed_row(lambda: rng.choice(lengths, 256).tolist(), seq_len)
 
 
 def _stage_shape(cfg, cp: int, tp: int, gathered: bool) -> tuple:
@@ -45,24 +32,17 @@ def _stage_shape(cfg, cp: int, tp: int, gathered: bool) -> tuple:
     return (1, cfg.training.seq_len // cp, heads, kv, m.head_dim)
 
 
-def _one_document_layer(cfg, cp: int, tp: int, device: str, expand_gqa: bool = False,
+def _one_document_layer(cfg, cp: int, tp: int, device: str, dtype, expand_gqa: bool = False,
                         kernel: str = "flash") -> LayerCounts:
     """One layer's attention (forward + backward) on the row the dry run's step measures (one document, the recipe's
     fixed layout, zigzag for the documents layout): the dense ring on fake `device` tensors, counted, with its
     transient peak (inputs excluded)."""
-    batch, length, heads, kv, head_dim = _stage_shape(cfg, cp, tp, gathered=False)
-    dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
-    with fake_process_group(cp, 0) as group, FakeTensorMode(allow_non_fake_inputs=True):
-        make = lambda h: torch.empty(batch, length, h, head_dim, dtype=dtype, device=device).transpose(1, 2)  # noqa
-        q, k, v = make(heads), make(kv), make(kv)
-        layout = "zigzag" if cfg.parallelism.cp_load_balancer == DOCUMENTS else cfg.parallelism.cp_load_balancer
-        spec = BlockSpec(group if cp > 1 else None, True, None, layout, None, None,
-                         cfg.parallelism.attention_head_groups, kernel)
-        with MemTracker() as tracker, FlashWorkspace(), DispatchCounter() as counter, \
-                (ExpandGqa() if expand_gqa else contextlib.nullcontext()):
-            run_layer(ring_forward, ring_backward, q, k, v, spec)
-            peak = total_bytes(tracker.get_tracker_snapshot("peak"))
-    return LayerCounts(counter.attention, counter.ops, counter.syncs, peak, 0, 0, dict(counter.by_kernel))
+    p = cfg.parallelism
+    layout = "zigzag" if p.cp_load_balancer == DOCUMENTS else p.cp_load_balancer
+    return layer_counts(_stage_shape(cfg, cp, tp, gathered=False), dtype, device, cp, 0,
+                        lambda group: BlockSpec(group if cp > 1 else None, True, None, layout, None, None,
+                                                p.attention_head_groups, kernel),
+                        (ring_forward, ring_backward), expand_gqa=expand_gqa)
 
 
 def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
@@ -86,9 +66,9 @@ def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
         counts = run(ids, cp, shape, dtype=dtype, memory=True, head_groups=groups, kernel=kernel)
         expanded_docs = run(ids, cp, shape, dtype=dtype, memory=True, expand_gqa=True,
                             head_groups=groups, kernel=kernel).transient_peak_bytes
-    cpu = _one_document_layer(cfg, cp, tp, "cpu").transient_peak_bytes
-    one_doc = _one_document_layer(cfg, cp, tp, "cuda", kernel=kernel)
-    expanded = _one_document_layer(cfg, cp, tp, "cuda", expand_gqa=True, kernel=kernel).transient_peak_bytes
+    cpu = _one_document_layer(cfg, cp, tp, "cpu", dtype).transient_peak_bytes
+    one_doc = _one_document_layer(cfg, cp, tp, "cuda", dtype, kernel=kernel)
+    expanded = _one_document_layer(cfg, cp, tp, "cuda", dtype, expand_gqa=True, kernel=kernel).transient_peak_bytes
     unexpanded = one_doc.transient_peak_bytes
     if counts is None:  # one document per row as far as CP goes: the dense ring's (or one rank's) calls
         counts = one_doc

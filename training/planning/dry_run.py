@@ -155,7 +155,8 @@ def documents_statement(cfg: Config) -> str:
             f"(training/planning/documents_cost.py); under CP the ring's blocks on their visible pairs")
 
 
-def _with(cfg: Config, section: str, **values) -> Config:
+def with_section(cfg: Config, section: str, **values) -> Config:
+    """`cfg` with `section`'s `values` replaced (the other sections shared, not copied)."""
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
 
 
@@ -165,11 +166,11 @@ def propose_fix(result: RowResult, usable_gib: float) -> tuple[str, Config | Non
     state_gib, act_gib = mem.state / GIB, mem.activations / GIB
     if cfg.activation_checkpoint.mode != "full":
         return ("set activation_checkpoint.mode = \"full\" (each block keeps only its input)",
-                _with(cfg, "activation_checkpoint", mode="full"))
+                with_section(cfg, "activation_checkpoint", mode="full"))
     if state_gib >= usable_gib and not cfg.training.cpu_offload and dims.pp == 1 and cfg.training.float8 == "off":
         return (f"parameters, gradients and AdamW state take {state_gib:.1f} GiB per GPU: keep them in host memory "
                 f"with training.cpu_offload = true (FSDP2's CPU offload; the step then pays the host's AdamW and "
-                f"the per-block copies), or shard them over more GPUs", _with(cfg, "training", cpu_offload=True))
+                f"the per-block copies), or shard them over more GPUs", with_section(cfg, "training", cpu_offload=True))
     if state_gib >= usable_gib:
         need = math.ceil(dims.dp_shard * dims.cp * state_gib / (0.5 * usable_gib))
         return (f"parameters, gradients and optimizer state alone take {state_gib:.1f} GiB: shard them over more "
@@ -184,16 +185,16 @@ def propose_fix(result: RowResult, usable_gib: float) -> tuple[str, Config | Non
     if dims.dp_shard % factor == 0 and cfg.training.seq_len % multiple == 0:
         return (f"raise parallelism.cp from {dims.cp} to {new_cp} and lower dp_shard from {dims.dp_shard} to "
                 f"{dims.dp_shard // factor} (same {result.world} GPUs; activations ~1/cp)",
-                _with(cfg, "parallelism", cp=new_cp, dp_shard=dims.dp_shard // factor))
+                with_section(cfg, "parallelism", cp=new_cp, dp_shard=dims.dp_shard // factor))
     gpus = result.world * factor // math.gcd(factor, dims.dp_shard)
     offload = "" if cfg.activation_checkpoint.offload else ", or set activation_checkpoint.offload = true"
     return (f"raise parallelism.cp from {dims.cp} to {new_cp} (activations ~1/cp): that takes about {gpus} GPUs, "
             f"or shorten training.seq_len by {factor}x{offload}", None)
 
 
-def _header(cfg: Config, world: int, first: RowResult, n_layers: int) -> list[str]:
-    hw, memory = cfg.hardware, first.memory
-    mcfg = recipe_model_config(cfg)
+def _header(cfg: Config, world: int, first: RowResult) -> list[str]:
+    hw, memory, mcfg = cfg.hardware, first.memory, recipe_model_config(cfg)
+    n_layers = mcfg.n_layers
     nodes = math.ceil(world / hw.gpus_per_node)
     usable = hw.device_memory_gib - RUNTIME_RESERVE_GIB
     depth = (f"blocks {memory.blocks_measured[0]} and {memory.blocks_measured[1]} measured, extrapolated linearly to "
@@ -261,9 +262,10 @@ def _row(result: RowResult, index: int, usable_gib: float) -> list[str]:
             f"{t['comm_gib']:.0f}"]
 
 
-def format_table(rows: list[list[str]]) -> str:
-    table = [list(COLUMNS)] + rows
-    widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
+def format_table(rows: list, columns: tuple = COLUMNS) -> str:
+    """`rows` of cells under `columns`, each column as wide as its widest cell (the dry run's and the planner's)."""
+    table = [list(columns)] + rows
+    widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table)
 
 
@@ -312,8 +314,8 @@ def host_memory_refusal(cfg: Config, result: RowResult) -> str:
             f"hardware.host_memory_gib to the node's real memory.")
 
 
-def print_host_plan(cfg: Config, results: list[RowResult]) -> RowResult | None:
-    """One line per stage: its host bytes per node against the node's; returns the first stage over it."""
+def print_host_plan(cfg: Config, results: list[RowResult]) -> str | None:
+    """One line per stage (its host bytes per node against the node's); the first stage over it refused, or None."""
     device_type = launch_device_type(cfg)
     limit, source = node_limit(cfg, device_type)
     print(f"  host memory ({device_type} run; training/launch_checks/host_memory.py), of {limit / GIB:,.1f} GiB per node "
@@ -321,7 +323,9 @@ def print_host_plan(cfg: Config, results: list[RowResult]) -> RowResult | None:
     for index, r in enumerate(results):
         print(f"    stage {index + 1} ({r.row.name}): {r.host.describe()}"
               f"{'' if r.host.per_node <= limit else '  DOES NOT FIT'}")
-    return next((r for r in results if r.host.per_node > limit), None)
+    over = next((r for r in results if r.host.per_node > limit), None)
+    return over and host_refusal(over.row.cfg, over.row.name, over.row.cfg.training.seq_len, over.host, limit, source,
+                                 device_type)
 
 
 def print_checkpoint_plan(cfg: Config, world: int, step_s: float) -> None:
@@ -351,8 +355,7 @@ def run_dry_run(cfg: Config, world: int) -> int:
             print(f"stage {index + 1} ({row.name}, seq_len {row.cfg.training.seq_len:,}): the training step fails "
                   f"under the dry run, so it would fail on the GPUs too: {type(e).__name__}: {first_line}")
             return 1
-    n_layers = recipe_model_config(cfg).n_layers
-    print("\n".join(_header(cfg, world, results[0], n_layers)))
+    print("\n".join(_header(cfg, world, results[0])))
     print("  columns: GiB per rank (params/grads/optim = persistent state; activ = the rest of the peak: saved and "
           "recomputed activations, logits and loss, gathered parameters, comm buffers; peak = device memory, the "
           "larger of the training step and the stage's evaluations (eval = the evaluations' own peak, 0 where the "
@@ -367,11 +370,9 @@ def run_dry_run(cfg: Config, world: int) -> int:
     if over_host is not None:
         print(host_memory_refusal(cfg, over_host))
         return 1
-    over_host = print_host_plan(cfg, results)
-    if over_host is not None:
-        limit, source = node_limit(cfg, launch_device_type(cfg))
-        print(host_refusal(over_host.row.cfg, over_host.row.name, over_host.row.cfg.training.seq_len, over_host.host,
-                           limit, source, launch_device_type(cfg)))
+    refusal = print_host_plan(cfg, results)
+    if refusal is not None:
+        print(refusal)
         return 1
     failing = next((i for i, r in enumerate(results) if r.peak_gib > usable), None)
     if failing is None:

@@ -17,6 +17,7 @@ import torch
 from config.schema import Config
 from training.evaluation.rows import eval_chunk_tokens, score_tokens
 from training.evaluation.niah import niah_eval_lengths
+from training.planning.fake.world import fake_batch
 from training.step import cp_context
 
 
@@ -41,13 +42,6 @@ def eval_shapes(cfg: Config) -> list[EvalShape]:
     return shapes
 
 
-def _fake_eval_batch(shape: EvalShape) -> dict:
-    size = (shape.rows, shape.length)
-    return {"input_ids": torch.zeros(size, dtype=torch.long), "labels": torch.zeros(size, dtype=torch.long),
-            "position_ids": torch.arange(shape.length).expand(size).clone(),
-            "document_ids": torch.zeros(size, dtype=torch.long)}
-
-
 @torch.no_grad()
 def measure_eval_peak(cfg: Config, setup, tracker) -> float:
     """The most bytes any of the stage's evaluations holds at once (persistent state included), each measured by a
@@ -58,8 +52,8 @@ def measure_eval_peak(cfg: Config, setup, tracker) -> float:
     model.eval()
     for shape in sorted(set(eval_shapes(cfg)), key=lambda s: (s.rows * s.length, s.key)):
         with tracker() as memory:
-            score_tokens(model, _fake_eval_batch(shape), eval_chunk_tokens(setup.loss_chunk_tokens),
-                         sparse_labels=False,
+            score_tokens(model, fake_batch(cfg, shape=(shape.rows, shape.length)),
+                         eval_chunk_tokens(setup.loss_chunk_tokens), sparse_labels=False,
                          cp_context=(lambda batch: cp_context(setup, batch)) if setup.shards_sequence else None,
                          cp_mesh=setup.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer)
             peak = max(peak, _total(memory.get_tracker_snapshot("peak")))

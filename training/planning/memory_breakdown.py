@@ -23,41 +23,28 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 # Frames that only drive the step: ops under them (autograd's own backward kernels) are labelled by module instead.
 _SKIP_FILES = (os.path.join("training", "planning", "memory_breakdown.py"), os.path.join("training", "step.py"))
 
-# (substring of a label, category), first match wins; labels are "file:qualname" or "backward <module>: <op>".
-CATEGORY_RULES: tuple[tuple[str, str], ...] = (
-    ("activation_offload", "offload staging (block input brought back)"),
-    ("parallelisms/cp/", "ring attention (K/V in flight, accumulators)"),
-    ("ring_", "ring attention (K/V in flight, accumulators)"),
-    ("context_parallel", "ring attention (K/V in flight, accumulators)"),
-    ("cp_", "ring attention (K/V in flight, accumulators)"),
-    ("rope", "rope (q/k rotation)"),
-    ("tiled_mlp", "MLP gate/up/down (tiled)"),
-    ("FeedForward", "MLP gate/up/down"),
-    ("feed_forward", "MLP gate/up/down"),
-    ("RMSNorm", "norms"),
-    ("norm", "norms"),
-    ("chunked_loss", "loss (chunked output projection)"),
-    (".output", "loss (chunked output projection)"),
-    ("activation_checkpoint", "checkpoint recompute"),
-    ("fsdp", "FSDP all-gather / reduce-scatter"),
-    ("data_parallel", "FSDP all-gather / reduce-scatter"),
-    ("wq", "q projection"),
-    ("wk", "k/v projections"),
-    ("wv", "k/v projections"),
-    ("wo", "attention output projection"),
-    ("Attention", "attention in/out (SDPA, reshapes)"),
-    ("attention", "attention in/out (SDPA, reshapes)"),
-    ("TransformerBlock", "residual adds"),
-    ("layers.", "residual adds"),
-    ("tok_embeddings", "embedding"),
+# (category, substrings of a label), first match wins; labels are "file:qualname" or "backward <module>: <op>".
+CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("offload staging (block input brought back)", ("activation_offload",)),
+    ("ring attention (K/V in flight, accumulators)", ("parallelisms/cp/", "ring_", "context_parallel", "cp_")),
+    ("rope (q/k rotation)", ("rope",)),
+    ("MLP gate/up/down (tiled)", ("tiled_mlp",)),
+    ("MLP gate/up/down", ("FeedForward", "feed_forward")),
+    ("norms", ("RMSNorm", "norm")),
+    ("loss (chunked output projection)", ("chunked_loss", ".output")),
+    ("checkpoint recompute", ("activation_checkpoint",)),
+    ("FSDP all-gather / reduce-scatter", ("fsdp", "data_parallel")),
+    ("q projection", ("wq",)),
+    ("k/v projections", ("wk", "wv")),
+    ("attention output projection", ("wo",)),
+    ("attention in/out (SDPA, reshapes)", ("Attention", "attention")),
+    ("residual adds", ("TransformerBlock", "layers.")),
+    ("embedding", ("tok_embeddings",)),
 )
 
 
 def category_of(label: str) -> str:
-    for needle, category in CATEGORY_RULES:
-        if needle in label:
-            return category
-    return "other"
+    return next((category for category, needles in CATEGORY_RULES if any(n in label for n in needles)), "other")
 
 
 def _repo_frame_label() -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
+from unittest import mock
 
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -30,6 +31,9 @@ from training.planning.fake.world import FakeWorld, fake_batch, fake_world
 from training.step import clip_grad_norm_
 
 GIB = 2**30
+_CHECKED = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes", "host",
+            "peak_eval")
+"""The figures of RankMemory that a third depth must agree with before two are extrapolated."""
 
 
 @dataclass
@@ -83,18 +87,14 @@ class RankMemory:
         return self.peak - self.state
 
     def agrees_with(self, other: "RankMemory", rel: float = 1e-6) -> bool:
-        names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes",
-                 "host", "peak_eval")
-        pairs = [(getattr(self, n), getattr(other, n)) for n in names]
+        pairs = [(getattr(self, n), getattr(other, n)) for n in _CHECKED]
         return all(a == b or abs(a - b) <= rel * max(abs(a), abs(b)) for a, b in pairs if a is not None)
 
     def extrapolate(self, deeper: "RankMemory", extra_blocks: float) -> "RankMemory":
         """self measured at d blocks, `deeper` at d + 1: every number is affine in the depth."""
         def line(a, b):
             return None if a is None else a + extra_blocks * (b - a)
-        names = ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes",
-                 "host", "peak_eval", "bandwidth_bytes", "kernels")
-        values = {n: line(getattr(self, n), getattr(deeper, n)) for n in names}
+        values = {n: line(getattr(self, n), getattr(deeper, n)) for n in _CHECKED + ("bandwidth_bytes", "kernels")}
         return RankMemory(**values, blocks_measured=self.blocks_measured + deeper.blocks_measured)
 
 
@@ -144,11 +144,8 @@ def _compiled_casts_uncounted(cfg: Config, census: DispatchCounter):
         with census.uncounted():
             return cast(*args, **kwargs)
 
-    float8_linear.hp_tensor_to_float8_dynamic = uncounted_cast
-    try:
+    with mock.patch.object(float8_linear, "hp_tensor_to_float8_dynamic", uncounted_cast):
         yield
-    finally:
-        float8_linear.hp_tensor_to_float8_dynamic = cast
 
 
 def _measure_step(fake: FakeWorld) -> RankMemory:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from config import RecipeError
 from config.schema import Config, RampTable
 from models.llama import recipe_model_config
-from training.planning.dry_run import RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, node_host_gib, stage_times
+from training.planning.dry_run import (RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, node_host_gib,
+                                       stage_times, with_section)
 from training.planning.memory_probe import GIB, RankMemory, measure_memory
 from training.launch_checks.preflight import preflight_stages
 from training.planning.ramp_lengths import PlanRequest, stage_lengths, stage_steps, tokens_per_step_for
@@ -183,25 +184,21 @@ def tp_options(base: Config, gpus: int) -> list[int]:
 
 def candidates(ask: StageAsk, probes: ProbeCache, usable: float, rejected: list[str]) -> list[Candidate]:
     """Every CP (a power of two on the sharded GPUs) whose stage resolves and whose line fits, best first."""
-    out, cp = [], 1
-    while cp <= ask.sharded:
-        if ask.sharded % cp == 0:
-            try:
-                cfg = stage_candidate(ask, cp)
-            except RecipeError as e:
-                rejected.append(f"cp {cp}: {_short(e)}")
-                cp *= 2
-                continue
-            t, dp = cfg.training, cfg.parallelism.dp_shard * cfg.parallelism.dp_replicate
-            tokens = t.local_batch_size * t.seq_len / cp
-            peak = probes.line(ask.tp, ask.offload).peak(tokens, t.grad_accum_steps(dp) > 1)
-            if peak > usable:
-                rejected.append(f"cp {cp}: {peak:.0f} GiB predicted > {usable:g}")
-            else:
-                dims = preflight_stages(cfg, ask.gpus, check_data=False)[0].dims
-                times = stage_times(cfg, dims, ask.base.hardware.gpus_per_node)
-                out.append(Candidate(cfg, cp, ask.tp, ask.offload, peak, times["predicted_s"]))
-        cp *= 2
+    out = []
+    for cp in (2**i for i in range(ask.sharded.bit_length()) if ask.sharded % 2**i == 0):
+        try:
+            cfg = stage_candidate(ask, cp)
+        except RecipeError as e:
+            rejected.append(f"cp {cp}: {_short(e)}")
+            continue
+        t, dp = cfg.training, cfg.parallelism.dp_shard * cfg.parallelism.dp_replicate
+        peak = probes.line(ask.tp, ask.offload).peak(t.local_batch_size * t.seq_len / cp, t.grad_accum_steps(dp) > 1)
+        if peak > usable:
+            rejected.append(f"cp {cp}: {peak:.0f} GiB predicted > {usable:g}")
+            continue
+        dims = preflight_stages(cfg, ask.gpus, check_data=False)[0].dims
+        times = stage_times(cfg, dims, ask.base.hardware.gpus_per_node)
+        out.append(Candidate(cfg, cp, ask.tp, ask.offload, peak, times["predicted_s"]))
     return sorted(out, key=lambda c: (c.estimated_step_s, c.cp))
 
 
@@ -234,9 +231,7 @@ def plan_ramp(base: Config, request: PlanRequest) -> RampPlan:
     """The plan, or a RecipeError naming the smallest GPU count (or the feature) that would make it fit."""
     plan, failing_seq_len, probes = _plan(base, request)
     if plan is None and offloadable(base):  # the state on the host: FSDP2's CPU offload, for the whole run
-        offloaded = copy.deepcopy(base)
-        offloaded.training.cpu_offload = True
-        plan = _plan(offloaded, request)[0]
+        plan = _plan(with_section(base, "training", cpu_offload=True), request)[0]
         if plan is not None:
             plan.note = (f"training.cpu_offload = true, chosen by the planner: {failing_seq_len:,} tokens fit no "
                          f"layout with the parameters, gradients and AdamW state on the GPUs")
@@ -285,15 +280,9 @@ def _plan(base: Config, request: PlanRequest) -> tuple[RampPlan | None, int, Pro
         else:
             if base.activation_checkpoint.mode == "none" and any(s.chosen.offload for s in planned):
                 # one model build has one checkpoint mode, and offload needs one: every stage checkpointed
-                return _plan(_with_full_checkpointing(base), request)
+                return _plan(with_section(base, "activation_checkpoint", mode="full"), request)
             return RampPlan(base, request, tokens_per_step, planned, usable), 0, probes
     return None, seq_len, probes
-
-
-def _with_full_checkpointing(base: Config) -> Config:
-    cfg = copy.deepcopy(base)
-    cfg.activation_checkpoint.mode = "full"
-    return cfg
 
 
 def what_would_fit(base: Config, request: PlanRequest, seq_len: int, probes: ProbeCache) -> str:

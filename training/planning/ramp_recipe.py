@@ -12,6 +12,7 @@ from config.recipe import toml_value
 from config.rope import RopeSettings
 from config.schema import Config, SECTIONS, SourceConfig
 from models.llama import recipe_model_config
+from training.planning.dry_run import format_table
 from training.planning.ramp_lengths import PlanRequest, default_out, length_name
 from training.planning.ramp_planner import RampPlan, plan_ramp
 from training.planning.workload import parameter_count
@@ -113,15 +114,11 @@ def render_recipe(plan: RampPlan, out: str, base_path: str, argv_tail: str = "")
 
 
 def format_plan_table(plan: RampPlan) -> str:
-    rows = [list(COLUMNS)]
-    for i, s in enumerate(plan.stages):
-        c = s.chosen.cfg.parallelism
-        rows.append([str(i), f"{s.seq_len:,}", str(s.chosen.cp), str(c.dp_shard), str(s.chosen.tp),
-                     "on" if s.chosen.offload else "off", f"{s.measured.peak_gib:.1f}", f"{s.measured.host_gib:.1f}",
-                     f"{s.step_s:.2f}", f"{s.measured.times['predicted_tokens_per_gpu_s']:,.0f}", str(s.steps),
-                     f"{s.gpu_hours(plan.request.gpus):,.1f}"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+    return format_table([[str(i), f"{s.seq_len:,}", str(s.chosen.cp), str(s.chosen.cfg.parallelism.dp_shard),
+                          str(s.chosen.tp), "on" if s.chosen.offload else "off", f"{s.measured.peak_gib:.1f}",
+                          f"{s.measured.host_gib:.1f}", f"{s.step_s:.2f}",
+                          f"{s.measured.times['predicted_tokens_per_gpu_s']:,.0f}", str(s.steps),
+                          f"{s.gpu_hours(plan.request.gpus):,.1f}"] for i, s in enumerate(plan.stages)], COLUMNS)
 
 
 def run_plan_ramp(cfg: Config, request: PlanRequest, argv_tail: str = "") -> int:

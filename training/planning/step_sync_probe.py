@@ -89,21 +89,15 @@ def count_micro_step_syncs(cfg: Config, world_size: int, rank: int, micro_loader
 
 def _count_micro_steps(setup: StepSetup, batches: list[dict], global_tokens: int, where: bool) -> StepSyncs:
     """The trainer's loop body (Trainer.train_step) per micro-batch, counted; stops at the first failure."""
-    counts, places, attention = collections.Counter(), collections.Counter(), collections.Counter()
-    ops, stopped = 0, None
-    for batch in batches:
-        counter = DispatchCounter(where=where, record=True)
-        try:
-            with counter:
+    counter, stopped = DispatchCounter(where=where, record=True), None
+    try:
+        with counter:
+            for batch in batches:
                 local = step.move_batch(batch, torch.device("cuda"))
                 step.micro_step(setup, local, global_tokens)
                 visible_pairs(local["position_ids"])
-        except Exception as e:  # a value read back from a fake tensor (counted and located), or any failure
-            stopped = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-        counts.update(counter.counts)
-        places.update(counter.places or {})
-        attention.update(str(call[0]) for call in counter.attention_calls)
-        ops += counter.ops
-        if stopped:
-            break
-    return StepSyncs(len(batches), dict(counts), dict(places), dict(attention), ops, None, stopped)
+    except Exception as e:  # a value read back from a fake tensor (counted and located), or any failure
+        stopped = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    attention = collections.Counter(str(call[0]) for call in counter.attention_calls)
+    return StepSyncs(len(batches), dict(counter.counts), dict(counter.places or {}), dict(attention), counter.ops,
+                     None, stopped)

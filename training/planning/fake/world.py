@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import sys
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -132,17 +133,14 @@ def warm_up_optimizer(params: list, optimizer: torch.optim.Optimizer, max_norm: 
     optimizer.zero_grad(set_to_none=True)
 
 
-def fake_batch(cfg: Config, device: str = "cpu") -> dict:
-    """A micro-batch of the recipe's shape (one document per row)."""
-    t = cfg.training
-    shape = (t.local_batch_size, t.seq_len)
-    return {"input_ids": torch.zeros(shape, dtype=torch.long, device=device),
-            "labels": torch.zeros(shape, dtype=torch.long, device=device),
-            "position_ids": torch.arange(t.seq_len, device=device).expand(shape).clone(),
-            "document_ids": torch.zeros(shape, dtype=torch.long, device=device)}
+def fake_batch(cfg: Config, device: str = "cpu", shape: tuple[int, int] | None = None) -> dict:
+    """A micro-batch of the recipe's shape, or of `shape` = (rows, length) (one document per row)."""
+    shape = shape or (cfg.training.local_batch_size, cfg.training.seq_len)
+    zeros = lambda: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
+    return {"input_ids": zeros(), "labels": zeros(),
+            "position_ids": torch.arange(shape[1], device=device).expand(shape).clone(), "document_ids": zeros()}
 
 
-@contextlib.contextmanager
 def _sharding_propagation_in_its_own_fake_mode():
     """DTensor derives each op's output shape by running it on global-shape placeholders in `detect_fake_mode() or
     FakeTensorMode()`, uncached under a fake mode. On a real rank that is a throwaway fake mode, which the trackers
@@ -151,12 +149,7 @@ def _sharding_propagation_in_its_own_fake_mode():
     MiB predicted vs 27.3 MiB real). With this the probe's DTensor ops propagate as a real rank's do."""
     from torch.distributed.tensor import _sharding_prop
 
-    saved = _sharding_prop.detect_fake_mode
-    _sharding_prop.detect_fake_mode = lambda *args: None
-    try:
-        yield
-    finally:
-        _sharding_prop.detect_fake_mode = saved
+    return mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None)
 
 
 def _forget_dtensor_caches() -> None:
