@@ -5,7 +5,7 @@
 
 One rank of the planning probes' fake world (training/planning/fake/world.py) builds the stage's model with
 `--layers` blocks through the real composer (FSDP2, activation checkpointing and offload, context parallelism) and
-runs one micro-step under training/planning/memory_breakdown.py's dispatch mode: the printed peak is the transient
+runs one micro-step under harness/memory_breakdown.py's dispatch mode: the printed peak is the transient
 part of the step (parameters, gradients and optimizer state excluded) and each category is what the code of that part
 held at that moment. Document masking is measured as its one-document row (causal), as the dry run does.
 """
@@ -23,7 +23,7 @@ from torch.distributed._tools.mod_tracker import ModTracker  # noqa: E402
 from config.recipe import load_config  # noqa: E402
 from training import step  # noqa: E402
 from training.planning.fake.world import fake_batch, fake_world  # noqa: E402
-from training.planning.memory_breakdown import BreakdownMode, format_breakdown  # noqa: E402
+from harness.memory_breakdown import BreakdownMode, format_breakdown  # noqa: E402
 from training.ramp import resolve_stages  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """The tiled RMSNorm against the plain one (models/llama.py's RMSNorm, untiled): the same outputs bit for bit in
 bf16, and in a small fp32 Llama the same loss and every gradient within 1e-6; its float32 temporaries never span
-more than one tile, and the breakdown tool (training/planning/memory_breakdown.py) sees the norms' share drop."""
+more than one tile, and the breakdown tool (harness/memory_breakdown.py) sees the norms' share drop."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.llama import Llama, RMSNorm, model_config
 from models.tiled_norm import tiled_rms_norm
-from training.planning.memory_breakdown import BreakdownMode
+from harness.memory_breakdown import BreakdownMode
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

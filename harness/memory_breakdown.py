@@ -19,9 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # the repository root
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the repository root
 # Frames that only drive the step: ops under them (autograd's own backward kernels) are labelled by module instead.
-_SKIP_FILES = (os.path.join("training", "planning", "memory_breakdown.py"), os.path.join("training", "step.py"))
+_SKIP_FILES = (os.path.join("harness", "memory_breakdown.py"), os.path.join("training", "step.py"))
 
 # (category, substrings of a label), first match wins; labels are "file:qualname" or "backward <module>: <op>".
 CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
