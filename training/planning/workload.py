@@ -162,9 +162,10 @@ def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None = No
     t, p = cfg.training, cfg.parallelism
     fraction = length = pieces = None
     if cfg.data.document_masking:
-        fraction, doc_length = document_pairs(cfg, t.seq_len)
+        stores = document_lengths(cfg)  # read (or tokenized) once for both
+        fraction, doc_length = document_pairs(cfg, t.seq_len, stores)
         length = min(doc_length, t.seq_len / dims.cp)
-        pieces = document_row_pieces(cfg, t.seq_len)
+        pieces = document_row_pieces(cfg, t.seq_len, stores)
     mcfg = recipe_model_config(cfg)
     return Workload(
         model=mcfg, layout=Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node),
@@ -204,12 +205,12 @@ def stage_documents_kernel(cfg) -> str:
     return "cudnn_thd" if half and cudnn and head_dim % 8 == 0 and head_dim <= 128 else "flash_varlen"
 
 
-def document_row_pieces(cfg, seq_len: int) -> tuple[tuple[int, float], ...]:
+def document_row_pieces(cfg, seq_len: int, stores=False) -> tuple[tuple[int, float], ...]:
     """((piece length, pieces per row), ...) of rows packed from the recipe's documents (`document_lengths`, sources
     weighted by `weight`), else of DOCUMENT_MIX's row."""
     from training.planning import documents_cost
 
-    stores = document_lengths(cfg)
+    stores = document_lengths(cfg) if stores is False else stores  # False: not read yet
     if stores is None:
         lengths = np.bincount(mix_row(seq_len))
         return tuple(sorted(documents_cost.row_pieces(lengths, seq_len, rows=1).items()))
@@ -222,10 +223,10 @@ def document_row_pieces(cfg, seq_len: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pieces.items()))
 
 
-def document_pairs(cfg, seq_len: int) -> tuple[float, float]:
+def document_pairs(cfg, seq_len: int, stores=False) -> tuple[float, float]:
     """(visible pairs / S^2, pair-weighted block length) of the recipe's documents (`document_lengths`), sources
     weighted by `weight`, else of DOCUMENT_MIX."""
-    stores = document_lengths(cfg)
+    stores = document_lengths(cfg) if stores is False else stores  # False: not read yet
     if stores is None:
         return document_pair_fraction(seq_len)
     weights = {name: 1.0 for name in stores} | {s.name: s.weight for s in cfg.data.sources}
