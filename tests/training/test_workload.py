@@ -7,28 +7,39 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _mix_closed_form(seq: int) -> float:
+    """Visible pairs / S^2 of the stated mix: half the tokens in rows of one document (S (S + 1) / 2 pairs a row),
+    half in documents of min(4,096, S) tokens."""
+    doc = min(4096, seq)
+    return 0.5 * (seq + 1) / (2 * seq) + 0.5 * (doc + 1) / (2 * seq)
+
+
 def test_document_mix_pairs_are_the_closed_form():
-    from training.planning.workload import document_pair_fraction
+    from training.planning.documents_cost import row_pieces
+    from training.planning.workload import mix_lengths, pieces_pairs
 
-    seq = 65536
-    fraction, length = document_pair_fraction(seq, ((0.5, None), (0.5, 4096)))
-    whole = 0.5 * (seq + 1) / (2 * seq)
-    docs = 0.5 * (4096 + 1) / (2 * seq)
-    assert fraction == pytest.approx(whole + docs, rel=1e-12)
-    assert 4096 < length < seq
+    for seq in (2048, 8192, 65536):
+        pieces = tuple(row_pieces(mix_lengths(seq), seq).items())
+        fraction, length = pieces_pairs(pieces, seq)
+        assert fraction == pytest.approx(_mix_closed_form(seq), rel=1e-12), seq
+        assert min(4096, seq) <= length <= seq
 
 
-def _pairs_closed_form(lengths_by_source: dict, weights: dict, seq: int) -> tuple[float, float]:
-    """Visible pairs / S^2 and the pair-weighted piece length, document by document: a document of L tokens fills
-    L // S whole rows (S (S + 1) / 2 pairs each) and a last piece of L % S."""
+def _pairs_closed_form(lengths_by_source: dict, weights: dict, seq: int, rows: int = 64) -> tuple[float, float]:
+    """Visible pairs / S^2 and the pair-weighted piece length, document by document as the packer fills `rows` rows
+    of S tokens (the documents in order, repeated; one crossing a row's end is cut there), per row."""
     fraction = weighted = 0.0
     total = sum(weights.values())
     for name, lengths in lengths_by_source.items():
-        share = weights[name] / total / sum(lengths) / seq
-        for length in lengths:
-            for piece in [seq] * (length // seq) + ([length % seq] if length % seq else []):
-                fraction += share * piece * (piece + 1) / 2
-                weighted += share * piece * (piece + 1) / 2 * piece
+        filled, at = 0, 0
+        while filled < rows * seq:
+            left = lengths[at % len(lengths)]
+            at += 1
+            while left and filled < rows * seq:
+                piece = min(left, seq - filled % seq)
+                fraction += weights[name] / total / rows / seq ** 2 * piece * (piece + 1) / 2
+                weighted += weights[name] / total / rows / seq ** 2 * piece * (piece + 1) / 2 * piece
+                filled, left = filled + piece, left - piece
     return fraction, weighted / fraction
 
 
@@ -43,7 +54,7 @@ def test_visible_pairs_from_prepared_stores_read_only_the_recipes_own_stores(tmp
     from data.prepare import prepare_store
     from data.sources import build_run_tokenizer, store_specs
     from data.tokenizer import build_tokenizer
-    from training.planning.workload import DOCUMENT_MIX, document_pair_fraction, document_pairs
+    from training.planning.workload import document_row_pieces, pieces_pairs
 
     words = "river mill stone wall bird hill quiet long day walk back again the a of to and in".split()
     rng = np.random.default_rng(0)
@@ -72,9 +83,9 @@ def test_visible_pairs_from_prepared_stores_read_only_the_recipes_own_stores(tmp
     lengths = {name: [len(ids) for ids in tokenizer.encode_batch(texts)] for name, texts in docs.items()}
     assert lengths["books"][0] > 2 * seq  # one document over several rows
     expected = _pairs_closed_form(lengths, {"books": 1.0, "web": 3.0}, seq)
-    assert document_pairs(cfg, seq) == pytest.approx(expected, rel=1e-12)
+    assert pieces_pairs(document_row_pieces(cfg, seq), seq) == pytest.approx(expected, rel=1e-12)
     cfg.data.sources[1].name = "unprepared"
-    assert document_pairs(cfg, seq) == document_pair_fraction(seq, DOCUMENT_MIX)
+    assert pieces_pairs(document_row_pieces(cfg, seq), seq)[0] == pytest.approx(_mix_closed_form(seq), rel=1e-12)
 
 
 def test_a_recipe_on_the_builtin_pydoc_corpus_is_priced_on_its_own_documents(tmp_path):
@@ -84,7 +95,7 @@ def test_a_recipe_on_the_builtin_pydoc_corpus_is_priced_on_its_own_documents(tmp
     from data.corpus import pydoc_documents
     from data.sources import build_run_tokenizer
     from models.llama import recipe_model_config
-    from training.planning.workload import document_pair_fraction, document_pairs
+    from training.planning.workload import document_row_pieces, pieces_pairs
 
     cfg = load_config(os.path.join(ROOT, "recipes", "debug.toml"),
                       ["--data.document_masking", "true", "--data.cache_dir", str(tmp_path)])
@@ -92,5 +103,6 @@ def test_a_recipe_on_the_builtin_pydoc_corpus_is_priced_on_its_own_documents(tmp
     lengths = [len(ids) for ids in tokenizer.encode_batch(pydoc_documents())]
     seq = 4096
     expected = _pairs_closed_form({"corpus": lengths}, {"corpus": 1.0}, seq)
-    assert document_pairs(cfg, seq) == pytest.approx(expected, rel=1e-12)
-    assert document_pairs(cfg, seq)[0] < document_pair_fraction(seq)[0]  # pydoc's ~1.9K-token documents
+    got = pieces_pairs(document_row_pieces(cfg, seq), seq)
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert got[0] < _mix_closed_form(seq)  # pydoc's ~1.9K-token documents

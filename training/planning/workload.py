@@ -155,17 +155,17 @@ def comm_bytes(w: Workload) -> dict[str, tuple[float, int]]:
 
 def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None = None, offload_bytes: float = 0.0,
                  bandwidth_bytes: float | None = None) -> Workload:
-    """The Workload of one resolved recipe stage; with document masking, the visible pairs of the recipe's documents
-    (`document_pairs`). `cp_ring_bytes`, `offload_bytes`, `bandwidth_bytes`: the memory probe's."""
+    """The Workload of one resolved recipe stage; with document masking, the pieces of the recipe's documents
+    (`document_row_pieces`) and their visible pairs. `cp_ring_bytes`, `offload_bytes`, `bandwidth_bytes`: the
+    memory probe's."""
     from models.llama import recipe_model_config
 
     t, p = cfg.training, cfg.parallelism
     fraction = length = pieces = None
     if cfg.data.document_masking:
-        stores = document_lengths(cfg)  # read (or tokenized) once for both
-        fraction, doc_length = document_pairs(cfg, t.seq_len, stores)
+        pieces = document_row_pieces(cfg, t.seq_len)
+        fraction, doc_length = pieces_pairs(pieces, t.seq_len)
         length = min(doc_length, t.seq_len / dims.cp)
-        pieces = document_row_pieces(cfg, t.seq_len, stores)
     mcfg = recipe_model_config(cfg)
     return Workload(
         model=mcfg, layout=Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, gpus_per_node),
@@ -205,15 +205,13 @@ def stage_documents_kernel(cfg) -> str:
     return "cudnn_thd" if half and cudnn and head_dim % 8 == 0 and head_dim <= 128 else "flash_varlen"
 
 
-def document_row_pieces(cfg, seq_len: int, stores=False) -> tuple[tuple[int, float], ...]:
+def document_row_pieces(cfg, seq_len: int) -> tuple[tuple[int, float], ...]:
     """((piece length, pieces per row), ...) of rows packed from the recipe's documents (`document_lengths`, sources
-    weighted by `weight`), else of DOCUMENT_MIX's row."""
+    weighted by `weight`), else from DOCUMENT_MIX's documents, cut as the packer cuts them (documents_cost.row_pieces):
+    the one cut model of the CP 1 pricing (piece by piece) and the ring's (`pieces_pairs`)."""
     from training.planning import documents_cost
 
-    stores = document_lengths(cfg) if stores is False else stores  # False: not read yet
-    if stores is None:
-        lengths = np.bincount(mix_row(seq_len))
-        return tuple(sorted(documents_cost.row_pieces(lengths, seq_len, rows=1).items()))
+    stores = document_lengths(cfg) or {"mix": mix_lengths(seq_len)}
     weights = {name: 1.0 for name in stores} | {s.name: s.weight for s in cfg.data.sources}
     total = sum(weights[name] for name in stores)
     pieces: dict[int, float] = {}
@@ -223,50 +221,30 @@ def document_row_pieces(cfg, seq_len: int, stores=False) -> tuple[tuple[int, flo
     return tuple(sorted(pieces.items()))
 
 
-def document_pairs(cfg, seq_len: int, stores=False) -> tuple[float, float]:
-    """(visible pairs / S^2, pair-weighted block length) of the recipe's documents (`document_lengths`), sources
-    weighted by `weight`, else of DOCUMENT_MIX."""
-    stores = document_lengths(cfg) if stores is False else stores  # False: not read yet
-    if stores is None:
-        return document_pair_fraction(seq_len)
-    weights = {name: 1.0 for name in stores} | {s.name: s.weight for s in cfg.data.sources}
-    total = sum(weights.values())
-    fraction = weighted_length = 0.0
-    for name, lengths in stores.items():
-        pieces = row_pieces(lengths, seq_len)
-        pairs = pieces * (pieces + 1) / 2
-        share = weights[name] / total / lengths.sum() / seq_len  # per token of this source, per row
-        fraction += share * pairs.sum()
-        weighted_length += share * (pairs * pieces).sum()
-    return fraction, weighted_length / fraction
+def pieces_pairs(pieces: tuple[tuple[int, float], ...], seq_len: int) -> tuple[float, float]:
+    """(visible pairs / S^2, pair-weighted piece length) of rows of `pieces`: causal inside each piece."""
+    pairs = [(count * length * (length + 1) / 2, length) for length, count in pieces]
+    total = sum(p for p, _ in pairs)
+    return total / seq_len ** 2, sum(p * length for p, length in pairs) / total
 
 
-def row_pieces(lengths: np.ndarray, seq_len: int) -> np.ndarray:
-    """A document longer than a row fills `whole` rows and a last piece of `rest` tokens."""
-    whole, rest = np.divmod(lengths.astype(np.float64), seq_len)
-    return np.concatenate([np.full(int(whole.sum()), float(seq_len)), rest[rest > 0]])
-
-
-def document_pair_fraction(seq_len: int, mix=DOCUMENT_MIX) -> tuple[float, float]:
-    """(visible pairs / S^2, pair-weighted block length) of rows packed from `mix` with document masking."""
-    fraction, length_weighted = 0.0, 0.0
+def mix_lengths(seq_len: int, mix=DOCUMENT_MIX, rows: int | None = None) -> np.ndarray:
+    """Document lengths that pack, in order, into `rows` rows of `mix` (default: as few as give each share whole
+    rows, so that no document of one share is cut by another's): each share fills its share of the tokens with
+    documents of its length (None: one document of all of them, plain causal over its rows), the last one shorter."""
+    rows = rows or round(1 / min(share for share, _ in mix))
+    lengths = []
     for share, length in mix:
-        doc = min(length or seq_len, seq_len)
-        pairs = share * seq_len / doc * doc * (doc + 1) / 2 / seq_len ** 2
-        fraction += pairs
-        length_weighted += pairs * doc
-    return fraction, length_weighted / fraction
+        left = round(share * rows * seq_len)
+        step = min(length or left, left) or 1
+        lengths += [step] * (left // step) + ([left % step] if left % step else [])
+    lengths[-1] += rows * seq_len - sum(lengths)
+    return np.array(lengths, dtype=np.int64)
 
 
 def mix_row(seq_len: int, mix=DOCUMENT_MIX) -> np.ndarray:
-    """(S,) document ids of one row holding each share of `mix` in turn: a document at least a row long takes its
-    share as one piece, shorter ones follow each other (the last cut at the row's end)."""
-    lengths = []
-    for share, length in mix:
-        left = round(share * seq_len)
-        step = min(length or left, left) or 1
-        lengths += [step] * (left // step) + ([left % step] if left % step else [])
-    lengths[-1] += seq_len - sum(lengths)
+    """(S,) document ids of one row holding each share of `mix` in turn (the CUDA-path table's count row)."""
+    lengths = mix_lengths(seq_len, mix, rows=1)
     return np.repeat(np.arange(len(lengths)), lengths)
 
 
