@@ -54,17 +54,21 @@ def test_a_run_past_its_limit_is_stopped_with_its_worker(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_shipped_h100_runs_stay_predicted_within_15_percent():
-    """Measured on one H100 SXM (torch 2.11) by `python bench/bench_predictions.py` (bench/measurements/); the
-    runs with documents masked are printed but not held to the bound: priced on pydoc's own documents (79, 1.9K tokens
-    on average) they come out 0.75-0.83x, the short documents' varlen calls priced too fast (docs/predictions.md)."""
-    done = _bench("--predict", SHIPPED, timeout=900)
+def test_the_shipped_h100_runs_stay_predicted_within_15_percent(tmp_path):
+    """Measured on one H100 SXM (torch 2.11) by `python bench/bench_predictions.py` (bench/measurements/). The runs
+    with documents masked are not held to the bound, so not predicted here (CI time; the bench prints them): they
+    ran the earlier documents path (the CP machinery at CP 1), which the H200 files below measure again."""
+    with open(SHIPPED) as f:
+        shipped = json.load(f)
+    shipped["runs"] = [run for run in shipped["runs"] if not run["documents"]]
+    held_runs = tmp_path / "held.json"
+    held_runs.write_text(json.dumps(shipped))
+    done = _bench("--predict", str(held_runs), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in done.stdout.splitlines()
             if line.startswith("| ") and "K, AC" in line}
-    held = [name for name in rows if "documents" not in name]
-    assert len(held) >= 7, rows
-    for name in held:
+    assert len(rows) >= 7 and not any("documents" in name for name in rows), rows
+    for name in rows:
         step_ratio, memory_ratio = float(rows[name][2]), float(rows[name][5])
         assert abs(step_ratio - 1) <= 0.15, (name, rows[name])
         if "compiled" not in name:  # compiled regions keep fewer activations than the eager probe counts
