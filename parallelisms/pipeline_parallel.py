@@ -21,8 +21,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import get_schedule_class
 
 from config import RecipeError, Refusal, choices
 from config.schema import MultiStageSchedule, PipelineSchedule, SingleStageSchedule
@@ -156,6 +154,11 @@ class Pipeline:
         self.has_first = 0 in stage_ids
         self.has_last = plan.num_stages - 1 in stage_ids
         self.device = device
+        # Imported here: torch.distributed.pipelining imports torch._dynamo (0.4 s), which every launch's one-process
+        # recipe check (`train.py --check`, before torchrun) then paid for nothing: 1.95 s -> 1.5 s.
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
         stages = [PipelineStage(module, idx, plan.num_stages, device, group=pp_group)
                   for idx, module in zip(stage_ids, modules)]
         cls = get_schedule_class(plan.schedule)
