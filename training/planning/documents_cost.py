@@ -25,8 +25,6 @@ import numpy as np
 
 from training.planning.accelerators import ACCELERATORS, AcceleratorSpec, attention_rate
 
-DOCUMENTS_KERNELS = ("cudnn_thd", "flash_varlen")
-"""What a CP 1 documents call runs on a GPU (parallelisms/cp/kernel_cudnn_thd.documents_kernel_name)."""
 BACKWARD_FLOPS = 2.5
 """Backward FLOPs per forward FLOP (five GEMMs to two), as everywhere in the step model."""
 
