@@ -1,7 +1,8 @@
 """A calibrated step time: what one optimizer step should take on real GPUs, as a band (low..high) and a prediction.
 
-The roofline (training/planning/roofline.py) is a bound: every FLOP at the data-sheet peak. This model prices each class of
-work at the rate published kernel benchmarks reach (training/planning/accelerators.py states each figure and its source):
+The roofline (training/planning/roofline.py) is a bound: every FLOP at the data-sheet peak. This model prices each
+class of work at the rate published kernel benchmarks reach (training/planning/accelerators.py states each figure
+and its source):
 - large GEMMs (every linear layer, forward, backward = 2x forward, recomputation: op-level AC re-runs the
   even-numbered matmuls of a block) at the cuBLAS rate;
 - attention at the rate of the kernel the stage runs (`stage_attention_kernel`: cuDNN on H100/H200 at
@@ -107,9 +108,9 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float, rates: Measured
 def _elementwise(w: Workload, layers: float, recompute: float, hbm: float) -> dict:
     """Seconds of the memory-bound work: the blocks' elementwise kernels, the loss's and FSDP2's copies. Counted
     (`bandwidth_bytes`: every cast, copy and FSDP2 copy an eager micro-step launches): eager, all of it; compiled,
-    the attention and feed-forward regions fuse (parallelisms.parallelize.apply_compile) and the blocks' share keeps
-    the per-op formula's compiled / eager ratio, while FSDP2's copies and the chunked loss, which run eagerly under
-    compile too, keep their eager bytes. Not counted: bytes per token of each op class."""
+    the blocks' share keeps the per-op formula's compiled / eager ratio (`elementwise_bytes_per_token`), while
+    FSDP2's copies and the chunked loss, which run eagerly under compile too, keep their eager bytes. Not counted:
+    bytes per token of each op class."""
     m, lay = w.model, w.layout
     loss_bytes = w.micro_tokens / lay.tp * m.vocab_size * 28  # the chunked loss runs eagerly, compiled or not
     if w.bandwidth_bytes:
@@ -155,11 +156,12 @@ def elementwise_bytes_per_token(m: LlamaConfig, eager: bool, dtype: str) -> floa
     """HBM bytes one block's forward moves per token outside GEMMs and attention (backward ~2x, counted by the
     caller). Eager: one kernel per op (RMSNorm upcasts to float32: ~7 passes of 4 bytes; RoPE through float32
     complex numbers: ~6; the SwiGLU gate: silu then multiply; two residual adds; layout copies around attention).
-    Compiled (parallelisms.parallelize.apply_compile compiles the forward of attention and of feed-forward, not the
-    block): RoPE, the layout copies and the SwiGLU gate are fused, each region reading its inputs and writing its
-    outputs once; the two norms and the residual adds between the compiled regions still run eagerly. Measured on an
-    H100 at 8K tokens (bench/bench_predictions.py's profile): compile took 6 of the eager step's 32 ms of
-    elementwise and copy kernels away, not all of them."""
+    Compiled, as measured on an H100 at 8K tokens (bench/bench_predictions.py's profile) when compile took the
+    forward of attention and of feed-forward only: RoPE, the layout copies and the SwiGLU gate fused, each region
+    reading its inputs and writing its outputs once, the two norms and the residual adds between them eager; compile
+    took 6 of the eager step's 32 ms of elementwise and copy kernels away. Since issue 47 the whole block compiles
+    (parallelisms.parallelize.apply_compile), norms and residual adds included; until a GPU measures it this split
+    stays the price (an upper bound: a whole-block formula gave 0.76 of that old measured row)."""
     e = 4 if dtype == "float32" else 2
     q, kv, d, f = m.n_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.dim, m.ffn_hidden_dim
     if eager:
