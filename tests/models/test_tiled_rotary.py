@@ -66,3 +66,26 @@ def test_float32_temporaries_span_one_tile_and_only_cos_and_sin_are_kept():
         _rotate(x, cos, sin).backward(grad)
     assert plain.largest == x.numel() and tiled.largest == 1024
     assert [t.shape for t in kept] == [cos.shape, sin.shape, (2,)]  # and the rotation's (-1, 1) sign
+
+
+def test_compiled_rotation_is_one_tile_whatever_the_length():
+    """Issue 47: under torch.compile the rotation is one fused region, not a tile loop that dynamo unrolls (the
+    graph and its subgraphs grew with the sequence: 280 nodes at 32 tokens, 1,048 at 128, 8 tokens a tile); values
+    and gradients as eager's within fp32."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def graph_nodes(s):
+        torch._dynamo.reset()
+        backend = CompileCounterWithBackend("aot_eager")
+        x, cos, sin, grad = _inputs(torch.float32, s=s)
+        out = torch.compile(lambda t: apply_rotary(t, cos, sin, tile_elements=8 * 4 * 16), backend=backend,
+                            fullgraph=True)(x)
+        out.backward(grad)
+        eager_x = x.detach().clone().requires_grad_()
+        eager = apply_rotary(eager_x, cos, sin, tile_elements=8 * 4 * 16)
+        eager.backward(grad)
+        assert torch.allclose(out, eager, atol=1e-6) and torch.allclose(x.grad, eager_x.grad, atol=1e-6)
+        (graph,) = backend.graphs  # the autograd.Function's forward and backward are subgraphs of it
+        return sum(len(module.graph.nodes) for module in graph.modules() if isinstance(module, torch.fx.GraphModule))
+
+    assert graph_nodes(32) == graph_nodes(128)
