@@ -185,8 +185,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     x's dtype, `tile_elements` of x at a time."""
     if isinstance(x, DTensor) or cos.size(1) != x.size(1):  # a DTensor's slices cannot be written in place
         return _rotate(x, cos, sin)
-    per_token = max(1, x.numel() // max(1, x.size(1)))
     if torch.compiler.is_compiling():  # one tile: inductor fuses the rotation into one kernel, which holds no
         # float32 copy of x, and dynamo would unroll the tile loop into a graph that grows with the sequence
         return _TiledRotary.apply(x, cos, sin, x.size(1))
+    per_token = max(1, x.numel() // max(1, x.size(1)))
     return _TiledRotary.apply(x, cos, sin, max(1, tile_elements // per_token))

@@ -3,20 +3,29 @@ their own so CI starts them early, beside the learning runs (tests/conftest.py),
 tests/training/test_dry_run.py on one worker."""
 import json
 import os
+import re
 
 import pytest
 
 from tests.training.test_dry_run import ROOT, _run_train, table_rows
 
 
+RECIPE_8GPU = os.path.join(ROOT, "recipes/llama3_8b_1m_8gpu.toml")
+
+
+def _recipe_parts() -> tuple[str, list[str]]:
+    """The 8-GPU recipe split into what comes before its [[ramp]] tables, and each table."""
+    with open(RECIPE_8GPU) as f:
+        head, *stages = f.read().split("\n[[ramp]]")
+    return head, ["\n[[ramp]]" + stage for stage in stages]
+
+
 def _last_stage_only(tmp_path) -> str:
     """The 8-GPU recipe with its last [[ramp]] stage (1M tokens, cp 8) alone, from step 0: the stage issue 15 is
     about, measured as the whole ramp's dry run measures it, without the three shorter stages (CI time)."""
-    with open(os.path.join(ROOT, "recipes/llama3_8b_1m_8gpu.toml")) as f:
-        recipe = f.read()
-    last = recipe[recipe.rindex("\n[[ramp]]"):]
+    head, stages = _recipe_parts()
     path = tmp_path / "llama3_8b_1m_8gpu_last_stage.toml"
-    path.write_text(recipe[:recipe.index("\n[[ramp]]")] + last.replace("start_step = 700", "start_step = 0"))
+    path.write_text(head + re.sub(r"start_step = \d+", "start_step = 0", stages[-1]))
     return str(path)
 
 
@@ -44,7 +53,7 @@ def test_1m_tokens_with_float8_fit_one_8_gpu_node_in_every_stage(tmp_path):
     """Issue 38: with float8 linear layers, every stage of the 8-GPU recipe's ramp predicted (step time and memory,
     measured on fake tensors with torchao's Float8Linear in the model) and fitting, the 1M stage within 75 GiB; the
     header says what runs in float8."""
-    done, _ = _run_train("recipes/llama3_8b_1m_8gpu.toml", "--dry-run", "--training.float8", "tensorwise",
+    done, _ = _run_train(RECIPE_8GPU, "--dry-run", "--training.float8", "tensorwise",
                          "--job.dump_folder", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     rows = table_rows(done.stdout)
@@ -63,10 +72,8 @@ def test_4m_tokens_fit_one_8_gpu_node_with_activation_offload(tmp_path):
     norms tiled, attention in K/V head groups by size) peaks within 78 GiB per GPU, on the CPU kernels and on the
     CUDA path, with the node's pinned host memory within hardware.host_memory_gib: the last stage of
     recipes/planned/llama3_8b_4m_8gpu.toml."""
-    with open(os.path.join(ROOT, "recipes/llama3_8b_1m_8gpu.toml")) as f:
-        recipe = f.read()
     single_stage = tmp_path / "llama3_8b_4m_8gpu.toml"  # the 8-GPU recipe without its ramp, one 4M stage
-    single_stage.write_text(recipe[:recipe.index("\n[[ramp]]")] + "\n")
+    single_stage.write_text(_recipe_parts()[0] + "\n")
     done, _ = _run_train(str(single_stage), "--dry-run", "--training.seq_len", "4194304", "--parallelism.cp", "8",
                          "--parallelism.dp_shard", "1", "--training.tokens_per_step", "4194304",
                          "--activation_checkpoint.offload", "true", "--job.dump_folder", str(tmp_path / "out"))
