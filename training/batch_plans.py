@@ -23,6 +23,7 @@ import torch
 
 from data.loader import PackedRowLoader
 from data.placement import StepSlots, place_step
+from parallelisms.cp.layouts import DOCUMENTS
 from parallelisms.cp.packed_documents import PackedDocuments
 from parallelisms.cp.plan_host import BatchPlan
 
@@ -108,3 +109,19 @@ def step_loader(micro_loader: PackedRowLoader, micro_steps: int, slots: StepSlot
                              pin_memory=pin_memory, worker_init_fn=worker_init_fn)
     loader.global_rows_consumed = micro_loader.global_rows_consumed
     return loader
+
+
+def stage_step_loader(cfg, setup, micro_loader: PackedRowLoader, micro_steps: int, device_type: str,
+                      pin_memory: bool, worker_init_fn=None) -> PackedRowLoader:
+    """The loader of a stage's whole steps as the trainer runs it (`setup`: the stage's StepSetup): placed by work
+    when the recipe places, each micro-batch with its documents plan when the step shards the sequence with document
+    masking (the documents layout's, or at CP 1 the packed form). One function for the trainer and the step-sync
+    probe (training/planning/step_sync_probe.py), so the probe counts the loader the trainer runs."""
+    p, t, mesh = cfg.parallelism, cfg.training, setup.mesh
+    slots = StepSlots(micro_steps, mesh.dims.dp, t.local_batch_size, t.seq_len) if cfg.data.places_by_work() else None
+    cp, documents_layout = None, p.cp_load_balancer == DOCUMENTS
+    if setup.shards_sequence and setup.document_masking and (documents_layout or p.cp == 1):
+        cp = CpPlanning(p.cp, mesh.cp_mesh.get_local_rank(), p.cp_impl, varlen=device_type == "cuda",
+                        documents_layout=documents_layout)
+    return step_loader(micro_loader, micro_steps, slots, mesh.dp_rank, cp, num_workers=max(1, cfg.data.num_workers),
+                       pin_memory=pin_memory, worker_init_fn=worker_init_fn)

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from config.schema import Config
-from data.placement import StepSlots
 from data.sources import describe_chat_rows, labels_every_token, packing_efficiency
 from parallelisms.context_parallel import CommStats
 from parallelisms.float8 import describe_float8, precompute_float8_scales
@@ -21,9 +20,8 @@ from parallelisms.stage_meshes import release_stage
 from parallelisms.cp.flash_impls import activate_flash_implementation
 from parallelisms.cp.kernel_blocks import family_on
 from parallelisms.cp.kernel_cudnn_thd import documents_kernel_name
-from parallelisms.cp.layouts import DOCUMENTS
 from training import step
-from training.batch_plans import CpPlanning, step_loader
+from training.batch_plans import stage_step_loader
 from training.build import (build_model, build_optimizer, build_run_meshes, build_shared_tokenizer, build_stage_data,
                             build_stores, init_distributed)
 from training.checkpoint import Checkpointer
@@ -123,23 +121,10 @@ class Trainer:
             offloader.enabled = cfg.activation_checkpoint.offload
         self.places_by_work = cfg.data.places_by_work()
         micro_loader = build_stage_data(cfg, self.tokenizer, self.stores, self.mesh, rows_consumed)
-        return self._step_loader(stage, micro_loader)
-
-    def _step_loader(self, stage: RampStage, micro_loader):
-        """Whole steps with their host plans, made in the loader's workers (training/batch_plans.py)."""
-        cfg, p = stage.cfg, stage.cfg.parallelism
-        slots = None
-        if self.places_by_work:
-            slots = StepSlots(stage.grad_accum_steps, self.mesh.dims.dp, cfg.training.local_batch_size,
-                              cfg.training.seq_len)
-        cp = None
-        documents_layout = p.cp_load_balancer == DOCUMENTS
-        if self.setup.shards_sequence and self.setup.document_masking and (documents_layout or p.cp == 1):
-            cp = CpPlanning(p.cp, self.mesh.cp_mesh.get_local_rank(), p.cp_impl, varlen=self.device.type == "cuda",
-                            documents_layout=documents_layout)
-        return step_loader(micro_loader, stage.grad_accum_steps, slots, self.mesh.dp_rank, cp,
-                           num_workers=max(1, cfg.data.num_workers), pin_memory=self.device.type == "cuda",
-                           worker_init_fn=ignore_stop_signals if self.stop_signals.names else None)
+        # whole steps with their host plans, made in the loader's workers (training/batch_plans.py)
+        return stage_step_loader(cfg, self.setup, micro_loader, stage.grad_accum_steps, self.device.type,
+                                 pin_memory=self.device.type == "cuda",
+                                 worker_init_fn=ignore_stop_signals if self.stop_signals.names else None)
 
     def _switch_stage(self, stage: RampStage, rows_consumed: int = 0) -> None:
         self.dataloader = self.checkpointer.dataloader = self._enter_stage(stage, rows_consumed)

@@ -66,6 +66,31 @@ def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement
         assert record["clip_counts"] == {}
 
 
+def test_at_cp1_the_probe_runs_the_trainers_packed_plan_whatever_the_load_balancer():
+    """Issue 50: the probe builds its loader with the trainer's own function (training/batch_plans
+    stage_step_loader). Its former copy planned documents only for the documents load balancer, so at CP 1 with
+    zigzag the micro-step planned the packed form itself from device ids and the probe reported a device-to-host
+    copy that the trainer, whose loader makes that plan on the host, never makes. Now: no sync, and one packed
+    varlen call per layer forward and backward (the debug model's 6 layers) on every rank."""
+    from training.planning.fake.cuda import fake_cuda_env
+
+    try:
+        env = fake_cuda_env(child_env())
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"cannot build the fake CUDA runtime ({type(e).__name__})")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fake_cuda_step_ranks.py"),
+                             "--training.dtype", "bfloat16", "--parallelism.cp", "1", "--parallelism.dp_shard", "4",
+                             "--parallelism.cp_load_balancer", "zigzag"],
+                            capture_output=True, text=True, timeout=270, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    per_rank = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sorted(per_rank) == ["0", "1", "2", "3"]
+    for record in per_rank.values():
+        assert record["counts"] == {} and record["stopped"] is None, record
+        assert record["attention_calls"] == {"aten._flash_attention_forward.default": 6,
+                                             "aten._flash_attention_backward.default": 6}, record
+
+
 def test_fake_cuda_libraries_are_cached_per_torch_installation(tmp_path, monkeypatch):
     """The fake CUDA libraries link to one torch by rpath: a cache keyed by torch's version alone handed a second
     checkout (another .venv, same version) a library pointing at the first's torch, and after that checkout was

@@ -1,12 +1,10 @@
 """Host syncs of the trainer's whole micro-step as a GPU would run it, counted on a CPU-only box (issue 27).
 
-One rank of the planning probes' fake world (training/planning/fake/world.py) of the run's world size builds the
-recipe's model with the real composer on a `cuda` mesh and materialises it as fake CUDA tensors. Its micro-batches
-come from the trainer's own loader path (training/batch_plans.step_loader: placement by work and the documents plan
-made by the loader's collate function, on real host ids); each one then goes through the trainer's loop body,
-`step.move_batch` to "cuda" (host-to-device copies, which make the fake device tensors), `step.micro_step`, and the
-per-micro-step metric (`metrics.visible_pairs`), under the dispatch counter (training/planning/fake/counter.py):
-every scalar read and device-to-host copy of a fake CUDA tensor is one place where a GPU run's host would wait.
+One rank of the planning probes' fake world (training/planning/fake/world.py) of the run's world size, on a `cuda`
+mesh as fake CUDA tensors, takes its micro-batches from the trainer's own loader path (training/batch_plans
+step_loader: placement by work, documents plans from real host ids) through the trainer's loop body (`move_batch`,
+`micro_step`, `metrics.visible_pairs`) under the dispatch counter (training/planning/fake/counter.py): every scalar
+read and device-to-host copy of a fake CUDA tensor is one place where a GPU run's host would wait.
 
 The backward needs the fake CUDA runtime (training/planning/fake/cuda.py: CUDA hooks, no-op streams and events),
 which must be preloaded: the probe runs in a process of its own (`fake_cuda_env`).
@@ -23,10 +21,8 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from config.schema import Config
-from data.placement import StepSlots
-from parallelisms.cp.layouts import DOCUMENTS
 from training import step
-from training.batch_plans import CpPlanning, step_loader
+from training.batch_plans import stage_step_loader
 from training.metrics import visible_pairs
 from training.planning.fake.counter import DispatchCounter
 from training.planning.fake.cuda import fake_cuda_preloaded
@@ -53,22 +49,6 @@ class StepSyncs:
     `.tolist()`) fails right after the counter has seen and located that read."""
 
 
-def host_steps(cfg: Config, mesh, micro_loader, steps: int) -> list[dict]:
-    """`steps` optimizer steps of this rank as the trainer's loader yields them (Trainer._step_loader's arguments):
-    placed by work when the recipe places, each micro-batch with its documents plan when the layout is documents."""
-    p, t = cfg.parallelism, cfg.training
-    micro_steps = t.grad_accum_steps(mesh.dims.dp)
-    slots = StepSlots(micro_steps, mesh.dims.dp, t.local_batch_size, t.seq_len) if cfg.data.places_by_work() else None
-    shards = p.cp > 1 or cfg.data.document_masking
-    cp = None
-    if shards and cfg.data.document_masking and p.cp_load_balancer == DOCUMENTS:
-        cp = CpPlanning(p.cp, mesh.cp_mesh.get_local_rank(), p.cp_impl, varlen=True)  # as on a GPU
-    loader = step_loader(micro_loader, micro_steps, slots, mesh.dp_rank, cp, num_workers=max(1, cfg.data.num_workers),
-                         pin_memory=False)
-    iterator = iter(loader)
-    return [next(iterator) for _ in range(steps)]
-
-
 def count_micro_step_syncs(cfg: Config, world_size: int, rank: int, micro_loader_for, steps: int = 1,
                            where: bool = True) -> StepSyncs:
     """`rank` of a fake world of `world_size` runs `steps` optimizer steps' micro-steps on fake CUDA tensors;
@@ -76,9 +56,10 @@ def count_micro_step_syncs(cfg: Config, world_size: int, rank: int, micro_loader
     if not fake_cuda_preloaded():
         raise RuntimeError("the fake CUDA runtime is not preloaded: run the probe with fake_cuda_env(os.environ)")
     with fake_world(cfg, world_size, rank, device="cuda", documents=True) as world:
-        with unset_fake_temporarily():  # the loader's real host ids and plans, as the trainer's loader makes them
-            steps_ = host_steps(cfg, world.mesh, micro_loader_for(world.mesh), steps)
-        batches = [b for s in steps_ for b in s["micro_batches"]]
+        with unset_fake_temporarily():  # the trainer's own loader: real host ids and plans, made on the host
+            loader = iter(stage_step_loader(cfg, world.setup, micro_loader_for(world.mesh), world.accum_steps, "cuda",
+                                            pin_memory=False))
+            batches = [b for _ in range(steps) for b in next(loader)["micro_batches"]]
         counted = _count_micro_steps(world.setup, batches, world.global_tokens, where)
         if not counted.stopped:
             with DispatchCounter() as clip_syncs:
