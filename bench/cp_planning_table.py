@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config.recipe import load_config  # noqa: E402
 from models.llama import recipe_model_config  # noqa: E402
 from training.planning.dry_run import RUNTIME_RESERVE_GIB, PlanRow  # noqa: E402
-from training.planning.memory_probe import GIB, measure_rank, with_blocks  # noqa: E402
+from training.planning.memory_probe import GIB, measure_rank, with_section  # noqa: E402
 
 SEQ_LENS = tuple(2**k for k in range(13, 24))  # 8K .. 8M
 GPUS = (8, 16, 32, 64)
@@ -49,7 +49,7 @@ def row_for(cfg, seq_len: int, cp: int, gpus: int, offload: bool = False):
 def probe(cfg, tokens_per_rank: int, gpus: int, offload: bool, cp: int = PROBE_CP):
     """Rank 0's memory for one step, blocks 3 and 4 measured and extrapolated (the dry run also checks block 5)."""
     c = row_for(cfg, tokens_per_rank * cp, cp, gpus, offload).cfg
-    m3, m4 = (measure_rank(with_blocks(c, d), gpus) for d in (3, 4))
+    m3, m4 = (measure_rank(with_section(c, "model", n_layers=d), gpus) for d in (3, 4))
     return m3.extrapolate(m4, recipe_model_config(c).n_layers - 3)
 
 

@@ -85,11 +85,11 @@ def test_dry_run_proposes_the_offload_when_the_state_alone_does_not_fit():
 
     cfg = load_config("recipes/debug.toml", ["--activation_checkpoint.mode", "full", "--parallelism.dp_shard", "1"])
     memory = RankMemory(0.03 * GIB, 0.03 * GIB, 0.06 * GIB, 0.2 * GIB, 0.15 * GIB, None, (6,))
-    result = RowResult(PlanRow("recipe", cfg), 1, preflight(cfg, 1), memory, {}, [0])
+    result = RowResult(PlanRow("recipe", cfg), 1, preflight(cfg, 1), memory, {})
     advice, candidate = propose_fix(result, usable_gib=0.1)
     assert "training.cpu_offload = true" in advice and candidate.training.cpu_offload
     cfg.training.cpu_offload = True  # already offloaded: the next advice (more GPUs), nothing to re-measure
-    advice, candidate = propose_fix(RowResult(PlanRow("recipe", cfg), 1, preflight(cfg, 1), memory, {}, [0]), 0.1)
+    advice, candidate = propose_fix(RowResult(PlanRow("recipe", cfg), 1, preflight(cfg, 1), memory, {}), 0.1)
     assert "cpu_offload" not in advice and candidate is None
 
 

@@ -112,8 +112,9 @@ def test_accelerator_memory_defaults_and_overrides():
 
 def test_dry_run_json_carries_the_prediction_and_refuses_host_memory_over_the_node(tmp_path):
     """The tiny offload recipe of test_dry_run_offload: 8 MiB of block inputs per GPU, 8 GPUs on the node (world 1:
-    one GPU's worth counts). With host_memory_gib below that the dry run refuses in one line naming the key; the
-    JSON is written either way and carries the predicted and roofline step times."""
+    one GPU's worth counts). With host_memory_gib below that the dry run's host plan refuses in one line naming the
+    key and the offloaded activations among the parts; the JSON is written either way and carries the predicted and
+    roofline step times."""
     import json
 
     from tests.training.test_dry_run import _run_train
@@ -122,8 +123,9 @@ def test_dry_run_json_carries_the_prediction_and_refuses_host_memory_over_the_no
     args = ["--dry-run", "--job.dump_folder", str(tmp_path), *SHAPE, "--activation_checkpoint.offload", "true"]
     done, _ = _run_train(*args, "--hardware.host_memory_gib", "0.004")
     assert done.returncode == 1, done.stdout + done.stderr[-2000:]
-    refusal = [line for line in done.stdout.splitlines() if "hardware.host_memory_gib" in line and "pins" in line]
-    assert len(refusal) == 1 and "Traceback" not in done.stderr
+    refusal = [line for line in done.stdout.splitlines() if "hardware.host_memory_gib" in line and "needs" in line]
+    assert len(refusal) == 1 and "Traceback" not in done.stderr, done.stdout
+    assert "offloaded activations" in done.stdout.split(refusal[0])[0]  # the plan's line of the stage names them
     with open(tmp_path / "dry_run.json") as f:
         (stage,) = json.load(f)["stages"]
     low, high = stage["predicted_step_s_band"]

@@ -9,7 +9,10 @@ A (low, high) pair is the spread the sources give; the model's band comes from t
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from config.accelerators import DATA_SHEETS, DataSheet
 
@@ -163,15 +166,6 @@ def _row(phase: str, dim: int, causal: bool) -> tuple[float, ...]:
 
 def _interpolate(row: tuple[float, ...], length: float) -> float:
     """Linear in log2(length) between the table's lengths, flat beyond its ends."""
-    import math
-
     if length <= FA2_H100_LENGTHS[0]:
         return row[0] * max(length, 64) / FA2_H100_LENGTHS[0]  # below 512 a call is launch- and tail-bound
-    if length >= FA2_H100_LENGTHS[-1]:
-        return row[-1]
-    x = math.log2(length)
-    for (l0, r0), (l1, r1) in zip(zip(FA2_H100_LENGTHS, row), zip(FA2_H100_LENGTHS[1:], row[1:])):
-        if l0 <= length <= l1:
-            t = (x - math.log2(l0)) / (math.log2(l1) - math.log2(l0))
-            return r0 + t * (r1 - r0)
-    return row[-1]
+    return float(np.interp(math.log2(length), np.log2(FA2_H100_LENGTHS), row))

@@ -4,16 +4,11 @@ kernels' meta functions run, no storage is allocated).
 
 One rank of a fake process group of the CP degree (training/planning/fake/world.py) runs the variant's own forward
 and backward functions (the sparse ring on the documents layout, or Ulysses' attention after its all-to-all) on its
-real plan, made from real document ids, under the dispatch counter (training/planning/fake/counter.py), which counts:
-- `attention_kernel_calls_per_layer`: attention kernel calls (flash, efficient, varlen) of forward + backward of one
-  layer on the busiest rank (the rank with the most planned calls);
-- `aten_ops_per_layer`: every aten op of the same (gathers, merges, copies, collectives);
-- `host_syncs_per_micro_step`: `_local_scalar_dense` and device-to-host copies of one layer's attention: the plan is
-  cached per batch, so these happen once per micro-step, not once per layer.
-The transient peak of the layer's attention (its inputs excluded) is read with torch's MemTracker, for the current
-path (GQA unexpanded) and for the earlier one (one flash call per piece, K/V expanded), so the dry run can print both.
-The row's documents are the caller's (training/planning/cuda_path_table.py); `web_like_row` is the benches' and
-tests' stated mix (lognormal(6.5, 1.0) tokens).
+real plan, made from real document ids, under the dispatch counter (training/planning/fake/counter.py): attention
+kernel calls and aten ops of one layer's forward + backward on the busiest rank, and its host syncs (the plan is
+cached per batch: once per micro-step, not once per layer). The layer's transient peak (inputs excluded) is read with
+torch's MemTracker, for the current path (GQA unexpanded) and for the earlier one (K/V expanded). The row's documents
+are the caller's (training/planning/cuda_path_table.py); `web_like_row` is the benches' and tests' stated mix.
 """
 from __future__ import annotations
 
@@ -36,6 +31,7 @@ from parallelisms.cp.exchange_ring_sparse import sparse_backward, sparse_forward
 from parallelisms.cp.layouts import DOCUMENTS
 from training.planning.fake.counter import DispatchCounter
 from training.planning.fake.world import fake_process_group
+from training.planning.memory_probe import tracked_bytes
 
 aten = torch.ops.aten
 
@@ -60,12 +56,7 @@ def packed_row(draw, seq_len: int) -> np.ndarray:
 
 def planned_calls(docs: DocumentShards, rank: int, cp: int) -> int:
     """Attention kernel calls of one layer (forward + backward) of `rank` on CUDA flash, from the plan alone."""
-    calls = 0
-    for src in range(cp):
-        pieces = docs.layout_pieces(rank, src, True)
-        if pieces:
-            calls += 2 * len({p.is_causal for p in pieces})
-    return calls
+    return sum(2 * len({p.is_causal for p in docs.layout_pieces(rank, src, True)}) for src in range(cp))
 
 
 @dataclass
@@ -184,12 +175,8 @@ def layer_counts(shape: tuple, dtype, device: str, group_size: int, rank: int, s
         with tracker, (FlashWorkspace() if memory else contextlib.nullcontext()), counter, \
                 (ExpandGqa() if expand_gqa else contextlib.nullcontext()):
             run_layer(*passes, q, k, v, spec)
-        peak = total_bytes(tracker.get_tracker_snapshot("peak")) if memory else 0.0
+        peak = tracked_bytes(tracker.get_tracker_snapshot("peak"))["Total"] if memory else 0.0
     return LayerCounts(counter.attention, counter.ops, counter.syncs, peak, rank, 0, dict(counter.by_kernel))
-
-
-def total_bytes(snapshot: dict) -> float:
-    return float(sum(per_device.get("Total", 0) for per_device in snapshot.values()))
 
 
 def ring_counts(ids: np.ndarray, cp: int, shape: tuple, **kwargs) -> LayerCounts:

@@ -1,19 +1,19 @@
 """The dry run's CUDA-path numbers, one row per stage: kernel calls, aten ops and host syncs of one layer's attention
-on fake CUDA tensors (training/planning/cuda_path_probe.py), and the step's peak with the CUDA attention's transients, GQA
-unexpanded vs the earlier expanded path. Document lengths: the recipe's prepared stores when present here (or its
-built-in pydoc corpus), else the stated mix: the documents the step-time prediction prices (planning/workload.py)."""
+on fake CUDA tensors (cuda_path_probe.py), and the step's peak with the CUDA attention's transients, GQA unexpanded vs
+the earlier expanded path, on the documents the step-time prediction prices (workload.document_lengths)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from models.llama import recipe_model_config
 from parallelisms.cp.block_spec import BlockSpec
 from parallelisms.cp.exchange_ring import ring_backward, ring_forward
 from parallelisms.cp.layouts import DOCUMENTS
 from training.planning.accelerators import kernel_on
 from training.planning.cuda_path_probe import LayerCounts, layer_counts, packed_row, ring_counts, ulysses_counts
 from training.planning.fake.cuda import load_fake_cuda_guard
-from training.planning.workload import MIX_ROW, document_lengths, mix_row
+from training.planning.workload import document_lengths, mix_lengths
 
 
 def row_from_lengths(lengths: np.ndarray, seq_len: int, seed: int = 0) -> np.ndarray:
@@ -23,8 +23,6 @@ def row_from_lengths(lengths: np.ndarray, seq_len: int, seed: int = 0) -> np.nda
 
 
 def _stage_shape(cfg, cp: int, tp: int, gathered: bool) -> tuple:
-    from models.llama import recipe_model_config
-
     m = recipe_model_config(cfg)
     heads, kv = m.n_heads // tp, max(1, m.num_kv_heads // tp)
     if gathered:  # Ulysses: the whole sequence, heads split over the group (K/V replicated up to whole groups)
@@ -53,33 +51,30 @@ def stage_cuda_path(cfg, cp: int, tp: int, lengths: np.ndarray | None) -> dict:
     if why:
         return {"cuda_path": f"not measured: {why}"}
     p = cfg.parallelism
-    ids = row_from_lengths(lengths, cfg.training.seq_len) if lengths is not None else mix_row(cfg.training.seq_len)
     dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
-    gathered = p.cp_impl in ("ulysses", "hybrid") and cp > 1
-    documents = cfg.data.document_masking and p.cp_load_balancer == DOCUMENTS
+    documents = cfg.data.document_masking and p.cp_load_balancer == DOCUMENTS and cp > 1
     kernel = kernel_on(cfg.hardware.accelerator, p.attention_kernel)
-    counts = expanded_docs = None
-    if documents and cp > 1:  # the documents row: counted, and its varlen transients measured both ways
-        run = ulysses_counts if gathered else ring_counts
-        shape = _stage_shape(cfg, cp, tp, gathered)
-        groups = p.attention_head_groups
-        counts = run(ids, cp, shape, dtype=dtype, memory=True, head_groups=groups, kernel=kernel)
-        expanded_docs = run(ids, cp, shape, dtype=dtype, memory=True, expand_gqa=True,
-                            head_groups=groups, kernel=kernel).transient_peak_bytes
     cpu = _one_document_layer(cfg, cp, tp, "cpu", dtype).transient_peak_bytes
-    one_doc = _one_document_layer(cfg, cp, tp, "cuda", dtype, kernel=kernel)
-    expanded = _one_document_layer(cfg, cp, tp, "cuda", dtype, expand_gqa=True, kernel=kernel).transient_peak_bytes
-    unexpanded = one_doc.transient_peak_bytes
-    if counts is None:  # one document per row as far as CP goes: the dense ring's (or one rank's) calls
-        counts = one_doc
-    else:
-        unexpanded, expanded = max(unexpanded, counts.transient_peak_bytes), max(expanded, expanded_docs)
+    counts, counts_expanded = (_one_document_layer(cfg, cp, tp, "cuda", dtype, e, kernel) for e in (False, True))
+    unexpanded, expanded = counts.transient_peak_bytes, counts_expanded.transient_peak_bytes
+    if documents:  # the documents row: counted, and its varlen transients measured both ways
+        if lengths is not None:
+            ids = row_from_lengths(lengths, cfg.training.seq_len)
+        else:  # one row holding each share of the stated mix in turn
+            mix = mix_lengths(cfg.training.seq_len, rows=1)
+            ids = np.repeat(np.arange(mix.size), mix)
+        gathered = p.cp_impl in ("ulysses", "hybrid")
+        run, shape = ulysses_counts if gathered else ring_counts, _stage_shape(cfg, cp, tp, gathered)
+        counts, counts_expanded = (run(ids, cp, shape, dtype=dtype, memory=True, expand_gqa=e,
+                                       head_groups=p.attention_head_groups, kernel=kernel) for e in (False, True))
+        unexpanded = max(unexpanded, counts.transient_peak_bytes)
+        expanded = max(expanded, counts_expanded.transient_peak_bytes)
     return {"attention_kernel": kernel, "attention_calls_by_kernel": counts.calls_by_kernel,
             "attention_kernel_calls_per_layer": counts.attention_kernel_calls_per_layer,
             "aten_ops_per_layer": counts.aten_ops_per_layer,
             "host_syncs_per_micro_step": counts.host_syncs_per_micro_step,
-            "count_row": ("recipe's documents" if lengths is not None else MIX_ROW) if documents and cp > 1 else
-            "one document",
+            "count_row": ("recipe's documents" if lengths is not None else "stated mix") if documents
+            else "one document",
             "attention_transient_gib_cpu": cpu / 2**30, "attention_transient_gib_cuda": unexpanded / 2**30,
             "attention_transient_gib_cuda_gqa_expanded": expanded / 2**30}
 
@@ -139,11 +134,13 @@ def print_cuda_path(cfg, results, usable_gib: float) -> None:
 
 
 def cuda_json(numbers: dict, step_peak_gib: float) -> dict:
-    """dry_run.json's CUDA-path fields of one stage."""
+    """dry_run.json's CUDA-path fields of one stage, and `predicted_peak_gib_per_rank`: the one peak a GPU run's
+    measured peak is compared with (bench_gpu, bench_predictions, the GPU report), the CUDA path's where it was
+    measured (its attention's transients), else the CPU kernels' step peak."""
     out = {k: numbers[k] for k in ("attention_kernel", "attention_calls_by_kernel",
                                    "attention_kernel_calls_per_layer", "aten_ops_per_layer",
                                    "host_syncs_per_micro_step", "count_row", "cuda_path") if k in numbers}
     if "attention_transient_gib_cuda" in numbers:
         out["peak_device_gib_per_rank_cuda_path"] = cuda_peak_gib(step_peak_gib, numbers)
         out["peak_device_gib_per_rank_cuda_path_gqa_expanded"] = cuda_peak_gib(step_peak_gib, numbers, True)
-    return out
+    return out | {"predicted_peak_gib_per_rank": out.get("peak_device_gib_per_rank_cuda_path", step_peak_gib)}

@@ -4,16 +4,11 @@ packed_documents.py), priced document piece by piece and corrected by what such 
 Why not the visible pairs at one block length (the CP ring's pricing): a packed call's time is the sum of its
 documents' tiles, and a short document runs far below a long one's rate, so a row of one 8K document and a row of
 sixty 130-token ones cost very differently for the same pair count. Each piece is priced at the dense kernel's rate
-for its own length (accelerators.attention_rate: FlashAttention-2's table, times cuDNN's measured speed-up for
-cuDNN THD), and the sum is multiplied by the kernel's measured overhead: measured seconds of one packed call over
-web-like documents (cuda_path_probe.web_like_row) divided by this same sum for those documents on the measuring
-GPU. The overhead carries what the per-piece sum leaves out (the varlen kernels' scheduling of ragged tiles, launch
-and host time, a small problem underfilling the GPU at 8K tokens), and it is taken at the call's total tokens
-(log-interpolated between the measured totals, flat beyond them).
-
-The overhead comes from a rates file measured on the device when it holds packed rows (bench/bench_rates.py,
-training/planning/rates.py), else from PUBLISHED below: one H200 measurement, applied to every Hopper GPU (an
-assumption, as CUDNN_VS_FA2_HOPPER is).
+for its own length (accelerators.attention_rate), and the sum is multiplied by the kernel's measured overhead:
+seconds of one packed call over web-like documents (cuda_path_probe.web_like_row) over this same sum for them. The
+overhead carries what the per-piece sum leaves out (the scheduling of ragged tiles, launch and host time, a small
+problem underfilling the GPU) at the call's total tokens; it comes from the device's rates file when that holds
+packed rows (rates.py), else from PUBLISHED: one H200 measurement, applied to every Hopper GPU (an assumption).
 """
 from __future__ import annotations
 
@@ -87,13 +82,7 @@ def call_overhead(kernel: str, tokens: float, measured: tuple[PackedCall, ...] =
         points.append((math.log2(call.tokens), call.seconds / model))
     if not points:
         return 1.0
-    x = math.log2(max(tokens, 1.0))
-    if x <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x <= x1:
-            return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
-    return points[-1][1]
+    return float(np.interp(math.log2(max(tokens, 1.0)), *zip(*points)))
 
 
 def packed_attention_seconds(acc: AcceleratorSpec, kernel: str, pieces: dict[int, float], heads: float,

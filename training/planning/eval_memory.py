@@ -47,6 +47,8 @@ def measure_eval_peak(cfg: Config, setup, tracker) -> float:
     """The most bytes any of the stage's evaluations holds at once (persistent state included), each measured by a
     fresh `tracker()` context (the probe's memory tracker) around the trainer's own evaluation forward; 0 without
     evaluations. Runs inside the probe's FakeTensorMode, after its training step."""
+    from training.planning.memory_probe import tracked_bytes  # here: memory_probe imports this module
+
     model, p, peak = setup.model, setup.parallelism, 0.0
     was_training = model.training
     model.eval()
@@ -56,15 +58,9 @@ def measure_eval_peak(cfg: Config, setup, tracker) -> float:
                          eval_chunk_tokens(setup.loss_chunk_tokens), sparse_labels=False,
                          cp_context=(lambda batch: cp_context(setup, batch)) if setup.shards_sequence else None,
                          cp_mesh=setup.mesh.cp_mesh, cp_size=p.cp, load_balancer=p.cp_load_balancer)
-            peak = max(peak, _total(memory.get_tracker_snapshot("peak")))
+            peak = max(peak, tracked_bytes(memory.get_tracker_snapshot("peak"))["Total"])
     model.train(was_training)
     return peak
-
-
-def _total(snapshot: dict) -> float:
-    """A tracker snapshot {device: {category: bytes}}: its "Total" entries summed over devices."""
-    return float(sum(nbytes for per_device in snapshot.values() for category, nbytes in per_device.items()
-                     if getattr(category, "value", category) == "Total"))
 
 
 def eval_refusal(cfg: Config, eval_peak_gib: float, usable_gib: float) -> str | None:

@@ -1,10 +1,8 @@
 """What float8 linear layers (training.float8, parallelisms/float8.py) change in a step's predicted time.
 
-- **GEMMs.** The blocks' converted linear layers run their forward and both backward GEMMs in float8 at the
-  accelerator's dense FP8 tensor-core rate (`AcceleratorSpec.fp8_flops`: H100/H200 1,979 TFLOP/s on the data
-  sheet, twice bf16) times the same achieved fraction as bf16 GEMMs. The embedding and the output projection stay
-  in the training dtype. A100 has no FP8 tensor cores (CUDA's `_scaled_mm` needs SM 8.9+): the dry run refuses
-  float8 there (`float8_problem`).
+- **GEMMs.** The blocks' converted linear layers run their three GEMMs in float8 at the dense FP8 tensor-core rate
+  (`AcceleratorSpec.fp8_flops`: H100/H200 1,979 TFLOP/s, twice bf16) times bf16's achieved fraction; the embedding
+  and output projection stay in the training dtype. A100 has no FP8 tensor cores (`float8_problem` refuses it).
 - **Scaling and casting** (torchao's dynamic scales): every GEMM operand is cast to float8 after a max-abs pass over
   it. Per token of a converted linear with K inputs and N outputs, in bf16 activations:
   - tensorwise: the input's max-abs and cast in forward (read 2K twice, write K), the output gradient's in backward
@@ -15,8 +13,8 @@
   Each weight is cast twice per micro-step (forward, and transposed for the input gradient): read its stored
   dtype, write 1 byte. An eager step counts these bytes itself (the memory probe runs torchao's casts on fake
   tensors); a compiled step adds them to its formula.
-- **FSDP2 all-gathers** with tensorwise scaling move the converted weights in float8: 1 byte each instead of the
-  training dtype's (training/planning/roofline.fsdp_bytes_per_step).
+- **FSDP2 all-gathers** with tensorwise scaling move the converted weights in float8, 1 byte each
+  (workload.fsdp_bytes_per_step).
 """
 from __future__ import annotations
 

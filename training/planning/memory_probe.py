@@ -1,11 +1,9 @@
 """One rank's memory for one training step of a recipe, measured without a GPU and without the memory.
 
-The rank lives in the planning probes' fake world (training/planning/fake/world.py): a fake process group of the
-recipe's world size (collectives return at once, in one process), the real model built on the meta device and given
-to the real composer (TP, activation checkpointing, FSDP2), then materialised as fake tensors (shapes and dtypes, no
-storage). One optimizer step runs under torch's FSDPMemTracker, which sees every tensor the step creates and frees,
-including FSDP's all-gather buffers, checkpoint recomputation, ring-attention blocks and the optimizer's temporaries.
-Nothing here is estimated from formulas.
+The rank lives in the planning probes' fake world (training/planning/fake/world.py: the real model and composer on
+fake tensors in a fake process group). One optimizer step runs under torch's FSDPMemTracker, which sees every tensor
+the step creates and frees, including FSDP's all-gather buffers, checkpoint recomputation, ring-attention blocks and
+the optimizer's temporaries. Nothing here is estimated from formulas.
 
 Two phases are measured with separate trackers, forward+backward and gradient clipping + optimizer step, because a
 step peaks in one or the other and each grows linearly with the number of (identical) blocks: `measure_memory` can
@@ -109,8 +107,9 @@ def _kind(category: str) -> str:
     return "activations"
 
 
-def _by_kind(snapshot: dict) -> dict[str, float]:
-    """A tracker snapshot {device: {category: bytes}} summed into params / grads / optimizer / activations / Total."""
+def tracked_bytes(snapshot: dict) -> dict[str, float]:
+    """A memory tracker's snapshot {device: {category: bytes}} summed into params / grads / optimizer / activations /
+    Total (every probe reads its trackers through this)."""
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "Total": 0.0}
     for per_device in snapshot.values():
         for category, nbytes in per_device.items():
@@ -163,13 +162,13 @@ def _measure_step(fake: FakeWorld) -> RankMemory:
         offloader.reset_peak()
     with _tracker(model, optimizer) as tracker, DispatchCounter() as census, _compiled_casts_uncounted(cfg, census):
         step.micro_step(setup, fake_batch(cfg), fake.global_tokens)
-        peak_forward_backward = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
+        peak_forward_backward = tracked_bytes(tracker.get_tracker_snapshot("peak"))["Total"]
     with _tracker(model, optimizer) as tracker:
         clip_grad_norm_(params, t.max_norm)
         optimizer.step()
-        state = _by_kind(tracker.get_tracker_snapshot("current"))
+        state = tracked_bytes(tracker.get_tracker_snapshot("current"))
         optimizer.zero_grad(set_to_none=True)
-        peak_optimizer_step = _by_kind(tracker.get_tracker_snapshot("peak"))["Total"]
+        peak_optimizer_step = tracked_bytes(tracker.get_tracker_snapshot("peak"))["Total"]
     peak_eval = measure_eval_peak(cfg, setup, lambda: _tracker(model, optimizer))
     ring = setup.stats.bytes_sent - sent_before
     return RankMemory(state["params"], state["grads"], state["optimizer"], peak_forward_backward,
@@ -185,8 +184,9 @@ def measure_rank(cfg: Config, world_size: int, rank: int = 0) -> RankMemory:
         return _measure_step(fake)
 
 
-def with_blocks(cfg: Config, n_layers: int) -> Config:
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers))
+def with_section(cfg: Config, section: str, **values) -> Config:
+    """`cfg` with `section`'s `values` replaced (the other sections shared, not copied)."""
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
 
 
 def measure_memory(cfg: Config, world_size: int, n_layers: int, rank: int = 0,
@@ -197,7 +197,7 @@ def measure_memory(cfg: Config, world_size: int, n_layers: int, rank: int = 0,
     full depth is measured."""
     if n_layers <= extrapolate_above or cfg.parallelism.pp > 1:
         return measure_rank(cfg, world_size, rank)
-    m3, m4, m5 = (measure_rank(with_blocks(cfg, d), world_size, rank) for d in (3, 4, 5))
+    m3, m4, m5 = (measure_rank(with_section(cfg, "model", n_layers=d), world_size, rank) for d in (3, 4, 5))
     if m3.extrapolate(m4, 2).agrees_with(m5):
         return m3.extrapolate(m4, n_layers - 3)
     return measure_rank(cfg, world_size, rank)

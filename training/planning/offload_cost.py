@@ -1,16 +1,13 @@
 """What `training.cpu_offload` adds to a GPU step: AdamW on the host and each block's host/device copies.
 
-Kept apart from training/planning/price.py (which prices the device's work) and added to its prediction by the
-dry run, because neither part runs on the GPU:
-- the optimizer: torch's fused CPU AdamW is memory-bound: per fp32 parameter element it reads the parameter, its
-  gradient and both moments and writes the parameter and both moments, 28 bytes. A node's ranks share its host memory
-  bandwidth (`HOST_MEMORY_BYTES_PER_S`, published figures; `bench/bench_rates.py --host` measures the kernel itself
-  and the copies, and the rates file's figures replace these).
-- the copies: per micro-step every block's parameter shards go host -> device for the forward's all-gather and, the
-  block resharded after its forward, again for the backward's; its reduced gradient shards go device -> host once.
-  Three times the rank's parameter shard bytes over PCIe at the accelerator's pinned-copy rate.
-FSDP2 posts the copies without blocking on its all-gather stream, so part of them hides behind compute; priced here
-in full, added to the step (an upper bound, said so in the dry run's header).
+Kept apart from price.py (the device's work) and added to its prediction by the dry run, because neither part runs
+on the GPU:
+- the optimizer: torch's fused CPU AdamW is memory-bound (28 bytes per fp32 parameter element) and a node's ranks
+  share its host memory bandwidth (published figures, or `bench/bench_rates.py --host`'s in the rates file);
+- the copies: per micro-step every block's parameter shards go host -> device for the forward's all-gather and again
+  for the backward's (resharded after forward), its reduced gradient shards device -> host once: three times the
+  rank's shard bytes over PCIe. FSDP2 posts them without blocking, so part hides behind compute; priced in full here
+  (an upper bound, said so in the dry run's header).
 """
 from __future__ import annotations
 

@@ -1,27 +1,13 @@
 """A calibrated step time: what one optimizer step should take on real GPUs, as a band (low..high) and a prediction.
 
 The roofline (training/planning/roofline.py) is a bound: every FLOP at the data-sheet peak. This model prices each
-class of work at the rate published kernel benchmarks reach (training/planning/accelerators.py states each figure
-and its source):
-- large GEMMs (every linear layer, forward, backward = 2x forward, recomputation: op-level AC re-runs the
-  even-numbered matmuls of a block) at the cuBLAS rate;
-- attention at the rate of the kernel the stage runs (`stage_attention_kernel`: cuDNN on H100/H200 at
-  FlashAttention-2's measured rate times cuDNN's measured speed-up, FlashAttention-2 on A100), for its head dim and
-  the length of one call, on the visible query-key pairs (document masking: of the recipe's documents, else a stated
-  mix; workload.py); a CP ring at one causal call's rate over the rank's block (S / cp) times the zigzag ring's
-  measured efficiency against that call; packed documents at CP 1 (one packed call per layer and direction) piece
-  by piece at their kernel's rate (cuDNN THD or FlashAttention-2 varlen) times its measured per-call overhead
-  (training/planning/documents_cost.py); a rates file measured on the device (training/planning/rates.py) replaces
-  each published rate it holds;
-- memory-bound elementwise work (norms, RoPE, SwiGLU's gate, residual adds, casts, the loss's softmax, AdamW,
-  FSDP2's copy-out of gathered parameters and copy-in of gradients) as bytes moved at the achieved HBM bandwidth,
-  eager (one kernel per op) or fused under torch.compile; op-level AC re-runs all of a block's elementwise work;
-- collectives at NCCL's achieved bus bandwidth: FSDP's all-gathers and reduce-scatters prefetched under compute
-  (exposed: the first gather and the last reduce-scatter of each micro-step, plus whatever does not fit under the
-  compute), the CP ring's P2P under that layer's attention, TP's collectives exposed, activation offload's PCIe
-  copies on a side stream under compute.
-No constant is fitted to an end-to-end result. `low` takes every rate at the high end of its source's spread,
-`high` at the low end; the prediction takes the middle of each spread.
+class of work of one Workload at the rate published kernel benchmarks reach (training/planning/accelerators.py states
+each figure and its source), or at the rate a file measured on the device holds (training/planning/rates.py): GEMMs
+at cuBLAS's rate (op-level AC re-runs some of them, `op_recomputed_matmul_share`); attention at its kernel's rate on
+the visible query-key pairs (`_attention_s`; packed documents at CP 1 piece by piece, documents_cost.py); memory-bound
+work as bytes at the achieved HBM bandwidth, eager or fused (`_elementwise`); collectives at NCCL's bus bandwidth,
+exposed where compute does not hide them (`_exposed_comm`). No constant is fitted to an end-to-end result. `low`
+takes every rate at the high end of its source's spread, `high` at the low end; the prediction takes the middle.
 """
 from __future__ import annotations
 
@@ -157,11 +143,10 @@ def elementwise_bytes_per_token(m: LlamaConfig, eager: bool, dtype: str) -> floa
     caller). Eager: one kernel per op (RMSNorm upcasts to float32: ~7 passes of 4 bytes; RoPE through float32
     complex numbers: ~6; the SwiGLU gate: silu then multiply; two residual adds; layout copies around attention).
     Compiled, as measured on an H100 at 8K tokens (bench/bench_predictions.py's profile) when compile took the
-    forward of attention and of feed-forward only: RoPE, the layout copies and the SwiGLU gate fused, each region
-    reading its inputs and writing its outputs once, the two norms and the residual adds between them eager; compile
-    took 6 of the eager step's 32 ms of elementwise and copy kernels away. Since issue 47 the whole block compiles
-    (parallelisms.parallelize.apply_compile), norms and residual adds included; until a GPU measures it this split
-    stays the price (an upper bound: a whole-block formula gave 0.76 of that old measured row)."""
+    forward of attention and of feed-forward only: RoPE, the layout copies and the SwiGLU gate fused, the two norms
+    and the residual adds between them eager (6 of the eager step's 32 ms of elementwise kernels went). The whole
+    block compiles now (apply_compile); until a GPU measures it this split stays the price (an upper bound: a
+    whole-block formula gave 0.76 of that measured row)."""
     e = 4 if dtype == "float32" else 2
     q, kv, d, f = m.n_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.dim, m.ffn_hidden_dim
     if eager:

@@ -7,6 +7,8 @@ space, so they split into any power-of-two CP layout; the last is the target its
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -16,9 +18,6 @@ from config.schema import Config
 
 MAX_GROWTH = 8
 """Default growth of the sequence length from one stage to the next (at most)."""
-
-PLAN_FLAGS = {"--gpus": "gpus", "--target-seq-len": "target_seq_len", "--out": "out", "--offload": "offload",
-              "--stages": "stages", "--tokens-per-stage": "tokens_per_stage"}
 
 
 @dataclass(frozen=True)
@@ -46,29 +45,27 @@ class PlanRequest:
 
 
 def parse_plan_args(args: list[str]) -> tuple[PlanRequest, list[str]]:
-    """Takes the planner's flags out of the command line; the rest are recipe overrides (--section.key value)."""
-    values, rest, i = {}, [], 0
-    while i < len(args):
-        name, eq, text = args[i].partition("=")
-        if name not in PLAN_FLAGS:
-            rest.append(args[i])
-            i += 1
-            continue
-        if not eq:
-            if i + 1 >= len(args):
-                raise RecipeError(f"command line: {name} needs a value, e.g. {name} 8.")
-            text, i = args[i + 1], i + 1
-        key = PLAN_FLAGS[name]
-        try:
-            values[key] = text if key in ("out", "offload") else int(text)
-        except ValueError:
-            raise RecipeError(f"command line: {name} expects a whole number, got {text!r}.") from None
-        i += 1
-    for needed in ("gpus", "target_seq_len"):
-        if needed not in values:
-            flag = next(f for f, k in PLAN_FLAGS.items() if k == needed)
-            raise RecipeError(f"command line: --plan-ramp needs {flag} N (e.g. --gpus 8 --target-seq-len 1048576).")
-    return PlanRequest(**values), rest
+    """Takes the planner's flags (PlanRequest's fields, `--target-seq-len` for target_seq_len) out of the command
+    line; the rest are recipe overrides (--section.key value)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    for name in (f.name for f in dataclasses.fields(PlanRequest)):
+        kind = str if name in ("out", "offload") else _whole
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind)
+    try:
+        known, rest = parser.parse_known_args(args)
+    except argparse.ArgumentError as e:
+        raise RecipeError(f"command line: {e}.") from None
+    if known.gpus is None or known.target_seq_len is None:
+        raise RecipeError("command line: --plan-ramp needs --gpus N and --target-seq-len L (e.g. --gpus 8 "
+                          "--target-seq-len 1048576).")
+    return PlanRequest(**{k: v for k, v in vars(known).items() if v is not None}), rest
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a whole number, got {text!r}") from None
 
 
 def length_name(tokens: int) -> str:

@@ -1,15 +1,12 @@
 """`--plan-ramp`: from a base recipe, a GPU count and a target length to a context ramp whose every stage fits.
 
-Per stage (lengths from training/planning/ramp_lengths.py, RoPE from training/planning/rope_rule.py) the planner picks the parallel
-layout with the best predicted step time among those that fit, in this order of preference: the base's TP, no
-activation offload (`auto` turns it on per stage, only in the stages that fit nothing without it), CP traded
-against dp_shard on the same GPUs. Memory is measured, not estimated, with the dry
-run's own probe (training/planning/memory_probe.py: the trainer's step on a fake process group), but not once per candidate:
-for a fixed model, GPU count, TP and offload setting the forward/backward peak is linear in the tokens a rank holds
-per micro-step (activations, logits chunks, ring blocks are all tokens x width), so two probes fix a line per
-setting (`MemoryLine`). The line proposes; the dry run's full measurement of the chosen layout decides (the next
-candidate is measured when it does not fit). Step times and GPU-hours are the dry run's calibrated prediction
-(training/planning/price.py). A layout whose offloaded activations exceed the node's host memory does not fit.
+Per stage (lengths: ramp_lengths.py, RoPE: rope_rule.py) the planner picks the layout with the best predicted step
+time among those that fit, preferring the base's TP and no activation offload (`auto` turns it on only in the stages
+that fit nothing without it), and trading CP against dp_shard on the same GPUs. Memory is the dry run's probe
+(memory_probe.py), but not once per candidate: for a fixed model, GPU count, TP and offload setting the peak is
+linear in the tokens a rank holds per micro-step, so two probes fix a line per setting (`MemoryLine`). The line
+proposes; the dry run's full measurement of the chosen layout decides, host memory included. Step times and GPU-hours
+are the dry run's calibrated prediction (price.py).
 """
 from __future__ import annotations
 
@@ -21,9 +18,8 @@ from dataclasses import dataclass, field
 from config import RecipeError
 from config.schema import Config, RampTable
 from models.llama import recipe_model_config
-from training.planning.dry_run import (RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, node_host_gib,
-                                       stage_times, with_section)
-from training.planning.memory_probe import GIB, RankMemory, measure_memory
+from training.planning.dry_run import RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, node_host_gib, stage_times
+from training.planning.memory_probe import GIB, RankMemory, measure_memory, with_section
 from training.launch_checks.preflight import preflight_stages
 from training.planning.ramp_lengths import PlanRequest, stage_lengths, stage_steps, tokens_per_step_for
 from training.planning.rope_rule import stage_rope_theta

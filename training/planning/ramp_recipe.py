@@ -1,5 +1,5 @@
-"""`./run_train.sh BASE.toml --plan-ramp --gpus N --target-seq-len L`: plan (training/planning/ramp_planner.py), print the
-table, write the recipe. The written TOML holds the base's values that differ from the defaults (overrides given
+"""`./run_train.sh BASE.toml --plan-ramp --gpus N --target-seq-len L`: plan (ramp_planner.py), print the table, write
+the recipe. The written TOML holds the base's values that differ from the defaults (overrides given
 on the command line included), the planned [[ramp]] stages and comments that say why each stage is what it is."""
 from __future__ import annotations
 

@@ -1,24 +1,17 @@
 """Rates measured on the device: one JSON file per accelerator (training/planning/rates/<accelerator>.json, written by
-bench/bench_rates.py on that GPU), which the step model (training/planning/price.py) uses in place of the
-published figures of training/planning/accelerators.py, component by component.
-
-A file holds the device's name, torch and CUDA versions, the date, and a list of rates, each with the shape it was
-measured at:
-- `gemm`: bf16 GEMM FLOP/s of the linear layers (forward and backward GEMMs of a block at a stage's tokens), one row
-  per model shape (`dim`, `ffn`): a model is priced at the row nearest its own shape, as small GEMMs run further
-  from the peak than large ones; `fp8_gemm` the same for float8 GEMMs (`torch._scaled_mm`, training.float8);
-- `attention`: FLOP/s of one causal call of a kernel family (`kernel`: cudnn, flash, ...) per phase (fwd, bwd), at a
-  block length and head dim (FLOPs: forward 4 x visible pairs x heads x head dim, backward 2.5x that, the step
-  model's own count), one row per measured length. A stage is priced at the row nearest its call length, carried to
-  its exact length and head dim by the shape of the FlashAttention-2 table (accelerators.py);
-- `packed_attention`: seconds of one packed-sequence call (the CP 1 documents path) forward + backward per documents
-  kernel (cudnn_thd, flash_varlen) at a total of tokens over web-like documents, which replace the published
-  calls of training/planning/documents_cost.py;
-- `hbm`: achieved bytes/s of elementwise and copy kernels (read + write);
-- `optimizer`: bytes/s of the AdamW step (its bytes as the step model counts them).
-A rate the file lacks falls back to the published figure, and `rates_source` says which components are measured and
-which are published. A file measured under another torch, or on a device whose name does not match the
-accelerator's, is still used, with a warning line.
+bench/bench_rates.py on that GPU), which the step model (price.py) uses in place of the published figures of
+accelerators.py, component by component. Besides the device's name, torch and CUDA versions and the date, a file
+holds rates, each with the shape it was measured at:
+- `gemm` / `fp8_gemm`: bf16 / float8 GEMM FLOP/s of a block's linear layers, one row per model shape (`dim`, `ffn`):
+  small GEMMs run further from the peak, so a model is priced at the row nearest its own shape;
+- `attention`: FLOP/s of one causal call of a kernel family per phase at a block length and head dim (FLOPs as the
+  step model counts them), priced at the row nearest the call's length and carried to its exact length and head dim
+  by the shape of the FlashAttention-2 table;
+- `packed_attention`: seconds of one packed call (CP 1 documents) per documents kernel at a total of tokens over
+  web-like documents, in place of documents_cost.PUBLISHED;
+- `hbm` / `optimizer`: achieved bytes/s of elementwise and copy kernels / of the AdamW step.
+A rate the file lacks falls back to the published figure (`rates_source` says which is which). A file measured under
+another torch, or on a device not of the accelerator, is still used, with a warning line.
 """
 from __future__ import annotations
 

@@ -28,12 +28,8 @@ def men_lower_bound(seq_len: int) -> float:
 
 def round_up_125(value: float) -> float:
     """The smallest number of the form {1, 2, 5} x 10^k that is >= value (a base people can read and compare)."""
-    exponent = math.floor(math.log10(value))
-    for mantissa in (1, 2, 5, 10):
-        candidate = float(mantissa * 10**exponent)
-        if candidate >= value * (1 - 1e-12):
-            return candidate
-    raise AssertionError("unreachable: 10 x 10^k >= value")
+    scale = 10 ** math.floor(math.log10(value))
+    return next(float(m * scale) for m in (1, 2, 5, 10) if m * scale >= value * (1 - 1e-12))
 
 
 def stage_rope_theta(seq_len: int, previous_theta: float) -> float:

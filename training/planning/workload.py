@@ -1,30 +1,28 @@
 """The one input every price of a step reads: what one rank runs in one optimizer step (`Workload`), built from a
 resolved recipe stage in one place (`workload_for`), with the byte formulas of its collectives written once.
 
-Why one file: the roofline bound (training/planning/roofline.py), the calibrated prediction
-(training/planning/price.py), the ramp planner and the trainer's logged `fsdp_comm_bytes` (training/metrics.py)
-all price the same layout, parameter count, FSDP / TP / ring bytes and documents; written once here, they cannot
-drift apart (they did: `//` in one copy, `/` in the other, float8 all-gathers in one and not the other).
-
-Documents: with document masking the visible (query, key) pairs come from the recipe's prepared stores, opened the
-way the trainer opens them (`data.prepare.open_store`: this tokenizer's store of these files, never a stale one or
-another source's), else from the built-in pydoc corpus where that is the recipe's only source, else from the stated
-`DOCUMENT_MIX`; the CUDA-path table (training/planning/cuda_path_table.py)
-counts its kernel calls on a row of the same lengths.
+Why one file: the roofline bound (roofline.py), the calibrated prediction (price.py), the ramp planner and the
+trainer's logged `fsdp_comm_bytes` (training/metrics.py) all price the same layout, parameter count, FSDP / TP / ring
+bytes and documents; written once here, they cannot drift apart (they did: `//` in one copy, `/` in the other, float8
+all-gathers in one and not the other). Documents: one set of lengths (`document_lengths`) cut into rows as the packer
+cuts them (`document_row_pieces`) prices both the CP 1 packed calls and the ring's visible pairs, and the CUDA-path
+table (cuda_path_table.py) counts on a row of the same lengths.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from models.llama import LlamaConfig
+from models.llama import LlamaConfig, recipe_model_config
+from training.planning import documents_cost
+from training.planning.accelerators import kernel_on
+from training.planning.float8_cost import converted_params_per_block
 
 DOCUMENT_MIX = ((0.5, None), (0.5, 4096))
 """Without the recipe's prepared stores: half the tokens in documents at least a row long (plain causal over the
 row), half in 4,096-token documents (a ProLong-like long-document mix). (share of tokens, document length)."""
-MIX_ROW = "stated mix"
-"""The CUDA-path table's name for a row packed from DOCUMENT_MIX."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +107,6 @@ def recomputed_block_fraction(ac_mode: str, every: int) -> float:
 def float8_gathered_params(m: LlamaConfig, float8: str, tiled_mlp: bool) -> float:
     """Parameters (of the whole model) FSDP2 all-gathers in float8: tensorwise scaling casts each converted weight's
     shard before the gather (parallelisms/float8.float8_config); rowwise gathers in the training dtype."""
-    from training.planning.float8_cost import converted_params_per_block
-
     return converted_params_per_block(m, tiled_mlp) * m.n_layers if float8 == "tensorwise" else 0.0
 
 
@@ -158,8 +154,6 @@ def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None = No
     """The Workload of one resolved recipe stage; with document masking, the pieces of the recipe's documents
     (`document_row_pieces`) and their visible pairs. `cp_ring_bytes`, `offload_bytes`, `bandwidth_bytes`: the
     memory probe's."""
-    from models.llama import recipe_model_config
-
     t, p = cfg.training, cfg.parallelism
     fraction = length = pieces = None
     if cfg.data.document_masking:
@@ -182,8 +176,6 @@ def stage_attention_kernel(cfg) -> str:
     """The kernel family a stage's attention runs on the recipe's accelerator: float32 the memory-efficient kernel,
     packed documents the flash varlen calls; otherwise `parallelism.attention_kernel` resolved by the accelerator's
     compute capability (auto: cuDNN on H100/H200), which the trainer also hands to SDPA as its backend order."""
-    from training.planning.accelerators import kernel_on
-
     if cfg.training.dtype == "float32":
         return "efficient"  # flash and cuDNN are half precision only: the memory-efficient kernel
     if cfg.data.document_masking:
@@ -196,9 +188,6 @@ def stage_documents_kernel(cfg) -> str:
     cuDNN THD where the run takes cuDNN (`attention_kernel` resolved on the accelerator), in half precision, with a
     head dim cuDNN serves; FlashAttention-2 varlen otherwise. THD needs nvidia-cudnn-frontend on the nodes
     (requirements-gpu.txt): without it the run takes FA2 varlen, as the dry run's documents line says."""
-    from models.llama import recipe_model_config
-    from training.planning.accelerators import kernel_on
-
     head_dim = recipe_model_config(cfg).head_dim
     half = cfg.training.dtype in ("bfloat16", "float16")
     cudnn = kernel_on(cfg.hardware.accelerator, cfg.parallelism.attention_kernel) == "cudnn"
@@ -209,8 +198,6 @@ def document_row_pieces(cfg, seq_len: int) -> tuple[tuple[int, float], ...]:
     """((piece length, pieces per row), ...) of rows packed from the recipe's documents (`document_lengths`, sources
     weighted by `weight`), else from DOCUMENT_MIX's documents, cut as the packer cuts them (documents_cost.row_pieces):
     the one cut model of the CP 1 pricing (piece by piece) and the ring's (`pieces_pairs`)."""
-    from training.planning import documents_cost
-
     stores = document_lengths(cfg) or {"mix": mix_lengths(seq_len)}
     weights = {name: 1.0 for name in stores} | {s.name: s.weight for s in cfg.data.sources}
     total = sum(weights[name] for name in stores)
@@ -242,51 +229,30 @@ def mix_lengths(seq_len: int, mix=DOCUMENT_MIX, rows: int | None = None) -> np.n
     return np.array(lengths, dtype=np.int64)
 
 
-def mix_row(seq_len: int, mix=DOCUMENT_MIX) -> np.ndarray:
-    """(S,) document ids of one row holding each share of `mix` in turn (the CUDA-path table's count row)."""
-    lengths = mix_lengths(seq_len, mix, rows=1)
-    return np.repeat(np.arange(len(lengths)), lengths)
-
-
 def document_lengths(cfg) -> dict[str, np.ndarray] | None:
-    """{source: its documents' token counts}: the prepared stores, else, where every source is Python's built-in
-    pydoc corpus (79 documents), that corpus tokenized here with the recipe's tokenizer (~0.3 s; the stores'
-    document filters are not applied); None: the stated mix."""
-    return prepared_lengths(cfg) or pydoc_lengths(cfg)
+    """{source: its documents' token counts}: the prepared stores, opened as the trainer opens them (this tokenizer,
+    these files), else, where every source is Python's built-in pydoc corpus (79 documents), that corpus tokenized
+    here with the recipe's tokenizer (~0.3 s; the stores' document filters are not applied); None: the stated mix
+    (a store or tokenizer that is not here: the dry run's data usually lives where the recipe will run)."""
+    import os
 
-
-def pydoc_lengths(cfg) -> dict[str, np.ndarray] | None:
     from data.corpus import PYDOC, pydoc_documents
-    from data.sources import build_run_tokenizer, source_list
-    from models.llama import recipe_model_config
-
+    from data.prepare import open_store
+    from data.sources import build_run_tokenizer, source_list, store_specs
     sources = source_list(cfg)
-    if not all(list(s.path) == [PYDOC] and s.format == "text" for s in sources):
-        return None
+    pydoc = all(list(s.path) == [PYDOC] and s.format == "text" for s in sources)
+    prepared = cfg.data.cache_dir and cfg.data.tokenizer_path and os.path.exists(cfg.data.tokenizer_path)
+    tokenizer = stores = None
     try:
-        tokenizer = build_run_tokenizer(cfg, recipe_model_config(cfg).vocab_size)
-    except Exception:  # a tokenizer that does not load here: the stated mix instead
+        if prepared or pydoc:
+            tokenizer = build_run_tokenizer(cfg, recipe_model_config(cfg).vocab_size)
+        if prepared:
+            stores = {spec.name: open_store(spec, tokenizer) for spec in store_specs(cfg)}
+    except Exception:  # noqa: BLE001 - a tokenizer that does not load here, a missing or stale store: the next choice
+        pass
+    if stores and all(s is not None and s.num_documents > 0 for s in stores.values()):
+        return {name: s.doc_lengths.astype(np.int64) for name, s in stores.items()}
+    if not pydoc or tokenizer is None:
         return None
     lengths = np.array([len(ids) for ids in tokenizer.encode_batch(pydoc_documents())], dtype=np.int64)
     return {s.name: lengths for s in sources}
-
-
-def prepared_lengths(cfg) -> dict[str, np.ndarray] | None:
-    """{source: every document length of its prepared store}, opened as the trainer opens them (this tokenizer,
-    these files), or None when any is not here (the dry run's data usually lives where the recipe will run)."""
-    import os
-
-    from data.prepare import open_store
-    from data.sources import build_run_tokenizer, store_specs
-    from models.llama import recipe_model_config
-
-    if not cfg.data.cache_dir or not cfg.data.tokenizer_path or not os.path.exists(cfg.data.tokenizer_path):
-        return None
-    try:
-        tokenizer = build_run_tokenizer(cfg, recipe_model_config(cfg).vocab_size)
-        stores = {spec.name: open_store(spec, tokenizer) for spec in store_specs(cfg)}
-    except Exception:  # a missing or stale store, a tokenizer that does not load: the stated mix instead
-        return None
-    if not stores or any(s is None or s.num_documents == 0 for s in stores.values()):
-        return None
-    return {name: s.doc_lengths.astype(np.int64) for name, s in stores.items()}

@@ -16,8 +16,7 @@ is on the device and whose target is on the host. "The device" is every non-CPU 
 stands in for it (a CPU-only run standing in for a GPU run), so scalar reads of any tensor count, and so do the
 Python-level host reads of CPU tensors (`.cpu()`, `.numpy()`, `.tolist()`), which on a GPU would be copies. A scalar
 read of a host tensor on a device run does not count: plans keep host integers (Ulysses' exchange plan reads them
-with int()), and reading them never waits for the stream. (The CUDA-path probe's former counter counted those reads
-too; no layer of any recipe makes one, so its `host_syncs_per_micro_step` figures are 0 either way.)
+with int()), and reading them never waits for the stream.
 
 A sync is counted before its op runs: on fake tensors a read of a value fails right after it, counted and located.
 """
@@ -46,18 +45,15 @@ GEMM_OPS = {"mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "linear", "_gro
 COPY_OPS = {"_to_copy", "copy_", "clone", "contiguous", "copy", "_copy_from", "_copy_from_and_resize",
             "to", "lift_fresh_copy"}
 
-KERNEL_OF_OP = {
-    aten._flash_attention_forward.default: "flash", aten._flash_attention_backward.default: "flash",
-    aten._scaled_dot_product_flash_attention.default: "flash",
-    aten._scaled_dot_product_flash_attention_backward.default: "flash",
-    aten._efficient_attention_forward.default: "efficient", aten._efficient_attention_backward.default: "efficient",
-    aten._scaled_dot_product_efficient_attention.default: "efficient",
-    aten._scaled_dot_product_efficient_attention_backward.default: "efficient",
-    aten._scaled_dot_product_flash_attention_for_cpu.default: "cpu_flash",
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "cpu_flash",
-    aten._scaled_dot_product_cudnn_attention.default: "cudnn",
-    aten._scaled_dot_product_cudnn_attention_backward.default: "cudnn",
-}
+KERNEL_OF_OP = {getattr(aten, name).default: kernel for kernel, names in {
+    "flash": ("_flash_attention_forward", "_flash_attention_backward", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_flash_attention_backward"),
+    "efficient": ("_efficient_attention_forward", "_efficient_attention_backward",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"),
+    "cpu_flash": ("_scaled_dot_product_flash_attention_for_cpu",
+                  "_scaled_dot_product_flash_attention_for_cpu_backward"),
+    "cudnn": ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"),
+}.items() for name in names}
 """Every attention op the CP kernels call, by the kernel that runs it (flash: FlashAttention-2, or FA3/FA4 once
 activated; cudnn: cuDNN's fused attention)."""
 

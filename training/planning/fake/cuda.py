@@ -11,9 +11,7 @@ accelerator, its current streams and events. Two libraries, built by one builder
   (training/planning/step_sync_probe.py) and bench/bench_step_kernels.py run in a child process.
 
 The builder caches each library in the temp folder under a key of its source, torch's version and torch's library
-folder: the build has an rpath to that folder, so a cache shared by two checkouts or virtual environments would
-otherwise hand one a library that points at the other's (possibly deleted) torch ("libc10.so: cannot open shared
-object file" in every fake-CUDA test once the other checkout was gone).
+folder (`torch_library_path`).
 """
 from __future__ import annotations
 
@@ -60,7 +58,9 @@ RUNTIME_NAME = "fake_cuda_runtime"
 
 def torch_library_path(name: str, source: str, torch_lib: str, torch_version: str) -> str:
     """Where library `name` built from `source` against the torch whose libraries are in `torch_lib` is cached:
-    keyed by the source, torch's version AND that library folder (see the module docstring)."""
+    keyed by the source, torch's version AND that library folder. The build has an rpath to that folder, so a cache
+    shared by two checkouts or virtual environments would otherwise hand one a library that points at the other's
+    (possibly deleted) torch ("libc10.so: cannot open shared object file" once the other checkout was gone)."""
     digest = hashlib.sha256("\0".join((source, os.path.realpath(torch_lib), torch_version)).encode()).hexdigest()
     return os.path.join(tempfile.gettempdir(), f"{name}_{torch_version.replace('+', '_')}_{digest[:12]}.so")
 

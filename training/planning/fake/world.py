@@ -1,14 +1,11 @@
 """The one fake world of the planning probes: one rank of a training run, built without a GPU and without the memory.
 
-`fake_world(cfg, world_size, rank, device)` makes, until exit:
-- a fake process group of `world_size` ranks in this process (torch's "fake" backend: collectives return at once);
-- the recipe's mesh (ParallelDims and the hybrid subgroups the trainer makes at setup);
-- the recipe's real model built on the meta device and given to the real composer (TP, activation checkpointing and
-  offload, FSDP2), then materialised as fake tensors (FakeTensorMode: shapes and dtypes, no storage);
-- DTensor's sharding propagation kept out of that fake mode (`_sharding_propagation_in_its_own_fake_mode`);
-- the trainer's StepSetup for it.
-On exit the process group is destroyed, `sys.excepthook` (which init_process_group wraps) restored and DTensor's
-caches emptied, so the next world starts as a fresh training process does. The memory probe, the step-sync probe,
+`fake_world(cfg, world_size, rank, device)` makes, until exit: a fake process group of `world_size` ranks in this
+process (torch's "fake" backend: collectives return at once); the recipe's mesh, with the trainer's hybrid subgroups;
+the real model built on the meta device, given to the real composer (TP, activation checkpointing and offload, FSDP2)
+and materialised as fake tensors (shapes and dtypes, no storage), DTensor's sharding propagation kept out of that
+fake mode; the trainer's StepSetup for it. On exit the process group is destroyed, `sys.excepthook` restored and
+DTensor's caches emptied, so the next world starts as a fresh training process does. The memory probe, the step-sync probe,
 bench/bench_layer_memory.py and bench/bench_step_kernels.py all build their rank here; `fake_process_group` alone
 serves the one-layer CUDA-path probes, and `warm_up_optimizer` is shared with the real-tensor reference of the tests.
 """
