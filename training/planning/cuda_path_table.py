@@ -112,8 +112,9 @@ CUDA_PATH_STATEMENT = (
     "family on hardware.accelerator (parallelism.attention_kernel; auto = cudnn on H100/H200, flash = "
     "FlashAttention-2 on A100; packed documents always take the flash ops' varlen calls); attn calls (by kernel) / "
     "aten ops = one layer's attention forward + backward on the busiest CP rank; host syncs = device-to-host reads "
-    "in the attention path per micro-step; the peak is the step's measured peak plus what one layer's CUDA attention (varlen gathers, flash "
-    "backward scratch, GQA dK/dV expanded inside the kernel) holds beyond the CPU kernels' (an upper bound); "
+    "in the attention path per micro-step; the peak is the step's measured peak plus what one layer's CUDA "
+    "attention (varlen gathers, flash backward scratch, GQA dK/dV expanded inside the kernel) holds beyond the CPU "
+    "kernels' (an upper bound); "
     "'earlier path' expands K/V for GQA before every flash call")
 
 

@@ -66,7 +66,7 @@ class RowResult:
     host: HostPlan | None = None
     """The stage's host memory per rank and node (training/launch_checks/host_memory.py)."""
     cuda: dict = dataclasses.field(default_factory=dict)
-    """The CUDA path on fake CUDA tensors (training/planning/cuda_path_probe.py): launches, syncs, attention transients."""
+    """The CUDA path on fake CUDA tensors (cuda_path_table.py): launches, syncs, attention transients."""
 
     @property
     def peak_gib(self) -> float:
@@ -211,9 +211,9 @@ def _header(cfg: Config, world: int, first: RowResult) -> list[str]:
         lines.append("  activation offload: each checkpointed block's input waits in host memory between forward and "
                      "backward (host GiB, not in the device peak), copied over PCIe on a side stream under compute")
     if cfg.training.cpu_offload:
-        lines.append("  cpu offload: parameters, gradients and AdamW state in pinned host memory (the device peak holds "
-                     "one block's shards in and its gradients out); the step adds the host's AdamW and 3 x the shards "
-                     "over PCIe per micro-step, unoverlapped (training/planning/offload_cost.py; an upper bound)")
+        lines.append("  cpu offload: parameters, gradients and AdamW state in pinned host memory (the device peak "
+                     "holds one block's shards in and its gradients out); the step adds the host's AdamW and 3 x the "
+                     "shards over PCIe per micro-step, unoverlapped (planning/offload_cost.py; an upper bound)")
     if cfg.training.float8 != "off":
         lines.append(f"  {float8_statement(cfg.training.float8, mcfg, cfg.model.mlp_chunk_tokens > 0)}")
     return lines
@@ -284,8 +284,8 @@ def print_host_plan(cfg: Config, results: list[RowResult]) -> str | None:
     """One line per stage (its host bytes per node against the node's); the first stage over it refused, or None."""
     device_type = launch_device_type(cfg)
     limit, source = node_limit(cfg, device_type)
-    print(f"  host memory ({device_type} run; training/launch_checks/host_memory.py), of {limit / GIB:,.1f} GiB per node "
-          f"({source}):")
+    print(f"  host memory ({device_type} run; training/launch_checks/host_memory.py), of {limit / GIB:,.1f} GiB per "
+          f"node ({source}):")
     for index, r in enumerate(results):
         print(f"    stage {index + 1} ({r.row.name}): {r.host.describe()}"
               f"{'' if r.host.per_node <= limit else '  DOES NOT FIT'}")

@@ -5,9 +5,9 @@ process (torch's "fake" backend: collectives return at once); the recipe's mesh,
 the real model built on the meta device, given to the real composer (TP, activation checkpointing and offload, FSDP2)
 and materialised as fake tensors (shapes and dtypes, no storage), DTensor's sharding propagation kept out of that
 fake mode; the trainer's StepSetup for it. On exit the process group is destroyed, `sys.excepthook` restored and
-DTensor's caches emptied, so the next world starts as a fresh training process does. The memory probe, the step-sync probe,
-bench/bench_layer_memory.py and bench/bench_step_kernels.py all build their rank here; `fake_process_group` alone
-serves the one-layer CUDA-path probes, and `warm_up_optimizer` is shared with the real-tensor reference of the tests.
+DTensor's caches emptied, so the next world starts as a fresh training process does. The memory probe, the step-sync
+probe, bench/bench_layer_memory.py and bench/bench_step_kernels.py all build their rank here; `fake_process_group`
+alone serves the one-layer CUDA-path probes; `warm_up_optimizer` is shared with the tests' real-tensor reference.
 """
 from __future__ import annotations
 
