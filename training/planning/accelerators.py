@@ -1,10 +1,8 @@
 """The accelerators a recipe can name (`[hardware] accelerator`): the data sheets of config/accelerators.py (what
-the roofline uses) with the kernel-level figures the calibrated step-time model (training/planning/price.py)
-uses, each with its source. Kernel-level figures are published benchmarks of the kernels one training step runs (and
-of one component built from them, the CP ring's attention), never end-to-end training throughputs: those
-(TorchTitan's published rows) are what the model is checked against (tests/training/test_price.py,
-docs/predictions.md).
-A (low, high) pair is the spread the sources give; the model's band comes from these pairs.
+the roofline uses) with the kernel-level figures the calibrated step-time model (price.py) uses, each with its
+source: published benchmarks of the kernels one training step runs (and of the CP ring's attention), never end-to-end
+training throughputs, which are what the model is checked against (tests/training/test_price.py,
+docs/predictions.md). A (low, high) pair is the spread the sources give; the model's band comes from these pairs.
 """
 from __future__ import annotations
 

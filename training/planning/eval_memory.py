@@ -1,6 +1,5 @@
 """The dry run's measurement of evaluation: each ramp stage's evaluations run on the probe's fake tensors, after its
-training step, through the same code the trainer runs (training/evaluation/rows.py `score_tokens`: the model's forward
-under the step's CP context, scores from the hidden states in chunks, CP unsharding).
+training step, through the trainer's own code (training/evaluation/rows.py `score_tokens`).
 
 A stage's evaluations are those the trainer runs while the stage is current: long-document loss and NIAH at every
 `*_interval` step inside the stage, and all enabled evaluations at the last step (passkey only there). Each is one

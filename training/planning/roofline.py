@@ -1,10 +1,8 @@
 """A stated roofline for one optimizer step on GPUs: compute at the data-sheet peak, collectives at link bandwidth.
 
-A bound, not a benchmark, computed over the same Workload (training/planning/workload.py) and AcceleratorSpec
-(training/planning/accelerators.py) as the calibrated prediction (training/planning/price.py). Two step times:
-"overlap" (every byte moves while the GPU computes: step = max(compute, NVLink time, network time)) and "serial"
-(nothing overlaps: their sum). Real runs land between the two, minus kernel efficiency (real matmuls and flash
-attention reach ~60-75% of peak). Which link a collective uses: `Layout.intra_node` of its group's span.
+A bound, not a benchmark, over the same Workload and AcceleratorSpec as the calibrated prediction (price.py). Two
+step times: "overlap" (step = max(compute, NVLink time, network time)) and "serial" (their sum); real runs land
+between the two, minus kernel efficiency (real matmuls and flash attention reach ~60-75% of peak).
 """
 from __future__ import annotations
 

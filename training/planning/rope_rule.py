@@ -7,9 +7,9 @@ their bound as base >= 0.0424 * L^1.628 (their Figure 1). The rule here:
     theta(stage) = max(theta of the previous stage, the next 1/2/5 x 10^k at or above 0.0424 * L^1.628)
 
 so a stage never trains below the bound, the base never decreases along the ramp, and short stages keep the
-pretrained base when it is already above the bound (Llama 3's 500K up to ~22K tokens). Data points it agrees with:
-ProLong (Gao et al. 2024) trained Llama 3 8B with 8M at 64K and 128M at 512K; the rule gives 5M and 100M (bounds
-2.9M and 87M). The Llama 3.1 frequency scaling of the base recipe is kept as it is.
+pretrained base when it is already above the bound (Llama 3's 500K up to ~22K tokens). ProLong (Gao et al. 2024)
+trained Llama 3 8B with 8M at 64K and 128M at 512K; the rule gives 5M and 100M (bounds 2.9M and 87M). The Llama
+3.1 frequency scaling of the base recipe is kept as it is.
 """
 from __future__ import annotations
 
