@@ -34,6 +34,7 @@ TieMode = Literal["auto", "tied", "untied"]
 RopeScaling = Literal["auto", "llama3", "yarn"]
 CompileSetting = Literal["auto", True, False]
 Float8Recipe = Literal["off", "tensorwise", "rowwise"]
+Float8Emulate = Literal["auto", True, False]
 StopSignal = Literal["SIGTERM", "SIGUSR1"]
 """The signals `checkpoint.save_on_signal` may name (training/preemption.py)."""
 
@@ -185,6 +186,13 @@ class TrainingConfig:
     docs/float8.md): off | tensorwise (one dynamic scale per tensor; under FSDP the weights are all-gathered in
     float8) | rowwise (a scale per row, rounded down to a power of two: more accurate, slower). The embedding and
     the output projection stay in `dtype`. Needs torchao (requirements.txt), imported only when this is not off."""
+    float8_emulate: Float8Emulate = "auto"
+    """How the float8 GEMMs run (TorchTitan's `float8.emulate`): "auto" emulates them on a CPU (torchao's emulation:
+    the same scaled casts to float8, then an ordinary float32 matmul of the dequantized operands) and runs the real
+    float8 GEMM (`torch._scaled_mm`) on CUDA; true emulates on any device (an A100 too: float8 numerics, no float8
+    speed); false runs `_scaled_mm` everywhere. A CPU's `_scaled_mm` is never a fast kernel, and on a CPU with AMX
+    torch hands it to oneDNN's reference float8 matmul (hundreds of times slower than the emulation), so false on a
+    CPU is for checking that kernel only and says so at start-up."""
 
     cpu_offload: bool = False
     """FSDP2's CPUOffloadPolicy (parallelisms/data_parallel.py): every parameter shard, its gradient and the AdamW

@@ -25,6 +25,7 @@ torchao is imported here only, and only when `training.float8` is not "off".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.metadata
 import logging
@@ -104,8 +105,17 @@ FLOAT8_CAPABILITY = (8, 9)
 """CUDA's float8 GEMM (`torch._scaled_mm`) needs compute capability 8.9+ (Ada, Hopper, Blackwell; not A100)."""
 
 
+def emulates(cfg: Config, device_type: str) -> bool:
+    """`training.float8_emulate` resolved for a run on `device_type`: "auto" emulates the float8 GEMMs everywhere but
+    on CUDA. A CPU has no fast float8 GEMM: torch's own `_scaled_mm` there is an emulation of its own, and on a CPU
+    with AMX torch hands it to oneDNN, whose float8 matmul is its reference kernel (one 256^3 GEMM 275-490 ms against
+    0.81 ms emulated, measured), so a CPU run's cost would depend on the instruction set it drew."""
+    setting = cfg.training.float8_emulate
+    return device_type != "cuda" if setting == "auto" else bool(setting)
+
+
 def cuda_problem() -> str | None:
-    """Why this machine's GPU cannot run float8 GEMMs, or None (no GPU: the run is on CPU, where _scaled_mm runs)."""
+    """Why this machine's GPU cannot run float8 GEMMs, or None (no GPU: the run is on CPU, where they are emulated)."""
     if not torch.cuda.is_available():
         return None
     capability = torch.cuda.get_device_capability()
@@ -117,14 +127,16 @@ def cuda_problem() -> str | None:
 
 def check_float8(cfg: Config) -> None:
     """Raises RecipeError, before any process group starts, when `training.float8` is on and this machine's GPU or
-    its torchao cannot run it."""
+    its torchao cannot run it. A GPU without float8 GEMMs passes when the GEMMs are emulated
+    (`training.float8_emulate = true`)."""
     recipe = cfg.training.float8
     if recipe == "off":
         return
-    gpu = cuda_problem()
+    gpu = None if emulates(cfg, "cuda") else cuda_problem()
     if gpu:
         raise RecipeError(f"{cfg.recipe_path}: training.float8 = \"{recipe}\" cannot run here: {gpu}. Set "
-                          "training.float8 = \"off\" or run on an H100/H200/L40S-class GPU.")
+                          "training.float8 = \"off\", run on an H100/H200/L40S-class GPU, or set "
+                          "training.float8_emulate = true (float8 numerics without float8 speed).")
     problem = torchao_problem()
     if problem:
         first_line = problem.splitlines()[0]
@@ -150,24 +162,28 @@ def _converts(module: nn.Module, fqn: str, tiled_mlp: bool) -> bool:
     return converts_linear(module.in_features, module.out_features, "feed_forward" in parts, tiled_mlp)
 
 
-def float8_config(recipe: str, fsdp: bool):
+def float8_config(recipe: str, fsdp: bool, emulate: bool):
     """torchao's config for `recipe`; tensorwise under FSDP all-gathers the weights in float8 (rowwise cannot:
-    torchao's all-gather carries one scale per tensor)."""
+    torchao's all-gather carries one scale per tensor). `emulate`: torchao's emulated GEMMs (the operands cast to
+    float8 and back with the same scales, an ordinary float32 matmul) instead of `torch._scaled_mm`."""
     ao = torchao()
     if recipe == "tensorwise":
-        return ao.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
-    return ao.Float8LinearConfig.from_recipe_name(recipe)
+        config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
+    else:
+        config = ao.Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(config, emulate=emulate)
 
 
-def apply_float8(model: nn.Module, cfg: Config, fsdp: bool) -> int:
+def apply_float8(model: nn.Module, cfg: Config, fsdp: bool, device_type: str) -> int:
     """Swaps the blocks' eligible nn.Linear modules of `model` (a full Llama or a pipeline stage, on the meta device
-    before TP and FSDP) for Float8Linear in place; returns how many. `fsdp`: the model will be FSDP2-sharded."""
+    before TP and FSDP) for Float8Linear in place; returns how many. `fsdp`: the model will be FSDP2-sharded;
+    `device_type`: where it will run ("cuda" or "cpu"), which decides `training.float8_emulate = "auto"`."""
     recipe = cfg.training.float8
     if recipe == "off":
         return 0
     ao = torchao()
     tiled = cfg.model.mlp_chunk_tokens > 0
-    ao.convert_to_float8_training(model, config=float8_config(recipe, fsdp),
+    ao.convert_to_float8_training(model, config=float8_config(recipe, fsdp, emulates(cfg, device_type)),
                                   module_filter_fn=lambda module, fqn: _converts(module, fqn, tiled))
     return sum(isinstance(m, ao.Float8Linear) for m in model.modules())
 
@@ -195,9 +211,10 @@ def cast_under_autocast(model: nn.Module) -> None:
             module.forward = functools.partial(forward, module)
 
 
-def describe_float8(parts: list[nn.Module], cfg: Config) -> str:
-    """The start-up line: how many linear layers this rank's model (its pipeline stages under PP) converted, and
-    which layers stayed in the training dtype."""
+def describe_float8(parts: list[nn.Module], cfg: Config, device_type: str) -> str:
+    """The start-up line: how many linear layers this rank's model (its pipeline stages under PP) converted, which
+    layers stayed in the training dtype, and how the GEMMs run: emulated, or `torch._scaled_mm` (on a CPU, with what
+    that costs)."""
     ao = torchao()
     modules = [(name, m) for part in parts for name, m in part.named_modules()]
     converted = sum(isinstance(m, ao.Float8Linear) for _, m in modules)
@@ -212,8 +229,16 @@ def describe_float8(parts: list[nn.Module], cfg: Config) -> str:
             kept.append(f"{other} block linear layer(s) whose dims are not multiples of {FLOAT8_ALIGN}")
     where = "" if holds_output and holds_embedding else " on this rank's pipeline stage(s)"
     dtype = "bf16" if cfg.training.dtype == "bfloat16" else cfg.training.dtype
+    if emulates(cfg, device_type):
+        gemms = "GEMMs emulated (float8 casts, float32 matmul)"
+    elif device_type == "cuda":
+        gemms = "GEMMs by torch._scaled_mm"
+    else:
+        gemms = ("GEMMs by torch._scaled_mm on the CPU (training.float8_emulate = false): no fast kernel there, and on "
+                 "a CPU with AMX oneDNN's reference float8 matmul, ~340x slower than emulation; set "
+                 "training.float8_emulate = \"auto\" unless that kernel is what you are testing")
     return (f"float8 {cfg.training.float8}: {converted} linear layers converted{where}, "
-            f"kept in {dtype}: {', '.join(kept) or 'none'}")
+            f"kept in {dtype}: {', '.join(kept) or 'none'}; {gemms}")
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ def compile_surprises(counters: dict) -> list[str]:
 
 
 def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torch.nn.Module:
-    apply_float8(model, cfg, fsdp=uses_fsdp(cfg, mesh))
+    apply_float8(model, cfg, fsdp=uses_fsdp(cfg, mesh), device_type=mesh.world.device_type)
     if mesh.dims.tp > 1:
         float8 = float8_tp_styles(cfg.training.float8, dist.get_backend(mesh.tp_mesh.get_group()))
         apply_tp(model, mesh.tp_mesh, uses_loss_parallel(cfg, mesh), float8)

@@ -291,7 +291,7 @@ class Trainer:
               f"{f' {m.rope_type} x{m.rope_scaling_factor:g}' if m.rope_scaling_factor else ''}, peak "
               f"{self.peak_flops / 1e9:.0f} GFLOP/s per rank ({self.peak_source})", flush=True)
         if self.float8:
-            print(describe_float8(self.model_parts, s.cfg), flush=True)
+            print(describe_float8(self.model_parts, s.cfg, self.device.type), flush=True)
         if self.stores:
             for line in describe_chat_rows(s.cfg, self.dataloader.packed):
                 print(line, flush=True)
