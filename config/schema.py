@@ -1,9 +1,9 @@
 """The recipe schema: one dataclass per TOML section, a docstring per field, and the allowed values.
 
-A field with a fixed set of values is typed with a `Literal` alias below; `CHOICES` (what the recipe loader checks)
-and the lists the parallelisms check against (`choices(LoadBalancer)`, ...) are derived from those aliases, so every
-allowed value is written once. Loading a recipe, command-line overrides and their one-line errors live in
-config/recipe.py.
+A field with a fixed set of values is typed with a `Literal` alias below (RoPE's in config/rope.py); `CHOICES` (what
+the recipe loader checks) and the lists the parallelisms check against (`choices(LoadBalancer)`, ...) are derived
+from those aliases, so every allowed value is written once. Loading a recipe, command-line overrides and their
+one-line errors live in config/recipe.py.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from config.rope import RopeScaling, RopeSettings
 from config.schema_hardware import (ACCELERATOR_MEMORY_GIB, AcceleratorName, DeviceKind,  # noqa: F401
                                     HardwareConfig)
 from config.schema_data import (ChatTruncation, DataConfig, Dataset, EvalConfig, Placement, SourceConfig,  # noqa: F401
@@ -31,7 +32,6 @@ ActivationCheckpointMode = Literal["none", "full", "selective", "op"]
 AsyncMode = Literal["disabled", "async"]
 ExportDtype = Literal["auto", "bfloat16", "float32", "float16"]
 TieMode = Literal["auto", "tied", "untied"]
-RopeScaling = Literal["auto", "llama3", "yarn"]
 CompileSetting = Literal["auto", True, False]
 Float8Recipe = Literal["off", "tensorwise", "rowwise"]
 StopSignal = Literal["SIGTERM", "SIGUSR1"]
@@ -134,7 +134,6 @@ class ModelConfig:
 
     def overrides(self) -> dict:
         """The fields set in the recipe, as keyword overrides of the named Llama config (models/llama.py)."""
-        from config.rope import RopeSettings  # config/rope.py reads this module's RopeScaling alias
         names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "mlp_chunk_tokens",
                  "norm_chunk_tokens", "intermediate_size", "attention_head_dim")
         out = {k: getattr(self, k) for k in names if getattr(self, k)}
