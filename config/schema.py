@@ -159,7 +159,11 @@ class TrainingConfig:
     max_norm: float = 1.0
     """Gradient clipping by the global norm over all shards; <= 0 switches clipping off."""
     compile: CompileSetting = "auto"
-    """torch.compile each attention and feed-forward submodule: true, false, or "auto" (on for CUDA, off on CPU,
+    """torch.compile each whole transformer block, one graph for its norms, residual adds, attention (under CP one
+    registered op) and feed-forward, inside its activation-checkpoint wrapper (the checkpoint itself stays eager);
+    with parallelism.tp > 1 the attention and feed-forward are compiled separately instead, because a whole block
+    traced with TP's input hooks gets wrong norm-weight gradients (parallelisms/parallelize.py apply_compile). The
+    embedding, final norm, output projection and loss stay eager. true, false, or "auto" (on for CUDA, off on CPU,
     where inductor's C++ build costs more than it saves on the test models)."""
     tokens_per_step: int = 0
     """Global tokens per optimizer step kept constant across [[ramp]] stages (the global batch becomes
