@@ -3,20 +3,24 @@
 The recipe keeps its TOML spellings (0 = from the named config / keep the previous stage's, rope_type "auto" in
 [model] and "" in [[ramp]], rope_scaling_factor = -1 = switch scaling off); `RopeSettings.from_recipe` reads every
 one of them into `UNSET` (None) once, so the schema, the ramp, the model, the HF config and the planner compare
-against one marker. The scaling types come from the schema's `RopeScaling` alias (the single spelling); the
-Hugging Face `rope_type` names are those plus `DEFAULT_ROPE_TYPE` (plain RoPE, theta only).
+against one marker. The scaling types are spelled once, in the `RopeScaling` alias here: this module sits below
+config/schema.py, which types [model] rope_type with it and reads its sections through `RopeSettings`, so nothing
+here imports the schema. The Hugging Face `rope_type` names are those plus `DEFAULT_ROPE_TYPE` (plain RoPE, theta only).
 """
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
-from config.schema import RopeScaling, choices
+RopeScaling = Literal["auto", "llama3", "yarn"]
+"""[model] rope_type's allowed values (the recipe loader's CHOICES read them through the schema's field)."""
 
 UNSET = None
 """The one "not set here" marker of every RoPE setting (the named config's, or the previous stage's, is kept)."""
 
 _RECIPE_AUTO = "auto"
-"""[model] rope_type's TOML spelling of unset (part of the schema's `RopeScaling` alias)."""
+"""[model] rope_type's TOML spelling of unset (part of `RopeScaling`)."""
 
 RAMP_KEEP_TYPE = ""
 """[[ramp]] rope_type's TOML spelling of unset (keep the previous stage's type)."""
@@ -24,7 +28,7 @@ RAMP_KEEP_TYPE = ""
 SCALING_OFF = -1.0
 """rope_scaling_factor's TOML spelling of "switch the scaling off" (a value, not unset: plain RoPE from then on)."""
 
-ROPE_SCALING_TYPES: tuple[str, ...] = tuple(t for t in choices(RopeScaling) if t != _RECIPE_AUTO)
+ROPE_SCALING_TYPES: tuple[str, ...] = tuple(t for t in typing.get_args(RopeScaling) if t != _RECIPE_AUTO)
 """The scalings a rope_scaling_factor can apply: llama3 (Llama 3.1) | yarn (HF's YaRN)."""
 
 DEFAULT_ROPE_TYPE = "default"

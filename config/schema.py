@@ -1,9 +1,9 @@
 """The recipe schema: one dataclass per TOML section, a docstring per field, and the allowed values.
 
-A field with a fixed set of values is typed with a `Literal` alias below; `CHOICES` (what the recipe loader checks)
-and the lists the parallelisms check against (`choices(LoadBalancer)`, ...) are derived from those aliases, so every
-allowed value is written once. Loading a recipe, command-line overrides and their one-line errors live in
-config/recipe.py.
+A field with a fixed set of values is typed with a `Literal` alias below (RoPE's in config/rope.py); `CHOICES` (what
+the recipe loader checks) and the lists the parallelisms check against (`choices(LoadBalancer)`, ...) are derived
+from those aliases, so every allowed value is written once. Loading a recipe, command-line overrides and their
+one-line errors live in config/recipe.py.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from config.rope import RopeScaling, RopeSettings
 from config.schema_hardware import (ACCELERATOR_MEMORY_GIB, AcceleratorName, DeviceKind,  # noqa: F401
                                     HardwareConfig)
 from config.schema_data import (ChatTruncation, DataConfig, Dataset, EvalConfig, Placement, SourceConfig,  # noqa: F401
@@ -31,7 +32,6 @@ ActivationCheckpointMode = Literal["none", "full", "selective", "op"]
 AsyncMode = Literal["disabled", "async"]
 ExportDtype = Literal["auto", "bfloat16", "float32", "float16"]
 TieMode = Literal["auto", "tied", "untied"]
-RopeScaling = Literal["auto", "llama3", "yarn"]
 CompileSetting = Literal["auto", True, False]
 Float8Recipe = Literal["off", "tensorwise", "rowwise"]
 Float8Emulate = Literal["auto", True, False]
@@ -135,7 +135,6 @@ class ModelConfig:
 
     def overrides(self) -> dict:
         """The fields set in the recipe, as keyword overrides of the named Llama config (models/llama.py)."""
-        from config.rope import RopeSettings  # config/rope.py reads this module's RopeScaling alias
         names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "mlp_chunk_tokens",
                  "norm_chunk_tokens", "intermediate_size", "attention_head_dim")
         out = {k: getattr(self, k) for k in names if getattr(self, k)}
@@ -161,7 +160,11 @@ class TrainingConfig:
     max_norm: float = 1.0
     """Gradient clipping by the global norm over all shards; <= 0 switches clipping off."""
     compile: CompileSetting = "auto"
-    """torch.compile each attention and feed-forward submodule: true, false, or "auto" (on for CUDA, off on CPU,
+    """torch.compile each whole transformer block, one graph for its norms, residual adds, attention (under CP one
+    registered op) and feed-forward, inside its activation-checkpoint wrapper (the checkpoint itself stays eager);
+    with parallelism.tp > 1 the attention and feed-forward are compiled separately instead, because a whole block
+    traced with TP's input hooks gets wrong norm-weight gradients (parallelisms/parallelize.py apply_compile). The
+    embedding, final norm, output projection and loss stay eager. true, false, or "auto" (on for CUDA, off on CPU,
     where inductor's C++ build costs more than it saves on the test models)."""
     tokens_per_step: int = 0
     """Global tokens per optimizer step kept constant across [[ramp]] stages (the global batch becomes

@@ -10,6 +10,10 @@ runs, from the `context_parallel` block now open on that group (`ACTIVE`), so a 
 document plan every step reuses it. The variants' forward and backward bodies are in op_variants.py; the kernels
 behind them are the eager path's (kernel_blocks, kernel_varlen, kernel_cudnn_thd, packed_documents).
 
+`SdpaToContextParallel`, the TorchFunctionMode each `context_parallel` block opens, is here too: it is what `ACTIVE`
+holds and what sends SDPA to the op (under compile) or to the eager path, so the op and its mode need each other and
+live in one module below the façade (parallelisms/context_parallel.py), which imports it from here.
+
 torch ships the same pattern for its own CP all-gather ops (torch.distributed.tensor.experimental._context_parallel);
 this one is written for this package's exchanges and layouts.
 """
@@ -18,12 +22,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from config.errors import Refusal
-from parallelisms.cp.op_variants import backward as variant_backward, forward as variant_forward
+from parallelisms.cp.attention import ring_attention
+from parallelisms.cp.counters import CommStats, UnsupportedAttentionError
+from parallelisms.cp.groups import group_name
+from parallelisms.cp.kernel_blocks import kernel_family
+from parallelisms.cp.kernel_cudnn_thd import packed_kernel
+from parallelisms.cp.layouts import RING
+from parallelisms.cp.op_variants import PACKED, backward as variant_backward, forward as variant_forward
+from parallelisms.cp.packed_documents import PackedDocuments, packed_attention
+from parallelisms.cp.plan_pieces import DocumentShards
 
-if TYPE_CHECKING:
-    from parallelisms.context_parallel import SdpaToContextParallel
+if TYPE_CHECKING:  # an annotation only: choice.py is a floor above all the op runs (test_cp_structure's depth)
+    from parallelisms.cp.choice import CPAttention
 
 LIBRARY = "titan_cp"
 
@@ -119,3 +134,79 @@ def _backward(ctx, dout, dlse):
 cp_attention.register_autograd(_backward, setup_context=_setup_context)
 ATTENTION_OP = torch.ops.titan_cp.attention.default
 ATTENTION_BACKWARD_OP = torch.ops.titan_cp.attention_backward.default
+
+
+class SdpaToContextParallel(TorchFunctionMode):
+    """Sends `F.scaled_dot_product_attention` to the CP variant (the ring, or `variant`: all-gather, Ulysses,
+    hybrid, auto) after checking the call is one it computes exactly; every other torch call passes through."""
+
+    def __init__(self, group: dist.ProcessGroup, load_balancer: str, local_lengths: set[int],
+                 documents: DocumentShards | None, stats: CommStats | None, variant: CPAttention | None = None,
+                 head_groups: int = 0, kernel: str = "auto", packed: PackedDocuments | None = None):
+        super().__init__()
+        self.head_groups, self.kernel = head_groups, kernel
+        self.packed = packed  # CP 1 with documents: one packed-sequence call per layer (cp/packed_documents.py)
+        self.group, self.load_balancer = group, load_balancer
+        self.local_lengths, self.documents, self.stats = local_lengths, documents, stats
+        self.variant = variant  # None: the ring
+        # Run constants of the registered op (cp/op.py), the only attributes a compiled graph reads (and guards on):
+        self.group_name = group_name(group)
+        self.op_variant = PACKED if packed is not None else (variant.cp_impl if variant is not None else RING)
+
+    def __enter__(self):
+        ACTIVE.push(self.group_name, self)  # where the op, traced without this block's state, finds it at run time
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        ACTIVE.pop(self.group_name, self)
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            if torch.compiler.is_compiling():
+                return self._route_op(*args, **kwargs)
+            return self._route(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _route_op(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False):
+        """Under torch.compile: one registered op (cp/op.py) whose arguments are run constants, so the block stays
+        one graph and a new batch's plans need no recompile. The op runs the same kernels as `_route`."""
+        self._check(query, key, attn_mask, dropout_p, enable_gqa)
+        return ATTENTION_OP(query, key, value, is_causal, scale, self.group_name, self.op_variant)[0]
+
+    def _route(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        self._check(query, key, attn_mask, dropout_p, enable_gqa)
+        if self.packed is not None:
+            if self.stats is not None:
+                self.stats.calls += 1  # one CP attention call, nothing sent
+            return packed_attention(query, key, value, self.packed, is_causal=is_causal, scale=scale,
+                                    kernel=kernel_family(self.kernel, query),
+                                    packed=packed_kernel(self.kernel, query))
+        if self.variant is not None:
+            return self.variant(query, key, value, is_causal=is_causal, scale=scale)
+        return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale,
+                              load_balancer=self.load_balancer, stats=self.stats, head_groups=self.head_groups,
+                              kernel=self.kernel, _documents=self.documents)
+
+    def _check(self, query, key, attn_mask, dropout_p, enable_gqa) -> None:
+        """The SDPA calls CP computes exactly; anything else raises instead of computing something else."""
+        if attn_mask is not None:
+            raise UnsupportedAttentionError(
+                "scaled_dot_product_attention under context_parallel: an explicit attn_mask cannot be split over the "
+                "ring; use is_causal=True, and pass document_ids= to context_parallel for packed documents")
+        if dropout_p != 0.0:
+            raise UnsupportedAttentionError(
+                f"scaled_dot_product_attention under context_parallel: dropout_p={dropout_p} is not supported "
+                "(the ring would need the same dropout pattern on every rank); use dropout_p=0.0")
+        if query.dim() == 4 and key.dim() == 4 and query.size(1) != key.size(1) and not enable_gqa:
+            raise UnsupportedAttentionError(
+                f"scaled_dot_product_attention: {query.size(1)} query heads vs {key.size(1)} key/value heads "
+                "needs enable_gqa=True (as without context parallelism)")
+        if self.local_lengths and query.size(-2) not in self.local_lengths:
+            raise UnsupportedAttentionError(
+                f"scaled_dot_product_attention under context_parallel got a sequence of {query.size(-2)} tokens, but "
+                f"the sharded buffers hold {sorted(self.local_lengths)} per rank: was the input sharded by "
+                "context_parallel's buffers?")

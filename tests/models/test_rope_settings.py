@@ -1,4 +1,4 @@
-"""The RoPE types and the RoPE "unset" are written once (config/rope.py, from the schema's `RopeScaling` alias).
+"""The RoPE types and the RoPE "unset" are written once (config/rope.py, from its `RopeScaling` alias).
 
 Every place that checks a RoPE type is asked about the same candidates and must accept exactly the schema's scaling
 types (plus Hugging Face's "default" where plain RoPE is a type, plus the ramp's "keep"); no module but
@@ -11,15 +11,15 @@ import pytest
 
 from config import RampTable, RecipeError, choices
 from config.recipe import parse_ramp
-from config.rope import ROPE_SCALING_TYPES, ROPE_TYPES, UNSET, RopeSettings
-from config.schema import ModelConfig, RopeScaling
+from config.rope import ROPE_SCALING_TYPES, ROPE_TYPES, UNSET, RopeScaling, RopeSettings
+from config.schema import ModelConfig
 from models.hf_config import from_hf_config
 from models.model_config import model_config
 from models.rope import rope_frequencies
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CANDIDATES = ("", "auto", "default", "llama3", "yarn", "dynamic", "linear", "longrope", "Llama3")
-SCALING = set(choices(RopeScaling)) - {"auto"}  # the schema's spelling, read independently of config/rope.py
+SCALING = set(choices(RopeScaling)) - {"auto"}  # the alias itself, read independently of ROPE_SCALING_TYPES
 
 
 def _accepts(check) -> set[str]:

@@ -29,9 +29,9 @@ from parallelisms.cp.exchange_ring import ring_backward, ring_forward
 from parallelisms.cp.plan_pieces import DocumentShards
 from parallelisms.cp.exchange_ring_sparse import sparse_backward, sparse_forward
 from parallelisms.cp.layouts import DOCUMENTS
+from training.planning.eval_memory import tracked_bytes
 from training.planning.fake.counter import DispatchCounter
 from training.planning.fake.world import fake_process_group
-from training.planning.memory_probe import tracked_bytes
 
 aten = torch.ops.aten
 

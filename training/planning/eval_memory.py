@@ -6,6 +6,9 @@ A stage's evaluations are those the trainer runs while the stage is current: lon
 forward of `rows x length` tokens: long-document loss 1 row at the stage's seq_len, passkey and NIAH
 training.local_batch_size rows at their longest length. Answer evaluations are scored as every token labelled (fake
 tensors hold no labels to select from): an upper bound by one chunk of logits over the few answer tokens.
+
+`tracked_bytes`, the one reader of a memory tracker's snapshot, lives here, the lowest module that reads one: the
+memory probe (which calls `measure_eval_peak`) and the CUDA-path probe import it from here.
 """
 from __future__ import annotations
 
@@ -41,13 +44,33 @@ def eval_shapes(cfg: Config) -> list[EvalShape]:
     return shapes
 
 
+def _kind(category: str) -> str:
+    name = category.lower()
+    if "opt" in name:
+        return "optimizer"
+    if "grad" in name or "reduce scatter" in name:
+        return "grads"
+    if "param" in name or "all gather" in name or "buffer" in name:
+        return "params"
+    return "activations"
+
+
+def tracked_bytes(snapshot: dict) -> dict[str, float]:
+    """A memory tracker's snapshot {device: {category: bytes}} summed into params / grads / optimizer / activations /
+    Total (every probe reads its trackers through this)."""
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "Total": 0.0}
+    for per_device in snapshot.values():
+        for category, nbytes in per_device.items():
+            name = getattr(category, "value", category)
+            out["Total" if name == "Total" else _kind(name)] += nbytes
+    return out
+
+
 @torch.no_grad()
 def measure_eval_peak(cfg: Config, setup, tracker) -> float:
     """The most bytes any of the stage's evaluations holds at once (persistent state included), each measured by a
     fresh `tracker()` context (the probe's memory tracker) around the trainer's own evaluation forward; 0 without
     evaluations. Runs inside the probe's FakeTensorMode, after its training step."""
-    from training.planning.memory_probe import tracked_bytes  # here: memory_probe imports this module
-
     model, p, peak = setup.model, setup.parallelism, 0.0
     was_training = model.training
     model.eval()

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from config.schema import Config
 from training import step
-from training.planning.eval_memory import measure_eval_peak
+from training.planning.eval_memory import measure_eval_peak, tracked_bytes
 from training.planning.fake.counter import DispatchCounter
 from training.planning.fake.world import FakeWorld, fake_batch, fake_world
 from training.step import clip_grad_norm_
@@ -94,28 +94,6 @@ class RankMemory:
             return None if a is None else a + extra_blocks * (b - a)
         values = {n: line(getattr(self, n), getattr(deeper, n)) for n in _CHECKED + ("bandwidth_bytes", "kernels")}
         return RankMemory(**values, blocks_measured=self.blocks_measured + deeper.blocks_measured)
-
-
-def _kind(category: str) -> str:
-    name = category.lower()
-    if "opt" in name:
-        return "optimizer"
-    if "grad" in name or "reduce scatter" in name:
-        return "grads"
-    if "param" in name or "all gather" in name or "buffer" in name:
-        return "params"
-    return "activations"
-
-
-def tracked_bytes(snapshot: dict) -> dict[str, float]:
-    """A memory tracker's snapshot {device: {category: bytes}} summed into params / grads / optimizer / activations /
-    Total (every probe reads its trackers through this)."""
-    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "Total": 0.0}
-    for per_device in snapshot.values():
-        for category, nbytes in per_device.items():
-            name = getattr(category, "value", category)
-            out["Total" if name == "Total" else _kind(name)] += nbytes
-    return out
 
 
 def _tracker(model, optimizer):

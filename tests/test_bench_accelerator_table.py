@@ -1,11 +1,13 @@
 """Issue 50: one accelerator table (config/accelerators.py) behind every GPU name: the schema's choices and memory
 defaults, the dry run's specs, MFU's peak, the benches and the GPU report agree; and one predicted peak (the dry
-run's `predicted_peak_gib_per_rank`) is what every report holds a measured peak against."""
+run's `predicted_peak_gib_per_rank`) is what every report holds a measured peak against. Beside the other bench
+tests because it runs bench/bench_gpu.py and bench/bench_predictions.py (the package folders' tests import no bench)."""
 import argparse
 
 import pytest
 import torch
 
+from bench import bench_gpu, bench_predictions
 from config.accelerators import DATA_SHEETS, accelerator_of
 
 DEVICE_NAMES = {  # torch.cuda.get_device_name() -> hardware.accelerator (None: no data sheet: MFU only)
@@ -19,8 +21,6 @@ PEAKS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H1
 
 
 def test_every_reader_maps_a_device_name_to_the_same_accelerator():
-    from bench import bench_gpu, bench_predictions
-
     for name, expected in DEVICE_NAMES.items():
         assert accelerator_of(name) == expected, name
         assert bench_gpu.accelerator_of(name) == bench_predictions.accelerator_of(name) == expected
@@ -50,9 +50,8 @@ def test_mfu_counts_each_part_at_its_own_peak(monkeypatch, name):
 
 def test_every_report_compares_the_one_predicted_peak(monkeypatch):
     """A stage with both peaks: the benches take `predicted_peak_gib_per_rank` (the CUDA path's, as the dry run
-    writes it: test_price's test_dry_run_json_carries_the_prediction...), never the CPU kernels' peak."""
-    from bench import bench_gpu, bench_predictions
-
+    writes it: tests/training/test_price.py's test_dry_run_json_carries_the_prediction...), never the CPU kernels'
+    peak."""
     stage = {"predicted_step_s": 1.0, "peak_device_gib_per_rank": 10.0, "peak_device_gib_per_rank_cuda_path": 12.0,
              "predicted_peak_gib_per_rank": 12.0}
     monkeypatch.setattr(bench_gpu, "dry_run_stage", lambda *a, **k: stage)
