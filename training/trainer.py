@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from config.schema import Config
 from data.sources import describe_chat_rows, labels_every_token, packing_efficiency
+from models.cpu_half_gemm import reroute_half_gemms
 from parallelisms.context_parallel import CommStats
 from parallelisms.float8 import describe_float8, precompute_float8_scales
 from parallelisms.parallelize import compile_counters, compile_surprises, uses_loss_parallel
@@ -51,6 +52,11 @@ class Trainer:
         self.dist = init_distributed(cfg)
         self.device = self.dist.device
         self.rank = self.dist.rank
+        # bf16 GEMMs on a CPU without native ones: float32 kernels (models/cpu_half_gemm.py), or 31x slower
+        self.half_gemms = reroute_half_gemms(self.device.type)
+        if self.half_gemms is not None and self.rank == 0 and cfg.training.dtype == "bfloat16":
+            print("bf16 GEMMs run as float32 GEMMs rounded to bf16: this CPU's torch has no native bf16 GEMM "
+                  "(AVX-512 or AMX), and its portable one is ~30x slower", flush=True)
         self.attention_kernel = family_on(cfg.parallelism.attention_kernel, self.device.torch_device)
         activate_flash_implementation(self.attention_kernel)  # FA3/FA4: torch's flash ops switched, on every rank
         self.documents_kernel = documents_kernel_name(
