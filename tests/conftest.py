@@ -31,17 +31,33 @@ def pytest_runtest_makereport(item, call):
 
 LEARNING_RUNS_FIRST = ("tests/training/test_passkey_training.py", "tests/training/test_chat_sft.py",
                        "tests/training/test_dry_run_8gpu.py", "tests/training/test_float8_runs.py")
-"""The longest files start CI, beside the other files: the two learning runs (2-rank trainings of 4-7 minutes), the
-8-GPU recipe's dry runs (about 3 minutes each under CI's load) and float8's long runs. After them the files with
-the most tests first, as pytest-xdist's own `loadfile` order. With xdist's order the learning runs started last, 26
-minutes into a 34-minute CI, and the passkey run finished alone with the cores partly idle."""
+"""The longest files start CI: the two learning runs (2-rank trainings of several minutes), the 8-GPU recipe's dry
+runs and float8's long runs. After them the files with the most tests first. With xdist's own order the learning runs
+started last, 26 minutes into a 34-minute CI, and the passkey run finished alone with the cores partly idle."""
 
 
+def _shares_module_state(item) -> bool:
+    """Whether the test uses a module- or session-scoped fixture of this suite (a reference run, a finished training,
+    a Slurm cluster): computed once per worker process, so its file's tests must share a worker."""
+    for definitions in item._fixtureinfo.name2fixturedefs.values():
+        if any(d.scope != "function" and str(d.baseid).startswith("tests") for d in definitions):
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """CI runs `-n 3 --dist loadfile --no-loadscope-reorder`, which hands out files in this collection order: the
-    learning runs first, then files by their number of tests, most first (a stable sort: tests keep their order)."""
+    """CI runs `-n 3 --dist loadgroup --no-loadscope-reorder`, which hands out work units in this collection order:
+    the learning runs first, then files by their number of tests, most first (a stable sort: tests keep their order).
+    A file whose tests share a module- or session-scoped fixture is one unit (one worker computes the fixture once);
+    the tests of every other file are units of their own, so a file of many slow independent tests (the mesh parity
+    runs: ~40 trainer runs) spreads over the workers instead of running on one while the others idle."""
     counts: dict = {}
     for item in items:
         counts[item.path] = counts.get(item.path, 0) + 1
+    grouped = {item.path for item in items if _shares_module_state(item)}
+    for item in items:
+        if item.path in grouped:
+            item.add_marker(pytest.mark.xdist_group(str(item.path.relative_to(config.rootpath))))
     first = {config.rootpath / path: i for i, path in enumerate(LEARNING_RUNS_FIRST)}
     items.sort(key=lambda item: (first.get(item.path, len(first)), -counts[item.path]))

@@ -15,8 +15,27 @@ import os
 import pickle
 import queue as queue_module
 import socket
+import subprocess
 import sys
+import tempfile
 import traceback
+
+
+# What every rank and probe process imports first (~6 s of one core each on a 2-core CI box, more than most tests'
+# own work): imported once by the forkserver of each test process, which then forks every child from that state.
+PRELOADED = ("torch", "torch.distributed", "torch.distributed.tensor", "training.trainer",
+             "training.planning.memory_probe", "train", "harness.forked_launch")
+
+
+def fresh_process_context():
+    """A multiprocessing context for processes that must start clean (no process group, no fake mode, no patched
+    module of the test's own process): children are forked from a server process that has only imported
+    PRELOADED, which spawn's children would each import again. Like spawn's children they get the parent's sys.path
+    and working directory; `run_ranks` hands them the parent's environment too (the server's is from when it
+    started)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOADED))  # read when the server starts: the first use in this process
+    return ctx
 
 
 def free_port() -> int:
@@ -25,7 +44,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, args, queue, threads, backend, stacks_after):
+def _entry(fn, rank, world_size, port, args, queue, threads, backend, stacks_after, environ):
+    os.environ.clear()  # the test's environment at launch, as a spawned process would have it
+    os.environ.update(environ)
     # A rank still running when the parent's limit is near writes every thread's stack to stderr (the test's
     # captured output): a hang fails with where it hangs.
     faulthandler.dump_traceback_later(stacks_after, exit=False)
@@ -55,7 +76,7 @@ def _entry(fn, rank, world_size, port, args, queue, threads, backend, stacks_aft
 
 def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, threads: int = 1,
               backend: str = "gloo") -> list:
-    """`fn(rank, world_size, *args)` on `world_size` spawned ranks of one process group; their results by rank. The
+    """`fn(rank, world_size, *args)` on `world_size` fresh ranks of one process group; their results by rank. The
     store's port is picked free but may be taken before rank 0 listens on it (other tests start processes at the same
     time): a run whose rank 0 found it taken (EADDRINUSE) is started once more on a new port."""
     try:
@@ -67,11 +88,12 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, thr
 
 
 def _run_ranks_once(fn, world_size: int, args: tuple, timeout: float, threads: int, backend: str) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = fresh_process_context()
     queue = ctx.Queue()
     port = free_port()
     stacks_after = max(1.0, timeout - 3.0)
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, threads, backend, stacks_after),
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, threads, backend, stacks_after,
+                                                dict(os.environ)),
                          daemon=True)
              for r in range(world_size)]
     for p in procs:
@@ -107,6 +129,51 @@ def _run_ranks_once(fn, world_size: int, args: tuple, timeout: float, threads: i
     if errors:
         raise RuntimeError("rank failure:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _launch_entry(nproc: int, train_args: list, environ: dict, cwd: str, out_path: str, err_path: str) -> None:
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, path in ((1, out_path), (2, err_path)):  # what a subprocess' pipes would have captured
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    from harness import forked_launch
+
+    try:
+        code = forked_launch.launch(nproc, train_args)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as train.py does
+
+
+def forked_train(nproc: int, train_args: list[str], env: dict, cwd: str,
+                 timeout: float) -> subprocess.CompletedProcess:
+    """`python harness/forked_launch.py NPROC train.py *train_args` as subprocess.run(capture_output=True, text=True)
+    would run it, but started from the forkserver (fresh_process_context): the launcher does not import torch and the
+    trainer again. Imports that read the environment ran in the server, so an `env` that differs from the test
+    process' in more than the thread count needs the real subprocess (forked_launch.command)."""
+    ctx = fresh_process_context()
+    with tempfile.TemporaryDirectory() as folder:
+        out_path, err_path = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        proc = ctx.Process(target=_launch_entry, args=(nproc, list(train_args), dict(env), cwd, out_path, err_path))
+        proc.start()
+        proc.join(timeout)
+        timed_out = proc.exitcode is None
+        if timed_out:
+            proc.kill()  # its ranks get SIGKILL with it (forked_launch's parent-death signal)
+            proc.join(5)
+        with open(out_path) as f_out, open(err_path) as f_err:
+            stdout, stderr = f_out.read(), f_err.read()
+    args = ["forked_launch", str(nproc), "train.py", *train_args]
+    if timed_out:
+        raise subprocess.TimeoutExpired(args, timeout, output=stdout, stderr=stderr)
+    code = proc.exitcode if proc.exitcode >= 0 else 128 - proc.exitcode
+    return subprocess.CompletedProcess(args, code, stdout, stderr)
 
 
 def thread_stacks(threads) -> str:

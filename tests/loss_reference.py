@@ -14,7 +14,6 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -147,18 +146,17 @@ def _trainer_run_once(degree_items: tuple, steps: int, seq_len: int, extra: tupl
     degrees = dict(degree_items)
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    from harness import forked_launch
+    from tests.distributed import forked_train
 
     nproc = world_size(degrees)
     dp = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)
     overrides = [f"--parallelism.{d}={degrees.get(d, 1)}" for d in DEGREES]
     with tempfile.TemporaryDirectory() as out:
-        cmd = forked_launch.command(nproc, [
+        train_args = [
             recipe, *overrides, "--training.steps", str(steps), "--training.seq_len", str(seq_len),
             "--training.local_batch_size", str(global_batch // dp), "--training.dtype", dtype, "--job.dump_folder", out,
-            "--metrics.enable_tensorboard", "false", *extra])
-        env = child_env(OMP_NUM_THREADS="1")
-        result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+            "--metrics.enable_tensorboard", "false", *extra]
+        result = forked_train(nproc, train_args, child_env(OMP_NUM_THREADS="1"), ROOT, timeout)
         if result.returncode != 0:  # the ranks' own error lines first, then the launcher's tail
             causes = [line for line in result.stderr.splitlines() if line.startswith("[rank") and "Error" in line]
             raise RuntimeError(f"trainer on {degrees} {' '.join(extra)} failed ({result.returncode}):\n"

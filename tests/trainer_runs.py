@@ -9,6 +9,7 @@ import sys
 
 from harness import forked_launch
 from harness.launch_env import child_env
+from tests.distributed import forked_train
 from training.metrics import read_metrics  # noqa: F401  (the one metrics.jsonl reader; tests import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,6 +21,8 @@ def run_train(*args, nproc: int | None = None, timeout: float = 180, env: dict |
     subject is what the trainer computes or saves, not the launch: no preflight process, one import for all ranks."""
     full_env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
     full_env.pop("NPROC", None)
+    if forked and env is None:  # the launcher forked from the test process' forkserver: no imports again
+        return forked_train(nproc, list(args), child_env(base=full_env), ROOT, timeout)
     if forked:
         return subprocess.run(forked_launch.command(nproc, list(args)), capture_output=True, text=True,
                               env=child_env(base=full_env),

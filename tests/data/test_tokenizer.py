@@ -1,5 +1,4 @@
 """data.tokenizer: exact vocab, lossless round trip, byte fallback, cache hits, racing ranks, loading, the CLI."""
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from data.corpus import load_documents
 from data.tokenizer import Tokenizer, build_tokenizer, publish_once
 from config import RecipeError
 from harness.launch_env import child_env
+from tests.distributed import fresh_process_context
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -96,7 +96,7 @@ def _race_body(barrier, docs, cache_dir, queue):
 
 
 def test_two_processes_racing_for_the_cache_agree(pydoc_docs, tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = fresh_process_context()
     barrier, queue = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_race_body, args=(barrier, pydoc_docs, str(tmp_path), queue)) for _ in range(2)]
     for p in procs:

@@ -3,6 +3,8 @@ same rows) against a plain single-process Llama (tests/loss_reference.py's refer
 count CP/TP ranks as data, and impossible meshes refused in one line before any process group starts."""
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import subprocess
 import sys
@@ -25,15 +27,16 @@ FEATURES_OFF = ["--training.loss_chunk_tokens", "0", "--model.mlp_chunk_tokens",
 ON_VS_OFF_TOLERANCE = 1e-6
 
 
-@pytest.fixture(scope="module")
+@functools.cache
+def _reference(dtype: str) -> list[dict]:
+    """Once per test process: CI spreads this file's tests over its workers one by one (no module fixture ties them
+    to one), and trainer_run shares each trainer run (FEATURES on) between the parity and the on-vs-off tests."""
+    return reference_run(STEPS, SEQ_LEN, dtype=dtype)
+
+
+@pytest.fixture
 def reference():
-    return reference_run(STEPS, SEQ_LEN)
-
-
-@pytest.fixture(scope="module")
-def runs_with_features():
-    """Trainer records per mesh name with FEATURES on, shared by the parity and the on-vs-off tests."""
-    return {}
+    return copy.deepcopy(_reference("float32"))
 
 
 def _check_run(reference, records, degrees):
@@ -60,10 +63,9 @@ def _mesh_params():
 
 @pytest.mark.timeout(RUN_TIMEOUT + 240)
 @pytest.mark.parametrize("name", _mesh_params())
-def test_mesh_matches_single_process(reference, runs_with_features, name):
+def test_mesh_matches_single_process(reference, name):
     degrees = MESHES[name]
-    runs_with_features[name] = trainer_run(degrees, STEPS, SEQ_LEN, extra=FEATURES, timeout=RUN_TIMEOUT)
-    _check_run(reference, runs_with_features[name], degrees)
+    _check_run(reference, trainer_run(degrees, STEPS, SEQ_LEN, extra=FEATURES, timeout=RUN_TIMEOUT), degrees)
 
 
 def _on_vs_off_params():
@@ -73,12 +75,12 @@ def _on_vs_off_params():
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 240)
 @pytest.mark.parametrize("name", _on_vs_off_params())
-def test_chunked_loss_and_tiled_mlp_change_no_number(runs_with_features, name):
+def test_chunked_loss_and_tiled_mlp_change_no_number(name):
     """Issue 15: the fused chunked loss (TP: vocabulary-sharded with loss parallelism; PP: on the last stage) and
     the tiled SwiGLU on vs off on the same mesh, fp32, 5 steps. Measured: <= 1.6e-7 relative in loss and grad norm
     on every mesh (float32 summation order over chunks and tiles)."""
     degrees = MESHES[name]
-    on = runs_with_features.get(name) or trainer_run(degrees, STEPS, SEQ_LEN, extra=FEATURES, timeout=RUN_TIMEOUT)
+    on = trainer_run(degrees, STEPS, SEQ_LEN, extra=FEATURES, timeout=RUN_TIMEOUT)  # the parity test's run
     off = trainer_run(degrees, STEPS, SEQ_LEN, extra=FEATURES_OFF, timeout=RUN_TIMEOUT)
     errors = {key: max_relative_error(off, on, key) for key in ("loss", "grad_norm")}
     print(f"{name}: features on vs off, max relative difference {errors}")
@@ -107,9 +109,9 @@ def test_passkey_rows_score_only_their_labelled_tokens_for_the_same_numbers():
 BF16_LOSS_TOLERANCE, BF16_GRAD_NORM_TOLERANCE = 1e-4, 1.5e-3
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def bf16_reference():
-    return reference_run(STEPS, SEQ_LEN, dtype="bfloat16")
+    return copy.deepcopy(_reference("bfloat16"))
 
 
 @pytest.mark.slow

@@ -1,7 +1,6 @@
 """The dry run: memory measured on a fake process group against independent references, the roofline against
 closed-form counts, and the launcher's behaviour (table, named fix, fail-fast without GPUs)."""
 import concurrent.futures
-import multiprocessing
 import os
 import re
 import subprocess
@@ -10,13 +9,15 @@ import time
 
 import pytest
 
+from tests.distributed import fresh_process_context
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2**30
 
 
 def _in_fresh_process(fn, *args, timeout=240):
     """Each probe initialises its own (fake) default process group: keep it out of the pytest process."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fresh_process_context()
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         return pool.submit(fn, *args).result(timeout=timeout)
 
@@ -110,7 +111,7 @@ def predicted_and_real():
     the real launches (one per world size: 1, 2 and 4 ranks) do."""
     from tests.distributed import run_ranks
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fresh_process_context()
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         fake = pool.submit(_fake_peaks, list(PREDICTED_MESHES))
         real = {}

@@ -2,9 +2,10 @@
 kernel calls within 4 x P on a documents row, no host sync in the attention path, and the GQA comparison's order
 (the earlier path, K/V expanded before every flash call, never holds less)."""
 import concurrent.futures
-import multiprocessing
 import os
 import sys
+
+from tests.distributed import fresh_process_context
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,7 +23,7 @@ def _stage_numbers(overrides):
 
 def _in_fresh_process(fn, *args, timeout=300):
     """The probe starts a fake process group and registers a no-op CUDA device guard: keep both out of pytest."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fresh_process_context()
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         return pool.submit(fn, *args).result(timeout=timeout)
 

@@ -9,11 +9,12 @@ seconds on two CPU cores; the savings are per token. bench/bench_memory_changes_
 from __future__ import annotations
 
 import concurrent.futures
-import multiprocessing
 import os
 import sys
 
 import pytest
+
+from tests.distributed import fresh_process_context
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMON = ["--model.n_layers", "4", "--training.local_batch_size", "1", "--parallelism.dp_shard", "1",
@@ -63,7 +64,7 @@ def peaks_without_and_with(change: str, timeout: float = 300) -> tuple[list, lis
     from tests.distributed import run_ranks
 
     ranks = _change(change)[0]
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=fresh_process_context()) as pool:
         fake = pool.submit(_fake_peaks, change)
         real = run_ranks(_real_peaks, ranks, args=(change,), timeout=timeout)[0]
         return fake.result(timeout=timeout), real

@@ -2,13 +2,13 @@
 the dry run's own measurement of the layouts the planner did not take (minimality, the smallest GPU count)."""
 import concurrent.futures
 import math
-import multiprocessing
 import os
 import sys
 
 import pytest
 
 from config import RecipeError
+from tests.distributed import fresh_process_context
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2**30
@@ -20,7 +20,7 @@ TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "-
 
 def _in_fresh_process(fn, *args, timeout=300):
     """Every probe starts its own (fake) default process group: keep them out of the pytest process."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fresh_process_context()
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         return pool.submit(fn, *args).result(timeout=timeout)
 

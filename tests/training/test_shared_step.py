@@ -4,10 +4,11 @@ Each check runs in a fresh process (a trainer and a memory probe each own a defa
 `training.step.micro_step` with a wrapper that counts its calls and passes them on, and runs the real caller.
 """
 import concurrent.futures
-import multiprocessing
 import os
 import sys
 import tempfile
+
+from tests.distributed import fresh_process_context
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--model.n_layers", "2", "--training.seq_len", "128", "--training.local_batch_size", "2",
@@ -15,7 +16,7 @@ TINY = ["--model.n_layers", "2", "--training.seq_len", "128", "--training.local_
 
 
 def _in_fresh_process(fn, *args, timeout=240):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fresh_process_context()
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         return pool.submit(fn, *args).result(timeout=timeout)
 
