@@ -9,6 +9,10 @@ that came before the ranks could save (still starting, say) exits 128 + its numb
 outcome (success, a failed rank) is torchrun's own, unchanged, but for a save that failed on the disk
 (training/checkpoint_disk.py): its ranks' exit code, quietly, after rank 0's one line; and a rank SIGKILLed (the
 kernel's OOM killer), which leaves no word of its own: one last line naming the signal, the rank and the dry run.
+A rank torchrun itself stopped after a peer failed (it sends SIGTERM to the ranks still running, then SIGKILL to
+those that did not exit within the grace period: a rank stuck in a hang) is told apart by its pid: the launcher
+records which ranks were still running when torchrun began to close them (RankStops), and its last line names the
+rank that failed first and the ones torchrun stopped, never the OOM killer.
 """
 from __future__ import annotations
 
@@ -49,8 +53,54 @@ def grace_on_any_torch(argv: list[str], parser=None) -> list[str]:
     return argv[:i] + argv[i + 2:]
 
 
+class RankStops:
+    """The pids of the ranks still running each time torchrun closes its process context (after a failure, a signal
+    or the end): a rank that then dies of SIGTERM or SIGKILL was stopped by torchrun, not by the kernel. Installed by
+    wrapping PContext.close in this process only (it exists to run torchrun once)."""
+
+    def __init__(self):
+        self.pids: set[int] = set()
+
+    def install(self) -> None:
+        close = PContext.close
+        stops = self
+
+        def recording_close(pcontext, *args, **kwargs):
+            handlers = getattr(pcontext, "subprocess_handlers", {}) or {}
+            stops.pids.update(h.proc.pid for h in handlers.values() if h.proc.poll() is None)
+            return close(pcontext, *args, **kwargs)
+
+        PContext.close = recording_close
+
+
+def failure_line(failures: dict, stopped_pids: set[int], recipe: str) -> str | None:
+    """The last line for torchrun's failures {global rank: ProcessFailure} when a rank died of a signal; None when
+    none did (torchrun's own summary says it all)."""
+    signalled = {rank: f for rank, f in sorted(failures.items()) if f.exitcode in (-signal.SIGKILL, -signal.SIGTERM)}
+    if not signalled:
+        return None
+    outside = [rank for rank, f in signalled.items() if f.exitcode == -signal.SIGKILL and f.pid not in stopped_pids]
+    if outside:  # nobody in this job sent it: the kernel's OOM killer is the usual sender
+        return (f"error: rank {outside[0]} was killed by signal 9 (SIGKILL), which the launcher did not send; the "
+                f"kernel's OOM killer stops a process that way when the host runs out of memory: ./run_train.sh "
+                f"{recipe} --dry-run shows each stage's host memory per node.")
+    stopped = [rank for rank, f in signalled.items() if f.pid in stopped_pids]
+    first = [rank for rank, f in sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+             if f.pid not in stopped_pids]
+    if not stopped:
+        return None
+    how = ", ".join(f"rank {rank} ({signal.Signals(-failures[rank].exitcode).name})" for rank in stopped)
+    cause = (f"rank {first[0]} failed first (exit code {failures[first[0]].exitcode}; its error is above)" if first
+             else "a rank failed")
+    return (f"error: {cause}, and torchrun stopped the ranks still running: {how}; SIGKILL means the rank did not "
+            f"exit on SIGTERM within the grace period, so it was stuck (waiting in a collective for the failed rank, "
+            f"or hung itself), not killed for memory.")
+
+
 def main(argv: list[str]) -> int:
     argv = grace_on_any_torch(argv)
+    stops = RankStops()
+    stops.install()
     fd, path = tempfile.mkstemp(prefix="train-stop-")
     os.close(fd)
     os.environ[STOP_FILE_ENV] = path  # the ranks inherit it
@@ -63,11 +113,9 @@ def main(argv: list[str]) -> int:
         except ChildFailedError as e:  # a save failed on the disk: rank 0 said so in one line
             if any(f.exitcode == DISK_EXIT_CODE for f in e.failures.values()):
                 return DISK_EXIT_CODE
-            killed = [rank for rank, f in sorted(e.failures.items()) if f.exitcode == -signal.SIGKILL]
-            if killed:  # torchrun's failure summary is printed; this line comes last
-                print(f"error: rank {killed[0]} was killed by signal 9 (SIGKILL), as the kernel's OOM killer stops a "
-                      f"process when the host runs out of memory: ./run_train.sh {_recipe(argv)} --dry-run shows each "
-                      f"stage's host memory per node.", file=sys.stderr)
+            line = failure_line(e.failures, stops.pids, _recipe(argv))
+            if line:  # torchrun's failure summary is printed; this line comes last
+                print(line, file=sys.stderr)
                 return 1
             raise
         with open(path) as f:
