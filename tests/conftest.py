@@ -36,28 +36,27 @@ runs and float8's long runs. After them the files with the most tests first. Wit
 started last, 26 minutes into a 34-minute CI, and the passkey run finished alone with the cores partly idle."""
 
 
-def _shares_module_state(item) -> bool:
-    """Whether the test uses a module- or session-scoped fixture of this suite (a reference run, a finished training,
-    a Slurm cluster): computed once per worker process, so its file's tests must share a worker."""
-    for definitions in item._fixtureinfo.name2fixturedefs.values():
-        if any(d.scope != "function" and str(d.baseid).startswith("tests") for d in definitions):
-            return True
-    return False
+SPREAD_TEST_BY_TEST = ("tests/parallelisms/test_parity.py", "tests/training/test_dry_run_8gpu.py",
+                       "tests/training/test_float8_runs.py", "tests/training/test_float8.py")
+"""Files of long, independent tests that CI hands out one test at a time: each of their tests is a trainer run or a
+dry run of 1-10 minutes with nothing to share but the one-process references, which each worker memoizes once
+(tests/loss_reference.py). Every other file goes to one worker whole: its tests may share module fixtures or module
+caches (tests/parallelisms/test_context_parallel.py's runs per CP degree), and most take seconds."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """CI runs `-n 3 --dist loadgroup --no-loadscope-reorder`, which hands out work units in this collection order:
     the learning runs first, then files by their number of tests, most first (a stable sort: tests keep their order).
-    A file whose tests share a module- or session-scoped fixture is one unit (one worker computes the fixture once);
-    the tests of every other file are units of their own, so a file of many slow independent tests (the mesh parity
-    runs: ~40 trainer runs) spreads over the workers instead of running on one while the others idle."""
+    Each file is one unit, but for SPREAD_TEST_BY_TEST, whose tests are units of their own: a file of many slow
+    independent tests (the mesh parity runs: ~40 trainer runs) spreads over the workers instead of running on one
+    while the others idle."""
     counts: dict = {}
     for item in items:
         counts[item.path] = counts.get(item.path, 0) + 1
-    grouped = {item.path for item in items if _shares_module_state(item)}
+    spread = {config.rootpath / path for path in SPREAD_TEST_BY_TEST}
     for item in items:
-        if item.path in grouped:
+        if item.path not in spread:
             item.add_marker(pytest.mark.xdist_group(str(item.path.relative_to(config.rootpath))))
     first = {config.rootpath / path: i for i, path in enumerate(LEARNING_RUNS_FIRST)}
     items.sort(key=lambda item: (first.get(item.path, len(first)), -counts[item.path]))
