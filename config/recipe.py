@@ -111,7 +111,16 @@ def _convert_table(value, kind, where: str):
     return instance
 
 
+REPLACED_KEYS = {
+    ("job", "collective_timeout_s"): "was split in two: job.init_timeout_s (set-up, each stage's first two steps, "
+                                     "checkpoints, evaluations) and job.step_timeout_s (training steps after those; "
+                                     "0 = measured): set those instead",
+}
+
+
 def _set(cfg: Config, section: str, key: str, value, origin: str, from_text: bool) -> None:
+    if (section, key) in REPLACED_KEYS:
+        raise RecipeError(f"{origin}: {section}.{key} {REPLACED_KEYS[section, key]}.")
     if section not in SECTIONS:
         raise RecipeError(f"{origin}: unknown section [{section}].{_nearest(section, SECTIONS)}")
     types = _field_types(section)
@@ -240,10 +249,13 @@ def validate(cfg: Config) -> None:
     positive = [("training", "steps"), ("training", "local_batch_size"), ("metrics", "log_freq"),
                 ("checkpoint", "interval"), ("parallelism", "pp"), ("parallelism", "dp_replicate"),
                 ("parallelism", "cp"), ("parallelism", "tp"), ("activation_checkpoint", "every"),
-                ("hardware", "gpus_per_node"), ("hardware", "device_memory_gib")]
+                ("hardware", "gpus_per_node"), ("hardware", "device_memory_gib"), ("job", "init_timeout_s")]
     for section, key in positive:
         if getattr(getattr(cfg, section), key) < 1:
             raise RecipeError(f"{where}: {section}.{key} must be >= 1, got {getattr(getattr(cfg, section), key)}.")
+    if cfg.job.step_timeout_s < 0:
+        raise RecipeError(f"{where}: job.step_timeout_s must be >= 0 (0 = measured: 5x a stage's second step, at "
+                          f"least 60 s), got {cfg.job.step_timeout_s}.")
     for name in cfg.checkpoint.save_on_signal:
         if name not in choices(StopSignal):
             raise RecipeError(f"{where}: checkpoint.save_on_signal names '{name}', which the trainer does not handle; "

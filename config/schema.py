@@ -92,8 +92,12 @@ class JobConfig:
     """Seeds weights, data order and dropout-free randomness; the same seed gives the same run on every mesh."""
     description: str = ""
     """Free text shown at start-up."""
-    collective_timeout_s: int = 300
-    """A collective that waits longer than this (a dead or stuck rank) fails the job instead of hanging it."""
+    init_timeout_s: int = 600
+    """Seconds a collective may wait during set-up (communicators, checkpoint load), each ramp stage's first two
+    steps, checkpoint saves and evaluations, before the job fails instead of hanging (training/timeouts.py)."""
+    step_timeout_s: int = 0
+    """Seconds a collective may wait in a training step once its stage's first two steps ran (a dead or stuck rank
+    ends the job this much later); 0 = 5x the stage's second step, at least 60 s."""
 
 
 @dataclass

@@ -36,7 +36,7 @@ class Distributed:
 def init_distributed(cfg: Config) -> Distributed:
     """Picks the device from torchrun's environment and joins the process group (NCCL on GPUs, gloo on CPUs)."""
     device = pick_device(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    timeout = datetime.timedelta(seconds=cfg.job.collective_timeout_s)
+    timeout = datetime.timedelta(seconds=cfg.job.init_timeout_s)  # the step timeout comes later
     # NCCL binds the communicator to this rank's GPU up front (and barriers use it); gloo needs no device.
     dist.init_process_group(device.backend, timeout=timeout,
                             device_id=device.torch_device if device.type == "cuda" else None)

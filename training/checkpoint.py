@@ -180,6 +180,13 @@ class Checkpointer:
             print(("warning: " if warning else "") + message, file=sys.stderr if warning else sys.stdout, flush=True)
 
     # ------------------------------------------------------------ saving
+    def due(self, step: int, last: bool = False) -> bool:
+        """Whether maybe_save(step, last) saves or exports anything (the trainer lengthens the collective timeout
+        around it)."""
+        c = self.config
+        return bool((c.enable and (step % c.interval == 0 or last))
+                    or (self.hf_export_root and (last or (c.hf_export_interval and step % c.hf_export_interval == 0))))
+
     def maybe_save(self, step: int, last: bool = False) -> None:
         """Called after every optimizer step; saves on the interval and at the last step, exports HF when asked."""
         c = self.config

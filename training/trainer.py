@@ -37,6 +37,7 @@ from training.preemption import StopSignals, ignore_stop_signals
 from training.ramp import RampStage, model_build_config, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_
 from training.step_profile import profile_line, profiled_step
+from training.timeouts import CollectiveTimeouts
 
 
 class Trainer:
@@ -52,8 +53,10 @@ class Trainer:
         self.dist = init_distributed(cfg)
         self.device = self.dist.device
         self.rank = self.dist.rank
-        # bf16 GEMMs on a CPU without native ones: float32 kernels (models/cpu_half_gemm.py), or 31x slower
-        self.half_gemms = reroute_half_gemms(self.device.type)
+        # bf16 GEMMs on a CPU without native ones: float32 kernels (models/cpu_half_gemm.py), or 31x slower; only for
+        # runs that have half-precision GEMMs (a float32 run's matmuls keep torch's own kernels, without a Python call)
+        halves = any(s.cfg.training.dtype != "float32" or s.cfg.training.float8 != "off" for s in self.stages)
+        self.half_gemms = reroute_half_gemms(self.device.type) if halves else None
         if self.half_gemms is not None and self.rank == 0 and cfg.training.dtype == "bfloat16":
             print("bf16 GEMMs run as float32 GEMMs rounded to bf16: this CPU's torch has no native bf16 GEMM "
                   "(AVX-512 or AMX), and its portable one is ~30x slower", flush=True)
@@ -64,6 +67,9 @@ class Trainer:
             first.model.head_dim) if cfg.data.document_masking else None
         self.meshes = build_run_meshes(self.stages, self.device.type)  # every process group, made once, here
         self.mesh = self.meshes[0]
+        self.timeouts = CollectiveTimeouts(  # long until each stage's warm-up steps ran, then the step timeout
+            cfg.job.init_timeout_s, cfg.job.step_timeout_s, log=(lambda line: print(line, flush=True)) if self.rank == 0 else None)
+        self.timeouts.start_stage(self.mesh)
         torch.manual_seed(cfg.job.seed)
         self.tokenizer = build_shared_tokenizer(cfg, first.model.vocab_size, self.rank)
         self.stores = build_stores(cfg, self.tokenizer, self.rank)  # memory-mapped: no rank holds the corpus
@@ -134,6 +140,7 @@ class Trainer:
 
     def _switch_stage(self, stage: RampStage, rows_consumed: int = 0) -> None:
         self.dataloader = self.checkpointer.dataloader = self._enter_stage(stage, rows_consumed)
+        self.timeouts.start_stage(self.mesh)
 
     def train_step(self, batches: list[dict]) -> tuple[float, float]:
         """One optimizer step over `grad_accum_steps` micro-batches; returns (global mean loss, grad norm).
@@ -172,7 +179,8 @@ class Trainer:
             stage = stage_at(self.stages, self.step)
             if stage is not self.stage:
                 if self.cfg.checkpoint.enable and self.step % self.cfg.checkpoint.interval:
-                    self.checkpointer.save(self.step)  # a stage boundary is always a checkpoint
+                    with self.timeouts.phase():
+                        self.checkpointer.save(self.step)  # a stage boundary is always a checkpoint
                 self._switch_stage(stage)
                 self._announce()
                 data_iter = iter(self.dataloader)
@@ -187,16 +195,23 @@ class Trainer:
                 print(profile_line(profile.summary, profile.path), flush=True)
             self.step += 1
             step_time = time.perf_counter() - start
+            self.timeouts.step_done(step_time)
             if self.compiled:
                 self._report_compile(step_time)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss became {loss} at step {self.step}; lower optimizer.lr or check data.")
             last = self.step == self.cfg.training.steps
-            self.checkpointer.maybe_save(self.step, last=last)
-            evaluation = self._long_doc_eval() if self._long_doc_eval_due(last) else {}
+            if self.checkpointer.due(self.step, last):
+                with self.timeouts.phase():
+                    self.checkpointer.maybe_save(self.step, last=last)
+            evaluation = {}
+            if self._long_doc_eval_due(last):
+                with self.timeouts.phase():
+                    evaluation = self._long_doc_eval()
             if self._niah_due(last):
-                run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
-                              self.rank == 0, self.step, self.dist.comm)
+                with self.timeouts.phase():
+                    run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
+                                  self.rank == 0, self.step, self.dist.comm)
             if self.step % self.cfg.metrics.log_freq == 0 or last or evaluation:
                 record = self.metrics.record(
                     self.stage, self.step, loss=loss, lr=lr, grad_norm=grad_norm, step_time=step_time,
@@ -223,6 +238,7 @@ class Trainer:
             if stop and not last:  # at the last step the run ends as usual, its checkpoint saved above
                 self._save_and_stop(stop)
                 return stop
+        self.timeouts.start_stage(self.mesh)  # the end-of-run evaluations: the long timeout
         if self.cfg.eval.niah and self.step == resumed_at:
             # resumed at the last step (nothing to train): evaluate the checkpoint, e.g. on another mesh
             run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
@@ -235,9 +251,10 @@ class Trainer:
     def _save_and_stop(self, name: str) -> None:
         """Every rank, after the same step: a synchronous checkpoint of it (unless this step's interval save is it),
         published before the line that says so."""
-        if self.checkpointer.saved_step != self.step:
-            self.checkpointer.save(self.step)
-        self.checkpointer.wait()  # an async save (this one or the one in flight) is published first
+        with self.timeouts.phase():
+            if self.checkpointer.saved_step != self.step:
+                self.checkpointer.save(self.step)
+            self.checkpointer.wait()  # an async save (this one or the one in flight) is published first
         self.stop_signals.report(name, self.step, self.rank)
 
     def _profiled(self):
