@@ -1,7 +1,8 @@
 """The launcher's last line names the right cause of a rank's death: a rank torchrun stopped after a peer failed (its
 SIGTERM, then SIGKILL for a rank stuck in a hang) is said to be stopped by torchrun, and the OOM line stays for a
-SIGKILL nobody in the job sent (training/launcher.py: failure_line, RankStops). The real case, a frozen rank in a
-2-rank run, is tests/training/test_timeouts.py's late-step test: it asserts this line too."""
+SIGKILL nobody in the job sent (training/launcher.py: failure_line, RankStops). A 2-rank run whose rank 1 froze
+itself (SIGSTOP) gave this line, and the OOM line with the launcher's pid record removed (2026-12-02); that run is not
+in the suite yet (tests/training/test_timeouts.py says why)."""
 import os
 import signal
 
