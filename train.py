@@ -27,7 +27,7 @@ from config.recipe import default_recipe, load_config, to_toml  # noqa: E402
 from data.sources import build_run_tokenizer, check_sources, open_stores, prepare_data  # noqa: E402
 from models.llama import recipe_model_config  # noqa: E402
 from parallelisms.float8 import check_float8  # noqa: E402
-from training.checkpoint import preflight_checkpoint  # noqa: E402
+from training.checkpoint_shapes import preflight_checkpoint  # noqa: E402
 from training.checkpoint_disk import DISK_EXIT_CODE, CheckpointDiskError, check_checkpoint_disk  # noqa: E402
 from training.launch_checks.device_check import check_attention_kernel, check_gpus  # noqa: E402
 from training.launch_checks.preflight import preflight_stages, required_ranks  # noqa: E402
