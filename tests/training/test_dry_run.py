@@ -58,17 +58,23 @@ def test_persistent_state_is_the_closed_form_fsdp_shard():
 
 
 def test_two_depths_extrapolate_exactly_to_the_full_depth():
-    """CP 2 x FSDP 2, bf16: measuring 3, 4 and 5 blocks predicts 8 (memory peaks and the ring's bytes)."""
+    """CP 2 x FSDP 2, bf16: measuring 3, 4 and 5 blocks predicts 8 (memory peaks and the ring's bytes), and the
+    evaluation's peak, measured at 3 and 4 blocks only (memory_probe._eval_on_state_line), predicts it too."""
     overrides = ["--model.n_layers", "8", "--parallelism.cp", "2", "--parallelism.dp_shard", "2",
-                 "--training.dtype", "bfloat16", "--training.seq_len", "256", "--training.local_batch_size", "2"]
+                 "--training.dtype", "bfloat16", "--training.seq_len", "256", "--training.local_batch_size", "2",
+                 "--eval.long_doc_loss", "true"]
     full = _in_fresh_process(_probe, overrides, 4, "full")
     line = _in_fresh_process(_probe, overrides, 4, "extrapolated")
     assert line["blocks_measured"] == (3, 4)  # 5 checked the line
-    for key in ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes"):
+    assert full["peak_eval"] > 0
+    for key in ("params", "grads", "optimizer", "peak_forward_backward", "peak_optimizer_step", "cp_ring_bytes",
+                "peak_eval"):
         assert line[key] == pytest.approx(full[key], rel=1e-9), key
     # The ring's own closed form: per block, K/V go (P - 1) hops forward and backward, float32 dK/dV P hops.
+    # The evaluation (one row, forward only) sends its K/V (P - 1) hops once; the probe counts it in cp_ring_bytes.
     kv = 2 * 2 * (256 // 2) * 16 * 16 * 2  # K + V: batch 2, 128 local tokens, 16 kv heads, head_dim 16, bf16
-    assert full["cp_ring_bytes"] == 8 * (kv + kv + 2 * 2 * kv)
+    assert full["eval_ring_bytes"] == line["eval_ring_bytes"] == 8 * kv // 2
+    assert full["cp_ring_bytes"] - full["eval_ring_bytes"] == 8 * (kv + kv + 2 * 2 * kv)
 
 
 SMALL = ["--model.n_layers", "2", "--training.seq_len", "256", "--training.local_batch_size", "2"]

@@ -261,7 +261,7 @@ def test_the_probes_counted_bytes_extrapolate_to_the_full_depth():
         "--model.n_layers", "8", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--training.seq_len", "256", "--training.local_batch_size", "1", "--parallelism.dp_shard", "1",
         "--training.dtype", "bfloat16"])
-    extrapolated = measure_memory(cfg, 1, 8)
+    extrapolated = measure_memory(cfg, 1, 8, extrapolate_above=0)  # 8 blocks: measured whole unless forced
     direct = measure_rank(cfg, 1)
     assert extrapolated.blocks_measured == (3, 4) and direct.bandwidth_bytes > 0 and direct.kernels > 0
     assert extrapolated.bandwidth_bytes == pytest.approx(direct.bandwidth_bytes, rel=1e-9)

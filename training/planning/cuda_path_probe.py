@@ -7,8 +7,9 @@ and backward functions (the sparse ring on the documents layout, or Ulysses' att
 real plan, made from real document ids, under the dispatch counter (training/planning/fake/counter.py): attention
 kernel calls and aten ops of one layer's forward + backward on the busiest rank, and its host syncs (the plan is
 cached per batch: once per micro-step, not once per layer). The layer's transient peak (inputs excluded) is read with
-torch's MemTracker, for the current path (GQA unexpanded) and for the earlier one (K/V expanded). The row's documents
-are the caller's (training/planning/cuda_path_table.py); `web_like_row` is the benches' and tests' stated mix.
+torch's MemTracker (its whole-rank peak only: eval_memory.PeakMemTracker), for the current path (GQA unexpanded) and
+for the earlier one (K/V expanded). The row's documents are the caller's (training/planning/cuda_path_table.py);
+`web_like_row` is the benches' and tests' stated mix.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallelisms.cp.autograd import grouped_backward, grouped_forward
@@ -29,7 +29,7 @@ from parallelisms.cp.exchange_ring import ring_backward, ring_forward
 from parallelisms.cp.plan_pieces import DocumentShards
 from parallelisms.cp.exchange_ring_sparse import sparse_backward, sparse_forward
 from parallelisms.cp.layouts import DOCUMENTS
-from training.planning.eval_memory import tracked_bytes
+from training.planning.eval_memory import PeakMemTracker, tracked_bytes
 from training.planning.fake.counter import DispatchCounter
 from training.planning.fake.world import fake_process_group
 
@@ -169,7 +169,7 @@ def layer_counts(shape: tuple, dtype, device: str, group_size: int, rank: int, s
     with fake_process_group(group_size, rank) as group, FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = _qkv(batch, length, heads, kv_heads, head_dim, dtype, device)
         spec = spec_for(group)
-        tracker = MemTracker() if memory else contextlib.nullcontext()
+        tracker = PeakMemTracker() if memory else contextlib.nullcontext()
         counter = counter or DispatchCounter()
         # the modelled scratch sits below the counter: allocated and tracked, not counted as ops
         with tracker, (FlashWorkspace() if memory else contextlib.nullcontext()), counter, \
