@@ -23,7 +23,9 @@ import traceback
 
 # What every rank and probe process imports first (~6 s of one core each on a 2-core CI box, more than most tests'
 # own work): imported once by the forkserver of each test process, which then forks every child from that state.
-PRELOADED = ("torch", "torch.distributed", "torch.distributed.tensor", "training.trainer",
+# torch._dynamo too: every trainer rank imports it when it initialises the model's weights (torch._refs' normal_
+# under the meta device goes through torch._compile), about 1 s of one core per rank: 16 s of a 16-rank run.
+PRELOADED = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "training.trainer",
              "training.planning.memory_probe", "train", "harness.forked_launch")
 
 

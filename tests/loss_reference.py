@@ -9,6 +9,7 @@ comparison for every mesh of `MESHES`.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -47,15 +48,23 @@ def world_size(degrees: dict) -> int:
 
 
 def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, recipe: str = RECIPE,
-                  dtype: str = "float32", document_masking: bool = False, hf_load_path: str = "") -> list[dict]:
+                  dtype: str = "float32", document_masking: bool = False, hf_load_path: str = "",
+                  n_layers: int = 0) -> list[dict]:
     """The single-process run: [{"loss", "grad_norm"}] per step. dtype "bfloat16" is FSDP2's mixed-precision policy
     written out by hand: float32 master weights and optimizer, each step's forward and backward on a bfloat16 copy of
     them, its gradients cast to float32 (reduce_dtype) before clipping and the update. With `document_masking` the
     loader packs rows the same way, and every document of a row runs alone through the model, unmasked and from
     position 0 (records then also count the documents of each step's rows). With `hf_load_path` the model is that
-    Hugging Face folder, loaded whole by models.hf.load_hf (the trainer's `[model] name = "hf"` counterpart)."""
-    import copy
+    Hugging Face folder, loaded whole by models.hf.load_hf (the trainer's `[model] name = "hf"` counterpart).
+    `n_layers` (0 = the recipe's) is the trainer's `--model.n_layers`. A run is a pure function of its arguments, so a
+    test process trains each distinct one once (the tests of a file and their parametrizations share it)."""
+    return copy.deepcopy(_reference_run_once(steps, seq_len, global_batch, recipe, dtype, document_masking,
+                                             hf_load_path, n_layers))
 
+
+@functools.lru_cache(maxsize=None)
+def _reference_run_once(steps: int, seq_len: int, global_batch: int, recipe: str, dtype: str, document_masking: bool,
+                        hf_load_path: str, n_layers: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -68,7 +77,7 @@ def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, re
     from training.lr_schedule import build_lr_scheduler
 
     cfg = load_config(recipe, ["--training.seq_len", str(seq_len), "--training.steps", str(steps)])
-    model = _reference_model(cfg, hf_load_path)
+    model = _reference_model(cfg, hf_load_path, n_layers)
     model_cfg = model.config
     documents = load_documents(cfg.data.corpus)
     cache_dir = os.path.join(ROOT, cfg.data.cache_dir) if not os.path.isabs(cfg.data.cache_dir) else cfg.data.cache_dir
@@ -83,7 +92,8 @@ def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, re
     for _ in range(steps):
         batch = next(batches)
         compute = model if dtype == "float32" else copy.deepcopy(model).to(getattr(torch, dtype))
-        logits = _documents_one_by_one(compute, batch) if document_masking else compute(batch["input_ids"])
+        with _HalfGemmsInFloat32() if dtype != "float32" else contextlib.nullcontext():
+            logits = _documents_one_by_one(compute, batch) if document_masking else compute(batch["input_ids"])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
         loss.backward()
         if compute is not model:
@@ -101,17 +111,46 @@ def reference_run(steps: int, seq_len: int, global_batch: int = GLOBAL_BATCH, re
     return records
 
 
-def _reference_model(cfg, hf_load_path: str):
-    """The recipe's model from its seed, or the Hugging Face folder loaded whole (models.hf.load_hf)."""
+def _reference_model(cfg, hf_load_path: str, n_layers: int = 0):
+    """The recipe's model from its seed (`n_layers` blocks where set), or the Hugging Face folder loaded whole
+    (models.hf.load_hf)."""
     from models.llama import Llama, model_config
 
     if hf_load_path:
         from models.hf import load_hf
 
         return load_hf(hf_load_path)
-    model = Llama(model_config(cfg.model.name))
+    model = Llama(model_config(cfg.model.name, **({"n_layers": n_layers} if n_layers else {})))
     model.init_weights(cfg.job.seed)
     return model
+
+
+class _HalfGemmsInFloat32:
+    """The reference's half-precision linear layers as float32 products rounded once to the half dtype (forward and,
+    through the casts, backward): what a bf16 GEMM computes (float32 accumulation, one rounding of the output), up to
+    the order of the sums. Written here, not taken from models/cpu_half_gemm.py, so the reference stays independent
+    of the trainer's code. Why: on a CPU without AVX-512, torch's own bf16 GEMM is a portable loop ~30x slower than
+    float32 (docs/testing.md); the bf16 reference took 36 CPU seconds for 5 steps of the debug model, 7 this way."""
+
+    def __enter__(self):
+        import torch
+        import torch.nn.functional as F
+
+        class Mode(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func is F.linear and args[0].dtype in (torch.bfloat16, torch.float16):
+                    x, weight, *rest = args
+                    bias = rest[0] if rest else kwargs.get("bias")
+                    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+                    return out.to(x.dtype)
+                return func(*args, **kwargs)
+
+        self._mode = Mode()
+        return self._mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
 
 
 def _documents_one_by_one(model, batch: dict):

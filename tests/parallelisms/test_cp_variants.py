@@ -216,9 +216,11 @@ def test_exchange_placements_compress_to_slices():
     assert torch.equal(target, shuffled) and torch.equal(local, torch.arange(200))
 
 
-TRAIN_ARGS = ("--training.steps", "5", "--training.seq_len", "256", "--training.local_batch_size", "2",
+# 2 blocks, 3 steps (tests/parallelisms/test_cp_training.py says why that shape is enough): a launch's set-up, not its
+# steps, is most of its cost.
+TRAIN_ARGS = ("--training.steps", "3", "--training.seq_len", "256", "--training.local_batch_size", "2",
               "--parallelism.dp_shard", "1", "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps",
-              "1")
+              "1", "--model.n_layers", "2")
 
 
 @pytest.fixture(scope="module")

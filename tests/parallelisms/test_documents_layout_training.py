@@ -2,7 +2,12 @@
 run alone through a plain model, on rows that hold several documents (a guard checks it) (cp2 x tp2; dp_shard2 x cp2 with data-parallel placement, documents and zigzag; the
 16-rank dp_replicate2 x dp_shard2 x cp2 x tp2 mesh; short documents so that rows hold several), and runs resumed from a
 zigzag checkpoint onto the documents layout (dp_shard2 x cp2, and across a ramp stage cp 1 -> cp 2) continue the
-uninterrupted runs' losses."""
+uninterrupted runs' losses.
+
+Shape: the debug model at 2 blocks (the layouts act per block alike; 2 still pass activations between blocks), rows of
+128 tokens, 3 steps (step 1 forward and backward, step 2 the first update, step 3 the first update using optimizer
+state carried over). The three reference comparisons share one reference run (same recipe, rows and shape), and the
+resumed runs stop one step after the step they check: a launch's set-up, not its steps, is most of its cost."""
 import os
 import shutil
 
@@ -13,7 +18,20 @@ from tests.trainer_runs import read_metrics, run_train, short_documents_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
 
-DOCUMENTS = ["--data.document_masking", "true", "--parallelism.cp_load_balancer", "documents"]
+LAYERS = ["--model.n_layers", "2"]
+DOCUMENTS = ["--data.document_masking", "true", "--parallelism.cp_load_balancer", "documents", *LAYERS]
+STEPS, SEQ = 3, 128
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> str:
+    """The short-documents recipe, written once: the reference runs of the module's tests then share one run."""
+    return short_documents_recipe(str(tmp_path_factory.mktemp("short-docs")))
+
+
+def _alone(recipe: str) -> list[dict]:
+    """Every document of the packed rows run alone through a plain model (memoized by reference_run)."""
+    return reference_run(STEPS, SEQ, recipe=recipe, document_masking=True, n_layers=2)
 
 
 def _several_documents_per_row(reference: list[dict], rows: int = 4) -> bool:
@@ -24,27 +42,25 @@ def _several_documents_per_row(reference: list[dict], rows: int = 4) -> bool:
         all(r["documents"] > rows for r in reference)
 
 
-def test_documents_layout_on_cp2_tp2_matches_every_document_run_alone(tmp_path):
-    """Short documents (pydoc paragraphs), so rows of 192 tokens hold several: whole pydoc topics made every row one
-    document, where the documents layout is zigzag's."""
-    steps, seq, recipe = 3, 192, short_documents_recipe(str(tmp_path))
-    alone = reference_run(steps, seq, recipe=recipe, document_masking=True)
+def test_documents_layout_on_cp2_tp2_matches_every_document_run_alone(recipe):
+    """Short documents (pydoc paragraphs), so rows of 128 tokens hold several (the guard): whole pydoc topics made
+    every row one document, where the documents layout is zigzag's."""
+    alone = _alone(recipe)
     assert _several_documents_per_row(alone), alone
-    records = trainer_run(dict(cp=2, tp=2, dp_shard=1), steps, seq, recipe=recipe, extra=DOCUMENTS, timeout=300)
+    records = trainer_run(dict(cp=2, tp=2, dp_shard=1), STEPS, SEQ, recipe=recipe, extra=DOCUMENTS, timeout=300)
     errors = {key: max_relative_error(alone, records, key) for key in ("loss", "grad_norm")}
     print(f"documents layout, cp2 x tp2: max relative error vs documents run alone: {errors}")
     assert errors["loss"] <= 1e-5 and errors["grad_norm"] <= 1e-5, (records, alone)
 
 
-def test_documents_and_zigzag_with_placement_on_dp_shard2_cp2_match_every_document_run_alone(tmp_path):
+def test_documents_and_zigzag_with_placement_on_dp_shard2_cp2_match_every_document_run_alone(recipe):
     """Segments placed by work over 2 data-parallel ranks x 2 micro-steps, then laid out over cp 2 by documents or by
     zigzag: both are the documents run alone, and each other, within 1e-5."""
-    steps, seq, recipe = 3, 128, short_documents_recipe(str(tmp_path))
-    alone = reference_run(steps, seq, recipe=recipe, document_masking=True)
+    alone = _alone(recipe)
     assert _several_documents_per_row(alone), alone
     placed = ["--data.document_masking", "true", "--data.placement", "work", "--training.local_batch_size", "1",
-              "--training.global_batch_size", "4"]
-    runs = {balancer: trainer_run(dict(dp_shard=2, cp=2), steps, seq, recipe=recipe, timeout=300,
+              "--training.global_batch_size", "4", *LAYERS]
+    runs = {balancer: trainer_run(dict(dp_shard=2, cp=2), STEPS, SEQ, recipe=recipe, timeout=300,
                                   extra=[*placed, "--parallelism.cp_load_balancer", balancer])
             for balancer in ("documents", "zigzag")}
     errors = {name: max(max_relative_error(alone, records, key) for key in ("loss", "grad_norm"))
@@ -53,19 +69,18 @@ def test_documents_and_zigzag_with_placement_on_dp_shard2_cp2_match_every_docume
                                         for key in ("loss", "grad_norm"))
     print(f"dp_shard2 x cp2, placement by work: max relative error (loss, grad norm): {errors}")
     assert all(error <= 1e-5 for error in errors.values()), (runs, alone)
-    assert runs["documents"][-1]["placement_whole_row_steps"] < steps  # segments really moved between rows
+    assert runs["documents"][-1]["placement_whole_row_steps"] < STEPS  # segments really moved between rows
     # the documents layout balances the CP ranks' work that zigzag leaves uneven, on the same placed rows
     balance = [(d["attention_balance"], z["attention_balance"]) for d, z in zip(runs["documents"], runs["zigzag"])]
     assert all(d <= z * (1 + 1e-9) for d, z in balance) and any(d < z for d, z in balance), balance
 
 
-def test_documents_layout_on_the_16_rank_4d_mesh_matches_every_document_run_alone(tmp_path):
+def test_documents_layout_on_the_16_rank_4d_mesh_matches_every_document_run_alone(recipe):
     """dp_replicate2 x dp_shard2 x cp2 x tp2 (document masking refuses pp, so this is the 4-D mesh it can run), segments
     placed by work over the 4 data-parallel ranks. Measured by hand: zigzag on the same mesh is 2.4e-7 from the
     reference and 1.2e-7 from documents; one run here keeps the test under a minute."""
-    steps, seq, recipe = 3, 128, short_documents_recipe(str(tmp_path))
-    alone = reference_run(steps, seq, recipe=recipe, document_masking=True)
-    records = trainer_run(dict(dp_replicate=2, dp_shard=2, cp=2, tp=2), steps, seq, recipe=recipe, timeout=600,
+    alone = _alone(recipe)
+    records = trainer_run(dict(dp_replicate=2, dp_shard=2, cp=2, tp=2), STEPS, SEQ, recipe=recipe, timeout=600,
                           extra=DOCUMENTS)
     errors = {key: max_relative_error(alone, records, key) for key in ("loss", "grad_norm")}
     print(f"documents layout, dp_replicate2 x dp_shard2 x cp2 x tp2: max relative error vs documents alone: {errors}")
@@ -73,10 +88,10 @@ def test_documents_layout_on_the_16_rank_4d_mesh_matches_every_document_run_alon
     assert _several_documents_per_row(alone), alone
 
 
-RESUME = ["--training.steps", "6", "--training.seq_len", "128", "--training.local_batch_size", "2",
+RESUME = ["--training.steps", "4", "--training.seq_len", "128", "--training.local_batch_size", "2",
           "--parallelism.dp_shard", "2", "--parallelism.cp", "2", "--checkpoint.enable", "true",
-          "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0", "--metrics.enable_tensorboard", "false",
-          "--data.document_masking", "true"]
+          "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0", "--metrics.enable_tensorboard", "false",
+          "--data.document_masking", "true", *LAYERS]
 
 
 def _train(folder: str, *extra: str):
@@ -86,14 +101,16 @@ def _train(folder: str, *extra: str):
 
 
 def test_resume_from_a_zigzag_checkpoint_onto_the_documents_layout(tmp_path):
+    """Saved at step 2, resumed for steps 3-4: step 3 checks the restored weights and data position, step 4 the
+    restored optimizer state (its update is the first to use moments from before the resume)."""
     source, resumed = str(tmp_path / "zigzag"), str(tmp_path / "documents")
     _, reference = _train(source, "--parallelism.cp_load_balancer", "zigzag")
     os.makedirs(os.path.join(resumed, "checkpoints"))
-    shutil.copytree(os.path.join(source, "checkpoints", "step-3"), os.path.join(resumed, "checkpoints", "step-3"))
+    shutil.copytree(os.path.join(source, "checkpoints", "step-2"), os.path.join(resumed, "checkpoints", "step-2"))
     result, losses = _train(resumed, "--parallelism.cp_load_balancer", "documents")
-    assert "resumed from" in result.stdout and "(step 3)" in result.stdout
-    worst = max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in range(4, 7))
-    print(f"dp_shard2 x cp2, zigzag -> documents at step 3: max relative loss difference, steps 4-6: {worst:.2e}")
+    assert "resumed from" in result.stdout and "(step 2)" in result.stdout
+    worst = max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in range(3, 5))
+    print(f"dp_shard2 x cp2, zigzag -> documents at step 2: max relative loss difference, steps 3-4: {worst:.2e}")
     assert worst <= 1e-5, (reference, losses)
 
 
@@ -112,8 +129,8 @@ cp = 2
 
 def _ramp_run(recipe: str, folder: str, balancer: str) -> dict:
     result = run_train(recipe, "--training.steps", "4", "--training.tokens_per_step", "512", "--checkpoint.enable",
-                       "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0", "--job.dump_folder",
-                       folder, "--metrics.enable_tensorboard", "false", *DOCUMENTS[:2],
+                       "true", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0", "--job.dump_folder",
+                       folder, "--metrics.enable_tensorboard", "false", *DOCUMENTS[:2], *LAYERS,
                        "--parallelism.cp_load_balancer", balancer, nproc=2, timeout=300, forked=True)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return {r["step"]: r for r in read_metrics(folder)}
@@ -122,7 +139,8 @@ def _ramp_run(recipe: str, folder: str, balancer: str) -> dict:
 def test_resume_across_a_ramp_stage_from_zigzag_onto_the_documents_layout(tmp_path):
     """Stage 1 at cp 1 (seq 128, dp_shard 2), stage 2 at cp 2 (seq 256, dp_shard 1), short documents placed by work.
     The zigzag run's checkpoint at the stage boundary, resumed with the documents layout, continues exactly as an
-    uninterrupted documents run does (stage 1 at cp 1 is the same run for both layouts)."""
+    uninterrupted documents run does (stage 1 at cp 1 is the same run for both layouts). Checkpoints every 2 steps:
+    the boundary's (step 2) is the one resumed; one at every step saved two more per run for nothing."""
     recipe = short_documents_recipe(str(tmp_path))
     with open(recipe, "a") as f:
         f.write(RAMP)
