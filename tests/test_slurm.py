@@ -214,45 +214,11 @@ def _logged_steps(folder: str) -> list[int]:
         return [json.loads(line)["step"] for line in f if line.strip()]
 
 
-def _uninterrupted_losses(args: list[str], folder: str) -> dict[int, float]:
-    """{step: loss} of the same run on 2 ranks without Slurm or a signal (the reference)."""
-    from tests.trainer_runs import run_train
-
-    result = run_train(*args, "--job.dump_folder", folder, nproc=2, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f)}
-
-
-# Loaded by every Python process of the job through PYTHONPATH. In the job's first allocation (Slurm sets
-# SLURM_RESTART_COUNT only from the first requeue on) each step takes STEP_SLEEP_S more, as a large model's does, so the
-# time limit falls mid-run; the requeued allocation runs at full speed, so it finishes before its own warning signal.
-# The sleep comes before the ranks' agreement on a signal (training/preemption.py), which a signal during it only notes.
-SLOW_FIRST_ALLOCATION = """
-import importlib.util, os, sys, time
-
-class _SlowSteps:
-    def find_spec(self, name, path=None, target=None):
-        if name != "training.preemption":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            agreed = module.StopSignals.agreed
-
-            def slow(self, *args, **kwargs):
-                time.sleep(STEP_SLEEP_S)
-                return agreed(self, *args, **kwargs)
-            module.StopSignals.agreed = slow
-        spec.loader.exec_module = exec_module
-        return spec
-
-if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
-    sys.meta_path.insert(0, _SlowSteps())
-"""
+# The job's first allocation is slowed by tests/training/paced_runs.py's hook, loaded by every Python process of the
+# job through PYTHONPATH: while SLURM_RESTART_COUNT is unset (Slurm sets it only from the first requeue on) each step
+# takes STEP_SLEEP_S more, as a large model's does, so the time limit falls mid-run; the requeued allocation runs at
+# full speed, so it finishes before its own warning signal. The sleep comes before the ranks' agreement on a signal
+# (training/preemption.py), which a signal during it only notes.
 
 # slurmctld looks at time limits every PERIODIC_TIMEOUT = 30 s (fixed when Slurm is built, no slurm.conf key) and sends
 # --signal's warning at the first look when `now + N + 30 >= end`, so with a limit of T minutes USR1@1 comes between
@@ -273,18 +239,21 @@ def test_the_time_limit_saves_requeues_and_the_second_allocation_finishes_with_i
     check sends USR1 to the batch shell ahead of the limit -> its trap passes it to the ranks, which save the step
     they are in and exit 75 -> the script runs `scontrol requeue` -> Slurm starts the job again (restart count 1),
     which resumes from that very step and finishes: two allocations, each step logged once (with a checkpoint interval
-    longer than the run, no step is lost), every loss the uninterrupted run's, bit for bit."""
+    longer than the run, no step is lost), every loss the uninterrupted run's, bit for bit. A tiny model
+    (tests/training/paced_runs.TINY: the property shows at any size; the first allocation's pace is the sleep), and
+    the reference's ranks forked from one interpreter (its subject is the numbers, not the launch)."""
+    from tests.training.paced_runs import TINY, paced_hook, uninterrupted_losses
+
     args = ["--parallelism.dp_shard", "-1", "--training.steps", str(LIMIT_STEPS), "--training.seq_len", "128",
             "--training.local_batch_size", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
-            "--metrics.enable_tensorboard", "false"]
-    reference = _uninterrupted_losses(args, str(tmp_path / "reference"))
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_FIRST_ALLOCATION.replace("STEP_SLEEP_S", str(STEP_SLEEP_S)))
+            "--metrics.enable_tensorboard", "false", *TINY]
+    reference = uninterrupted_losses(tuple(args))
+    hook = paced_hook(tmp_path / "hook")
 
     out, log = str(tmp_path / "run"), str(tmp_path / "job.out")
-    env = child_env(str(hook), base=dict(slurm.env, PYTHON=sys.executable, GPUS_PER_NODE="2", OMP_NUM_THREADS="1",
-                                         GLOO_SOCKET_IFNAME="lo", RDZV_PORT=str(_free_ports(1)[0]), REPO=ROOT))
+    env = child_env(hook, base=dict(slurm.env, PYTHON=sys.executable, GPUS_PER_NODE="2", OMP_NUM_THREADS="1",
+                                    GLOO_SOCKET_IFNAME="lo", RDZV_PORT=str(_free_ports(1)[0]), REPO=ROOT,
+                                    PACED_STEP_S=str(STEP_SLEEP_S), PACED_WHILE="SLURM_RESTART_COUNT=0"))
     env.pop("NPROC", None)
     cmd = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--exclusive=user", f"--output={log}",
            f"--time={TIME_LIMIT_MIN}", f"--signal=B:USR1@{WARN_S}", os.path.join(ROOT, "slurm", "train.sbatch"),

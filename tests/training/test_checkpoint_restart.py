@@ -1,5 +1,7 @@
 """Surviving a dead rank (slow tier): with MAX_RESTARTS, torchrun restarts the job after a rank is SIGKILLed, and
-the new job resumes from the newest complete checkpoint. The reference is the same recipe run without a kill."""
+the new job resumes from the newest complete checkpoint. The reference is the same recipe run without a kill (its ranks
+forked, once per process: tests/training/paced_runs.py). The model is tiny (paced_runs.TINY): a restart's resume shows
+at any size, and the debug model's steps were most of these runs' cost after the launches."""
 from __future__ import annotations
 
 import os
@@ -14,13 +16,14 @@ import pytest
 
 from harness.launch_env import python_path
 from tests.trainer_runs import ROOT
+from tests.training.paced_runs import TINY, paced_hook, uninterrupted_losses
 from tests.training.test_checkpoint_runs import losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the module's uninterrupted run + a job allowed 400 s
 
 ARGS = ["--training.steps", "20", "--training.seq_len", "128", "--training.local_batch_size", "2",
         "--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2",
-        "--metrics.enable_tensorboard", "false"]
+        "--metrics.enable_tensorboard", "false", *TINY]
 
 # Loaded by every Python process of the job through PYTHONPATH; only worker ranks of the first attempt act on it.
 KILL_DURING_SAVE = textwrap.dedent("""
@@ -62,11 +65,9 @@ def finish(process: subprocess.Popen, timeout: float = 400) -> tuple[str, str]:
     return out, err
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[int, float]:
-    folder = str(tmp_path_factory.mktemp("uninterrupted"))
-    finish(launch(folder))
-    return losses(folder)
+@pytest.fixture
+def uninterrupted() -> dict[int, float]:
+    return uninterrupted_losses(tuple(ARGS))
 
 
 def worker_pid(tag: str, rank: int) -> int | None:
@@ -93,9 +94,13 @@ def latest_step(folder: str) -> int:
 
 
 def test_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(tmp_path, uninterrupted):
-    folder, tag = str(tmp_path), uuid.uuid4().hex
+    """The first attempt's steps sleep 0.5 s each (paced_runs.PACED_STEPS, a tiny step is too short for the test to
+    kill rank 1 mid-run for sure), the restarted attempt runs at full speed."""
+    folder, tag = str(tmp_path / "run"), uuid.uuid4().hex
+    hook = paced_hook(tmp_path / "hook")
     start = time.perf_counter()
-    process = launch(folder, {"CHECKPOINT_TEST_TAG": tag})
+    process = launch(folder, {"CHECKPOINT_TEST_TAG": tag, "PYTHONPATH": python_path(hook), "PACED_STEP_S": "0.5",
+                              "PACED_WHILE": "TORCHELASTIC_RESTART_COUNT=0"})
     while latest_step(folder) < 7:  # step 5's checkpoint is published before step 5 is logged
         assert process.poll() is None, "the job ended before the kill"
         time.sleep(0.05)

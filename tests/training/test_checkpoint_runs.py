@@ -1,6 +1,9 @@
 """Checkpointing in real multi-rank runs (slow tier; ranks forked by harness/forked_launch.py with torchrun's
 environment): exact resume, resharding onto other meshes, starting from Hugging Face weights and exporting them.
-The reference is always an uninterrupted run of the same recipe, or transformers itself for the HF weights."""
+The reference is always an uninterrupted run of the same recipe, or transformers itself for the HF weights.
+The resume and reshard runs train a tiny model (tests/training/paced_runs.TINY: two blocks, dim 64, grouped-query
+attention): exact resume and resharding show at any size, and the debug model's steps were most of their cost (a
+4-rank, 10-step debug run ~60 CPU s on 2 cores)."""
 from __future__ import annotations
 
 import json
@@ -12,11 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer_runs import ROOT, read_metrics, run_train
+from tests.training.paced_runs import TINY, TINY_SHAPE
 
 pytestmark = pytest.mark.slow
 
 COMMON = ["--training.steps", "10", "--training.seq_len", "128", "--checkpoint.enable", "true",
-          "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0", "--metrics.enable_tensorboard", "false"]
+          "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0", "--metrics.enable_tensorboard", "false",
+          *TINY]
+DEBUG_SHAPE = ("--model.n_layers", "0", "--model.dim", "0", "--model.n_heads", "0")  # 0: the debug model's own
 MESHES = {
     "1 rank": (1, ["--parallelism.dp_shard", "1", "--training.local_batch_size", "4"]),
     "dp_shard4": (4, ["--parallelism.dp_shard", "4", "--training.local_batch_size", "1"]),
@@ -141,7 +147,7 @@ def test_four_rank_run_from_hf_weights_has_the_single_process_first_loss(tmp_pat
     out = str(tmp_path / "run")
     result = train(out, "dp_shard2 x cp2", "--training.steps", "1", "--checkpoint.enable", "false",
                    "--checkpoint.hf_load_path", str(tmp_path / "hf"), "--model.n_kv_heads", "4",
-                   "--model.rope_scaling_factor", "8")
+                   "--model.rope_scaling_factor", "8", *DEBUG_SHAPE)
     assert "loaded Hugging Face weights" in result.stdout
     batch = _first_global_batch(4, 128)
     with torch.no_grad():
@@ -153,7 +159,9 @@ def test_four_rank_run_from_hf_weights_has_the_single_process_first_loss(tmp_pat
 
 
 def test_exported_hf_weights_load_in_transformers_with_our_logits(tmp_path):
-    """Acceptance 3 (middle part), the distributed export: 2-rank FSDP run, weights exported at the end."""
+    """Acceptance 3 (middle part), the distributed export: 2-rank FSDP run, weights exported at the end. The tiny
+    model (the export's mapping is the same at any size) on ranks forked from one interpreter (the export is the
+    subject, not the launch)."""
     import transformers
     import torch.distributed.checkpoint as dcp
 
@@ -164,12 +172,12 @@ def test_exported_hf_weights_load_in_transformers_with_our_logits(tmp_path):
     result = run_train("--training.steps", "3", "--training.seq_len", "128", "--job.dump_folder", out,
                        "--checkpoint.enable", "true", "--checkpoint.interval", "3", "--metrics.enable_tensorboard",
                        "false", "--checkpoint.hf_export_folder", "hf", "--checkpoint.hf_export_dtype", "float32",
-                       timeout=300)
+                       *TINY, nproc=2, timeout=300, forked=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(os.listdir(os.path.join(out, "hf"))) == ["step-3"]
     with open(os.path.join(out, "hf", "step-3", "config.json")) as f:
         assert json.load(f)["torch_dtype"] == "float32"
-    model = Llama(model_config("debug"))  # the trained weights, from the run's own DCP checkpoint
+    model = Llama(model_config("debug", **TINY_SHAPE))  # the trained weights, from the run's own DCP checkpoint
     state = {"model": model.state_dict()}
     with quiet_single_process_dcp():
         dcp.load(state, checkpoint_id=os.path.join(out, "checkpoints", "step-3"), no_dist=True)

@@ -2,7 +2,9 @@
 reference is always the same recipe without the offload, or an uninterrupted run for the resumes.
 
 On CPU the host is the device, so these runs prove FSDP2's offload code path (host-built shards, host gradients and
-optimizer, the policy's copies) and its numbers; the memory it saves is only visible on a GPU."""
+optimizer, the policy's copies) and its numbers; the memory it saves is only visible on a GPU. The loss comparisons
+train a tiny model (tests/training/paced_runs.TINY: the same code path at any size; the debug model's steps were most
+of their cost); the resident-set test keeps the debug model, whose memory its plan predicts."""
 from __future__ import annotations
 
 import os
@@ -14,6 +16,7 @@ import pytest
 
 from harness.launch_env import child_env
 from tests.trainer_runs import ROOT, read_metrics, run_train
+from tests.training.paced_runs import TINY
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +32,15 @@ def losses(folder: str) -> dict[int, float]:
 
 
 def train(folder: str, offload: bool, *extra: str) -> dict[int, float]:
-    result = run_train(*COMMON, "--job.dump_folder", folder, "--training.cpu_offload", str(offload).lower(), *extra,
-                       nproc=2, timeout=240, forked=True)
+    result = run_train(*COMMON, *TINY, "--job.dump_folder", folder, "--training.cpu_offload", str(offload).lower(),
+                       *extra, nproc=2, timeout=240, forked=True)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return losses(folder)
 
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
-    """10 steps of the debug model on dp_shard 2, fp32, without and with the offload (checkpoints at 5 and 10)."""
+    """10 steps of the tiny model on dp_shard 2, fp32, without and with the offload (checkpoints at 5 and 10)."""
     root = tmp_path_factory.mktemp("offload")
     return {offload: (str(root / f"offload-{offload}"), train(str(root / f"offload-{offload}"), offload))
             for offload in (False, True)}

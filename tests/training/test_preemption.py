@@ -1,6 +1,13 @@
 """Preemption and the time limit (slow tier): SIGTERM or SIGUSR1, sent to torchrun, to one rank or to every process
 of the run at once (as Slurm signals a job step), makes a 2-rank run save the step in progress and stop in one line;
-resuming with the same command gives every step's loss bit for bit as the same run uninterrupted."""
+resuming with the same command gives every step's loss bit for bit as the same run uninterrupted.
+
+The runs are of a tiny model (tests/training/paced_runs.py: the properties show at any size, and the debug model's
+steps were most of the cost after the launches); the runs that are signalled after a given step sleep PACED_STEP_S
+after each step, so that the signal falls in the step the test aims at without a core spent on it. The signal tests
+launch through run_train.sh (torchrun: the signals' way through the launcher is their subject); the SIGKILL test,
+whose subject is what a killed run leaves on disk, forks its ranks from one interpreter (harness/forked_launch.py):
+one import per launch instead of four processes' (~10 CPU s a launch on a 2-core box)."""
 from __future__ import annotations
 
 import json
@@ -16,26 +23,41 @@ import pytest
 
 from harness.launch_env import child_env
 from harness.process_tree import group_processes
+from harness import forked_launch
 from tests.trainer_runs import ROOT, read_metrics, short_documents_recipe
+from tests.training.paced_runs import TINY, paced_hook, uninterrupted_losses
 from tests.training.test_checkpoint_runs import losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS = 20  # one uninterrupted reference serves every plain run of this module, the SIGKILL test's included
+STEPS = 20  # one uninterrupted reference serves the full-disk and SIGKILL tests' plain runs; the signal test: CP 2
 ARGS = ["--training.steps", str(STEPS), "--training.seq_len", "128", "--training.local_batch_size", "2",
-        "--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--metrics.enable_tensorboard", "false"]
+        "--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--metrics.enable_tensorboard", "false",
+        *TINY]
 CP2_DOCUMENTS = ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--data.document_masking", "true",
                  "--parallelism.cp_load_balancer", "documents", "--training.local_batch_size", "1"]
 ASYNC = ("--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
 TARGETS = ("torchrun", "one rank", "every process")
 EXIT = {signal.SIGTERM: 0, signal.SIGUSR1: 75}  # a clean stop; "requeue me" (EX_TEMPFAIL)
+PACED_STEP_S = "0.5"
+"""The sleep after each step of a signalled run: the test, polling metrics.jsonl every 50 ms, signals well within
+it, and a slow reaction on a loaded box only moves the save a step later (STEPS leaves room for that)."""
 
 
-def launch(folder: str, *extra: str, recipe: tuple = (), first: tuple = ()) -> subprocess.Popen:
-    """run_train.sh on 2 ranks; `first`: folders ahead on PYTHONPATH (a test's sitecustomize.py hook)."""
-    env = child_env(*first, base=dict(os.environ, PYTHON=sys.executable, NPROC="2"))
+def launch(folder: str, *extra: str, recipe: tuple = (), first: tuple = (), paced: bool = False) -> subprocess.Popen:
+    """run_train.sh on 2 ranks; `first`: folders ahead on PYTHONPATH (a test's sitecustomize.py hook); `paced`:
+    each step sleeps PACED_STEP_S (tests/training/paced_runs.py's hook, which `first` then must hold)."""
+    env = child_env(*first, base=dict(os.environ, PYTHON=sys.executable, NPROC="2",
+                                      PACED_STEP_S=PACED_STEP_S if paced else "0"))
     return subprocess.Popen([os.path.join(ROOT, "run_train.sh"), *recipe, *ARGS, *extra, "--job.dump_folder", folder],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def forked(folder: str, *extra: str) -> subprocess.Popen:
+    """The same run on 2 ranks forked from one interpreter (harness/forked_launch.py), in a session of its own."""
+    return subprocess.Popen(forked_launch.command(2, [*ARGS, *extra, "--job.dump_folder", folder]), cwd=ROOT,
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 
@@ -67,19 +89,15 @@ def _parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict:
-    """Each configuration's losses without a signal, run once for the module when a test first needs it."""
-    cache = {}
+def uninterrupted(extra: tuple = (), recipe: tuple = ()) -> dict[int, float]:
+    """A configuration's losses without a signal (forked ranks, once per process: tests/training/paced_runs.py)."""
+    return uninterrupted_losses((*recipe, *ARGS, *extra))
 
-    def get(name: str, extra: tuple = (), recipe: tuple = ()) -> dict[int, float]:
-        if name not in cache:
-            folder = str(tmp_path_factory.mktemp(f"uninterrupted-{name}"))
-            code, out, err = finish(launch(folder, *extra, recipe=recipe))
-            assert code == 0, out[-2000:] + err[-3000:]
-            cache[name] = losses(folder)
-        return cache[name]
-    return get
+
+@pytest.fixture(scope="module")
+def hook(tmp_path_factory) -> tuple[str]:
+    """PYTHONPATH's first folder for the paced runs."""
+    return (paced_hook(tmp_path_factory.mktemp("paced")),)
 
 
 def assert_published(folder: str, step: int) -> None:
@@ -93,13 +111,13 @@ def assert_published(folder: str, step: int) -> None:
     assert not os.path.exists(final + ".partial")
 
 
-def interrupt(folder: str, sig: signal.Signals, target: str, *extra: str, after: int, recipe: tuple = (),
+def interrupt(folder: str, sig: signal.Signals, target: str, *extra: str, after: int, hook: tuple, recipe: tuple = (),
               resumed: int = 0) -> int:
     """One case: launch (resuming from step `resumed` when it is not 0), send `sig` to `target` once step `after`
     is logged, and check what a signal must give: exit code, under 30 s, the one line, the step in progress published
     and the last one logged, no traceback. Returns the step saved."""
     case = f"{sig.name} to {target}"
-    process = launch(folder, *extra, recipe=recipe)
+    process = launch(folder, *extra, recipe=recipe, first=hook, paced=True)
     while logged_step(folder) < after:
         assert process.poll() is None, f"{case}: the run ended before the signal:\n" + process.communicate()[1][-3000:]
         time.sleep(0.05)
@@ -135,31 +153,25 @@ def resume_to_the_end(folder: str, step: int, *extra: str, recipe: tuple = ()) -
     return losses(folder)
 
 
-def test_sigterm_and_sigusr1_to_torchrun_one_rank_and_every_process_save_and_resume_bit_identically(tmp_path,
-                                                                                                     uninterrupted):
+def test_sigterm_and_sigusr1_to_torchrun_one_rank_and_every_process_save_and_resume_bit_identically(tmp_path, hook):
     """The six cases (two signals x three targets) on ONE run, one after another: each relaunch resumes from the
     checkpoint the previous signal saved (a resume is checked six times over) and is itself signalled by the next
-    case, a step or more after its resume; a seventh signal comes with asynchronous interval saves (every 2 steps),
-    one of which may be in flight: it is published first. Each segment's losses equal the uninterrupted run's as it
-    goes; the last relaunch finishes, and every step's loss is the uninterrupted run's, bit for bit."""
-    reference = uninterrupted("plain")
-    folder = str(tmp_path / "run")
-    cases = [(sig, target, ()) for sig in EXIT for target in TARGETS] + [(signal.SIGUSR1, "one rank", ASYNC)]
-    step = 0
-    for sig, target, extra in cases:
-        step = interrupt(folder, sig, target, *extra, after=max(step + 1, 3), resumed=step)
-        assert losses(folder) == {s: reference[s] for s in range(1, step + 1)}, f"{sig.name} to {target}"
-    assert resume_to_the_end(folder, step) == reference
-
-
-def test_cp2_with_documents_saves_on_either_signal_and_resumes_bit_identically(tmp_path, uninterrupted):
-    """CP 2 with documents (the run's sequences split by the documents layout): SIGTERM to every process, then, on the
-    resumed run, SIGUSR1 to torchrun; the run finished after both has the uninterrupted run's losses, bit for bit."""
+    case, a step or more after its resume; the last case's run saves asynchronously at intervals (every 2 steps),
+    one of which may be in flight at the signal: it is published first. Each segment's losses equal the uninterrupted
+    run's as it goes; the last relaunch finishes, and every step's loss is the uninterrupted run's, bit for bit.
+    The run is CP 2 with documents (its sequences split by the documents layout), so this test also holds what
+    test_cp2_with_documents_saves_on_either_signal_and_resumes_bit_identically checked (SIGTERM to every process and
+    SIGUSR1 to torchrun on that run, resumed bit for bit), merged here: that test's three torchrun launches and its
+    reference repeated these cases. The seventh launch of its own the asynchronous saves had is the sixth case's."""
     recipe = (short_documents_recipe(str(tmp_path)),)
-    reference = uninterrupted("cp2-documents", tuple(CP2_DOCUMENTS), recipe)
+    reference = uninterrupted(tuple(CP2_DOCUMENTS), recipe)
     folder = str(tmp_path / "run")
-    step = interrupt(folder, signal.SIGTERM, "every process", *CP2_DOCUMENTS, after=3, recipe=recipe)
-    step = interrupt(folder, signal.SIGUSR1, "torchrun", *CP2_DOCUMENTS, after=step + 1, recipe=recipe, resumed=step)
+    cases = [(sig, target) for sig in EXIT for target in TARGETS]
+    step = 0
+    for sig, target in cases:
+        extra = (*CP2_DOCUMENTS, *(ASYNC if (sig, target) == cases[-1] else ()))
+        step = interrupt(folder, sig, target, *extra, after=max(step + 1, 3), hook=hook, recipe=recipe, resumed=step)
+        assert losses(folder) == {s: reference[s] for s in range(1, step + 1)}, f"{sig.name} to {target}"
     assert resume_to_the_end(folder, step, *CP2_DOCUMENTS, recipe=recipe) == reference
 
 
@@ -181,7 +193,9 @@ if os.environ.get("RANK") == "1":
 """
 
 
-TMPFS_MIB = 120  # one checkpoint of the debug model on 2 ranks is ~0.075 GiB: the step-2 save fits, step 4's does not
+TMPFS_MIB = 9
+"""One checkpoint of the tiny model on 2 ranks is 5.3 MB on disk (the launch check's estimate, 7.4 MB, fits too, so
+the check warns and does not refuse): the step-2 save fits, step 4's beside it does not."""
 
 
 def may_mount_tmpfs(probe: str) -> bool:
@@ -194,7 +208,7 @@ def may_mount_tmpfs(probe: str) -> bool:
 
 
 def full_tmpfs_runs(tmp_path, folder: str) -> tuple[str, tuple, list, tuple]:
-    """In a mount namespace of the test's own: a 120 MiB tmpfs as checkpoint.folder, the run saving every 2 steps
+    """In a mount namespace of the test's own: a TMPFS_MIB tmpfs as checkpoint.folder, the run saving every 2 steps
     into it; then (the disk grown as a user would free space) the same command again. The tmpfs lives as long as the
     namespace, so both runs and a listing of the folder between them happen in one shell."""
     disk, said = str(tmp_path / "disk"), tmp_path / "said"
@@ -231,11 +245,11 @@ def hooked_disk_runs(tmp_path, folder: str) -> tuple[str, tuple, list, tuple]:
     return disk, first, listing, finish(launch(folder, "--checkpoint.interval", "2"))
 
 
-def test_a_save_on_a_full_disk_stops_in_one_line_and_the_earlier_checkpoint_resumes(tmp_path, uninterrupted):
+def test_a_save_on_a_full_disk_stops_in_one_line_and_the_earlier_checkpoint_resumes(tmp_path):
     """A real full filesystem (a small tmpfs) where the test may mount one, else a writer that raises ENOSPC: the
     launch check warned (tmpfs: its real free space), the save of step 4 stops the run in one line, the partial
     folder is gone, and the same command (with room again) resumes from step 2 with the uninterrupted losses."""
-    reference = uninterrupted("plain")
+    reference = uninterrupted()
     folder = str(tmp_path / "run")
     tmpfs = may_mount_tmpfs(str(tmp_path / "probe"))
     disk, (code, out, err), listing, (code2, out2, err2) = (full_tmpfs_runs if tmpfs else hooked_disk_runs)(
@@ -248,19 +262,18 @@ def test_a_save_on_a_full_disk_stops_in_one_line_and_the_earlier_checkpoint_resu
     assert f"the last complete checkpoint is step 2 ({disk}/step-2)" in errors[0]
     assert "Traceback" not in err and "CheckpointException" not in err, err[-4000:]
     assert sorted(listing) == ["step-2"]  # the partial one removed
-    if tmpfs:  # 0.12 GiB cannot hold keep_latest_k + 1 = 4 checkpoints
-        assert f"warning: checkpoint.folder '{disk}' holds 0.12 GiB" in out + err, (out + err)[-3000:]
+    if tmpfs:  # 9 MiB cannot hold keep_latest_k + 1 = 4 checkpoints
+        assert f"warning: checkpoint.folder '{disk}' holds {TMPFS_MIB / 1024:.2f} GiB" in out + err, (out + err)[-3000:]
 
     assert code2 == 0, out2[-2000:] + err2[-3000:]
     assert "(step 2)" in out2
     assert losses(folder) == reference
 
 
-KILLS = 6
-"""Kills of the random-instant test: three at a random instant, three in the middle of a save. Each relaunch is a
-torchrun job of its own (~15 s on a loaded 2-core box), and what the test proves (a torn metrics line and a
-half-written checkpoint are both met and survived, the losses bit-identical at the end) needs each kind more than
-once, not five times: ten kills cost CI ~170 s, six ~100 s."""
+KILLS = 4
+"""Kills of the random-instant test: two at a random instant, two in the middle of a save. What the test proves (a
+torn metrics line and a half-written checkpoint are both met and survived, the losses bit-identical at the end)
+needs each kind more than once, not five times: each kill is a relaunch (ten cost CI ~170 s, six ~100 s)."""
 
 
 def saving(folder: str) -> bool:
@@ -271,37 +284,48 @@ def saving(folder: str) -> bool:
         return False
 
 
-def test_a_run_sigkilled_at_random_instants_resumes_every_time_and_matches(tmp_path, uninterrupted):
-    """Every process of the run SIGKILLed (as a node dies) 10 times after the relaunched run logged its first new
-    step: the odd kills at a random instant (with a save and a log write every step they fall in steps, saves and
-    log writes), the even ones as soon as the next save's partial folder appears (in the middle of a save, for sure).
+def test_a_run_sigkilled_at_random_instants_resumes_every_time_and_matches(tmp_path):
+    """Every process of the run SIGKILLed (as a node dies) KILLS times after the relaunched run logged its first new
+    step: the odd kills at a random instant of the step cycle that follows (with a save and a log write every step
+    they fall in steps, saves and log writes; the cycle is timed first, as the step's length differs by machine and
+    load), the even ones as soon as the next save's partial folder appears (in the middle of a save, for sure).
     Every relaunch must resume (a torn metrics line, a half-written checkpoint left behind) and the losses at the end
-    equal an uninterrupted run's bit for bit."""
+    equal an uninterrupted run's bit for bit. The ranks are forked from one interpreter (what a killed run leaves is
+    the subject, not torchrun: the signal tests above cover the launcher)."""
     import random
 
-    reference = uninterrupted("plain")
+    reference = uninterrupted()
     folder = str(tmp_path / "run")
     every_step = ("--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2")
     chance = random.Random(49)
     kills, said = [], ""
     for kill in range(KILLS):
         before = logged_step(folder)
-        process = launch(folder, *every_step)
+        process = forked(folder, *every_step)
         while logged_step(folder) <= before:
             assert process.poll() is None, f"relaunch {kill} ended:\n" + process.communicate()[1][-3000:]
-            time.sleep(0.02)
-        delay = chance.uniform(0, 0.8) if kill % 2 else 0.0
-        time.sleep(delay)
+            time.sleep(0.005)
+        delay = 0.0
+        if kill % 2:  # one step-save-log cycle timed, then a random instant of the next
+            first, start = logged_step(folder), time.perf_counter()
+            while logged_step(folder) <= first:
+                assert process.poll() is None, "the run finished before its kill: raise STEPS"
+                time.sleep(0.005)
+            delay = chance.uniform(0, time.perf_counter() - start)
+            time.sleep(delay)
         while not (kill % 2 or saving(folder)):
             assert process.poll() is None, "the run finished before its kill: raise STEPS"
             time.sleep(0.005)
         assert process.poll() is None, "the run finished before its kill: raise STEPS"
         in_save = saving(folder)
         for pid in group_processes(process.pid):
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # a rank gone with its parent already (forked_launch's parent-death signal)
+                pass
         said += process.communicate()[1]
         kills.append((logged_step(folder), round(delay, 2), "save" if in_save else "step/log"))
-    code, out, err = finish(launch(folder, *every_step))
+    code, out, err = finish(forked(folder, *every_step))
     said += err
     print(f"killed after (logged step, delay s, in): {kills}; torn metrics lines dropped: "
           f"{said.count('dropped its torn last line')}, checkpoints skipped: {said.count('falling back')}")

@@ -5,6 +5,7 @@ import shutil
 import pytest
 
 from tests.trainer_runs import read_metrics, run_train
+from tests.training.paced_runs import TINY
 from config import RecipeError
 from training.launch_checks.preflight import preflight_stages
 from config.recipe import load_config
@@ -79,9 +80,14 @@ def test_bad_ramp_is_refused_before_launch(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1320)  # two 4-rank runs allowed 600 s each
 def test_ramp_switches_stages_and_resumes_exactly_mid_stage(tmp_path):
+    """Three stages (seq 128 / 256 / 512, cp 1 / 2 / 4, rope theta growing) on 4 ranks, then a resume from the
+    checkpoint in the middle of stage 1. A tiny model (tests/training/paced_runs.TINY: switching stages and resuming
+    exactly show at any size; the debug model's 512-token steps were most of the cost), its ranks forked from one
+    interpreter (the ramp is the subject, not the launch: test_bad_ramp_is_refused_before_launch goes through
+    run_train.sh)."""
     recipe = write_recipe(tmp_path, checkpoint=True)
     straight = str(tmp_path / "straight")
-    result = run_train(recipe, "--job.dump_folder", straight, nproc=4, timeout=600)
+    result = run_train(recipe, *TINY, "--job.dump_folder", straight, nproc=4, timeout=600, forked=True)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(straight)
     assert [(r["step"], r["seq_len"], r["cp"], r["rope_theta"]) for r in records] == [
@@ -92,7 +98,7 @@ def test_ramp_switches_stages_and_resumes_exactly_mid_stage(tmp_path):
     # Stop in the middle of stage 1 (after step 3 of its steps 3-4): a fresh run folder holding only that checkpoint.
     resumed = str(tmp_path / "resumed")
     shutil.copytree(os.path.join(straight, "checkpoints", "step-3"), os.path.join(resumed, "checkpoints", "step-3"))
-    result = run_train(recipe, "--job.dump_folder", resumed, nproc=4, timeout=600)
+    result = run_train(recipe, *TINY, "--job.dump_folder", resumed, nproc=4, timeout=600, forked=True)
     assert result.returncode == 0, result.stderr[-3000:]
     after = {r["step"]: r["loss"] for r in read_metrics(resumed)}
     assert sorted(after) == [4, 5, 6]

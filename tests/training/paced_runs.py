@@ -1,0 +1,81 @@
+"""What the kill, signal and restart tests share (test_preemption, test_checkpoint_restart, tests/test_slurm.py): a
+tiny model, steps paced by a sleep instead of by compute, and the uninterrupted reference run once per process. The
+tiny model also serves the checkpoint, ramp and offload runs whose property shows at any size (test_checkpoint_runs,
+test_ramp, test_cpu_offload_runs).
+
+Why tiny: what these tests prove (a save on a signal, a resume bit for bit, a torn file survived) shows at any model
+size, and on a 2-core box the debug model's steps (~1.3 CPU s each on 2 ranks) were most of their cost after the
+launches themselves. Why paced: a tiny step takes tens of milliseconds, too short for a test that signals a run
+after step N is logged to be sure the run has not finished meanwhile; a sleep holds each step without using a core.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+TINY_SHAPE = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2)
+TINY = tuple(item for key, value in TINY_SHAPE.items() for item in (f"--model.{key}", str(value)))
+"""Two blocks (several blocks' shards in each checkpoint), grouped-query attention (4 query, 2 key/value heads):
+~0.4M parameters, a 5 MB checkpoint on 2 ranks. The vocabulary stays the debug recipe's (its cached tokenizer)."""
+
+PACED_STEPS = """
+import importlib.util, os, sys, time
+
+_SECONDS = float(os.environ.get("PACED_STEP_S", "0"))
+_KEY, _, _WANT = os.environ.get("PACED_WHILE", "").partition("=")
+
+
+class _PacedSteps:
+    def find_spec(self, name, path=None, target=None):
+        if name != "training.preemption":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            agreed = module.StopSignals.agreed
+
+            def paced(self, *args, **kwargs):
+                time.sleep(_SECONDS)
+                return agreed(self, *args, **kwargs)
+            module.StopSignals.agreed = paced
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _SECONDS > 0 and (not _KEY or os.environ.get(_KEY, "0") == _WANT):
+    sys.meta_path.insert(0, _PacedSteps())
+"""
+"""sitecustomize.py for every Python process of a run (through PYTHONPATH): each step sleeps PACED_STEP_S seconds
+after it is logged and before the ranks agree on a signal (training/preemption.py's StopSignals.agreed), which a
+signal during the sleep only notes; with PACED_WHILE=NAME=VALUE only while that variable (unset counts as "0") has
+that value, e.g. the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0) or of a Slurm job
+(SLURM_RESTART_COUNT=0)."""
+
+
+def paced_hook(folder) -> str:
+    """Writes PACED_STEPS as `folder`/sitecustomize.py; returns the folder to put first on PYTHONPATH."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(PACED_STEPS)
+    return str(folder)
+
+
+def uninterrupted_losses(args: tuple, nproc: int = 2) -> dict[int, float]:
+    """{step: loss} of `args` on `nproc` ranks without a signal or a kill: the reference of the resumed runs. Its
+    ranks are forked (tests/trainer_runs.run_train(forked=True)): the reference's subject is the numbers, which are
+    torchrun's bit for bit, not the launch. Run once per process and set of arguments; each caller gets a copy."""
+    return dict(_uninterrupted(tuple(args), nproc))
+
+
+@functools.cache
+def _uninterrupted(args: tuple, nproc: int) -> dict[int, float]:
+    from tests.trainer_runs import read_metrics, run_train
+
+    with tempfile.TemporaryDirectory(prefix="uninterrupted-") as folder:
+        result = run_train(*args, "--job.dump_folder", folder, nproc=nproc, timeout=300, forked=True)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        return {record["step"]: record["loss"] for record in read_metrics(folder)}
