@@ -60,15 +60,44 @@ class RecordingBackend:
         return compile_graph
 
 
-def block_graph_report(group, variant: str, ac: str, seq: int = 32) -> dict:
-    """Layer 0 of the debug model under `context_parallel` on `group`, AC-wrapped as `ac` and compiled as
-    apply_compile does (the block inside its checkpoint wrapper, fullgraph) with a recording backend: dynamo's
-    explanation of the block, the ops of the graphs it built, and the compiled forward and input gradient's largest
-    difference from the eager CP path (the autograd.Function exchanges, a separate implementation)."""
+def block_explanation(group, variant: str, seq: int = 32) -> dict:
+    """dynamo's explanation of layer 0's inner block (no checkpoint wrapper: explain calls the inner module, so the
+    activation-checkpoint mode cannot change it, and one explanation per variant serves every mode) under
+    `context_parallel` on `group`: its graph and break counts, the break reasons and the ops of its graphs."""
     import torch._dynamo
 
     from parallelisms.context_parallel import context_parallel
 
+    load_balancer, cp_impl, with_ids = VARIANTS[variant]
+    model = debug_model()
+    tokens = torch.zeros(2, seq, dtype=torch.long)
+    buffers = [tokens] + ([document_ids(2, seq)] if with_ids else [])
+    torch._dynamo.reset()
+    with context_parallel(group, buffers, [1] * len(buffers), load_balancer=load_balancer, cp_impl=cp_impl,
+                          document_ids=buffers[1] if with_ids else None):
+        local = tokens.size(1)
+        h = torch.randn(2, local, 64, generator=torch.Generator().manual_seed(7), requires_grad=True)
+        cos, sin = model.rope(torch.arange(local).expand(2, local))
+        explained = torch._dynamo.explain(model.layers["0"])(h, cos, sin)
+    ops = _graph_ops(explained.graphs)
+    return {"graphs": explained.graph_count, "breaks": explained.graph_break_count,
+            "reasons": [str(b.reason) for b in explained.break_reasons],
+            "cp_ops": sum(op == "titan_cp.attention.default" for op in ops),
+            "p2p": [op for op in ops if any(name in op for name in P2P_NAMES)]}
+
+
+def block_graph_report(group, variant: str, ac: str, seq: int = 32, explained: dict | None = None) -> dict:
+    """Layer 0 of the debug model under `context_parallel` on `group`, AC-wrapped as `ac` and compiled as
+    apply_compile does (the block inside its checkpoint wrapper, fullgraph) with a recording backend: dynamo's
+    explanation of the block (`explained`, block_explanation's for this variant, or made here), the ops of the graphs
+    it built, and the compiled forward and input gradient's largest difference from the eager CP path (the
+    autograd.Function exchanges, a separate implementation)."""
+    import torch._dynamo
+
+    from parallelisms.context_parallel import context_parallel
+
+    if explained is None:
+        explained = block_explanation(group, variant, seq)
     load_balancer, cp_impl, with_ids = VARIANTS[variant]
     model = debug_model(ac=ac)
     block = model.layers["0"]
@@ -82,17 +111,12 @@ def block_graph_report(group, variant: str, ac: str, seq: int = 32) -> dict:
         local = tokens.size(1)
         h = torch.randn(2, local, 64, generator=torch.Generator().manual_seed(7), requires_grad=True)
         cos, sin = model.rope(torch.arange(local).expand(2, local))
-        explained = torch._dynamo.explain(inner)(h, cos, sin)
         eager = block(h, cos, sin)
         (eager_grad,) = torch.autograd.grad(eager.square().sum(), h)
         inner.compile(backend=recorder.backend, fullgraph=True)
         compiled = block(h, cos, sin)
         (compiled_grad,) = torch.autograd.grad(compiled.square().sum(), h)
-    ops = _graph_ops(explained.graphs)
-    return {"graphs": explained.graph_count, "breaks": explained.graph_break_count,
-            "reasons": [str(b.reason) for b in explained.break_reasons],
-            "cp_ops": sum(op == "titan_cp.attention.default" for op in ops),
-            "p2p": [op for op in ops if any(name in op for name in P2P_NAMES)],
+    return {**explained,
             "aot_forward_cp_ops": [sum(op == "titan_cp.attention.default" for op in g) for g in recorder.forward],
             "aot_backward_cp_ops": [sum(op == "titan_cp.attention_backward.default" for op in g)
                                     for g in recorder.backward],

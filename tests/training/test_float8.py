@@ -9,7 +9,7 @@
   over the whole sequence: one MAX all-reduce over the CP group per cast; losses within 1e-5).
 - Checkpoints: exact resume, float8 toggled either way on resume, plain tensors in DCP and in the HF export.
 - The one-line refusals, and a run without float8 never imports torchao.
-The long runs (8 ranks, the 50-step learning run against bf16, a resharded checkpoint, compile) are in
+The long runs (8 ranks, the 20-step learning run against bf16, a resharded checkpoint, compile) are in
 tests/training/test_float8_runs.py, the slow tier.
 """
 from __future__ import annotations

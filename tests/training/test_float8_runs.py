@@ -1,5 +1,5 @@
 """Float8's long runs (slow tier), in a file of their own so CI starts them early (tests/conftest.py): 8 ranks
-composing dp 2 x tp 2 x cp 2, a 50-step learning run against bf16, a float8 checkpoint resharded, and torch.compile
+composing dp 2 x tp 2 x cp 2, a 20-step learning run against bf16, a float8 checkpoint resharded, and torch.compile
 over float8 blocks. The fast ones, and what each bound means, are in tests/training/test_float8.py."""
 from __future__ import annotations
 
@@ -38,20 +38,31 @@ LEARNING_BOUND = 0.02
 """Every step's loss of a float8 run within 2% of the bf16 run's (same weights at step 0, same rows)."""
 
 
+LEARNING_SHAPE = dict(steps=20, seq_len=64, lr="6e-3")
+"""20 steps of 8 rows of 64 tokens at 3x the recipe's learning rate: a fifth of the tokens of the 50 steps at seq 128
+(lr 2e-3) this test ran before (836 s of a contended CI for both runs). The loss still falls by more than the 2.5
+asked (measured 8.232 -> 5.396 in bf16), and the float8 run tracks bf16 step by step through the whole curve, a loss
+spike at step 6 included (worst step 2.0e-3 relative, the bound 0.02; 1.3e-3 at the old shape), so the gap float8
+costs shows as before. Lower rates at this shape leave a last step short of the 2.5 (lr 4e-3 over 24 steps: its
+per-batch losses at 8 x 64 tokens swing by 0.5 and the last one was 6.07)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_float8_learns_like_bf16():
-    """50 steps of the debug model on 2 ranks (FSDP2, bf16 compute, seq 128, 8 rows a step; the loss falls from
-    8.2 to ~5.1), tensorwise float8 against bf16. Measured: worst step 1.3e-3 relative, mean of the last 10 steps
-    5.1324 against bf16's 5.1312; 53 s for both runs on 2 cores (the CPU has no float8 GEMM: torch emulates it).
-    At seq 256 (twice the time): 8.5e-4, 5.2257 against 5.2239, and rowwise 1.3e-3, 5.2228."""
-    runs = {recipe: [r["loss"] for r in trainer_run(dict(dp_shard=2), 50, 128, extra=["--training.float8", recipe],
-                                                   global_batch=8, dtype="bfloat16", timeout=600)]
+    """The debug model on 2 ranks (FSDP2, bf16 compute, 8 rows a step; LEARNING_SHAPE), tensorwise float8 against
+    bf16 from the same weights over the same rows: every step's loss within LEARNING_BOUND, and bf16 learns. At the
+    old shape (50 steps, seq 128, lr 2e-3): worst step 1.3e-3, mean of the last 10 steps 5.1324 against 5.1312; at
+    seq 256 8.5e-4, and rowwise 1.3e-3 (the CPU has no float8 GEMM: torch emulates it)."""
+    steps, seq_len, lr = LEARNING_SHAPE["steps"], LEARNING_SHAPE["seq_len"], LEARNING_SHAPE["lr"]
+    runs = {recipe: [r["loss"] for r in trainer_run(dict(dp_shard=2), steps, seq_len, global_batch=8, timeout=420,
+                                                   extra=["--training.float8", recipe, "--optimizer.lr", lr],
+                                                   dtype="bfloat16")]
             for recipe in ("off", "tensorwise")}
     bf16, float8 = runs["off"], runs["tensorwise"]
     worst = max(abs(x - y) / y for x, y in zip(float8, bf16))
-    print(f"float8 tensorwise vs bf16 over 50 steps: worst step {worst:.2e} relative; last 10 steps "
-          f"{sum(float8[-10:]) / 10:.4f} vs {sum(bf16[-10:]) / 10:.4f}")
+    print(f"float8 tensorwise vs bf16 over {steps} steps: worst step {worst:.2e} relative; last 5 steps "
+          f"{sum(float8[-5:]) / 5:.4f} vs {sum(bf16[-5:]) / 5:.4f}")
     assert bf16[-1] < bf16[0] - 2.5 and worst <= LEARNING_BOUND, (float8, bf16)
 
 
@@ -77,11 +88,13 @@ def test_float8_compiles_without_surprises(tmp_path):
     """torch.compile (CUDA's default) over float8 blocks under CP 2 and FSDP2 over it (float8 all-gathers): the same
     losses as eager up to bf16 fusion, one graph per block kind, no graph break, no compile warning (parallelisms/parallelize.compile_surprises: graph breaks, failed
     frames, unsupported constructs) and no graph built after the first step: the float8 scales' CP maximum is one
-    module-level function (parallelisms/float8.amax_over_sequence), not a closure per micro-step (issue 47)."""
+    module-level function (parallelisms/float8.amax_over_sequence), not a closure per micro-step (issue 47).
+    2 steps, not 3: the second is the first that could build a graph again, and the runs are deterministic, so the
+    largest difference over 2 steps is at most the one measured over 3 (the compile itself is most of the cost)."""
     losses = {}
     for compiled in ("false", "true"):
         out = str(tmp_path / compiled)
-        result = run_train("--training.steps", "3", "--training.dtype", "bfloat16", "--training.float8", "tensorwise",
+        result = run_train("--training.steps", "2", "--training.dtype", "bfloat16", "--training.float8", "tensorwise",
                            "--training.compile", compiled, "--metrics.enable_tensorboard", "false",
                            "--parallelism.cp", "2", "--parallelism.dp_shard", "1",
                            "--job.dump_folder", out, nproc=2, timeout=400, forked=True)
@@ -92,6 +105,7 @@ def test_float8_compiles_without_surprises(tmp_path):
     assert records[0]["compile"]["unique_graphs"] == records[-1]["compile"]["unique_graphs"], records
     assert "warning: torch.compile" not in result.stdout + result.stderr, result.stdout[-3000:]
     # bf16 fusion: each whole block is one graph, whose fused norms and residual adds skip eager's bf16 roundings of
-    # their intermediates. Measured 1.03e-4 relative over 3 steps (1.3e-5 when only attention and feed-forward were
-    # compiled); with inductor's emulate_precision_casts, which keeps those roundings, 2.1e-5.
+    # their intermediates. Measured 1.03e-4 relative over 3 steps, so at most that over their first 2 (1.3e-5 when
+    # only attention and feed-forward were compiled); with inductor's emulate_precision_casts, which keeps those
+    # roundings, 2.1e-5.
     assert _max_rel(losses["true"], losses["false"]) <= 2e-4, losses
