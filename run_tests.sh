@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the tests:  ./run_tests.sh [--slow | --gpu] [pytest args]
-#   default: the fast tier (minutes);  --slow: the fast and the slow tier (multi-rank end-to-end runs)
+#   default: the fast tier (minutes);  --slow: the fast and the slow tier (multi-rank end-to-end runs); with no
+#          pytest args, on nproc+1 (at most 4) pytest-xdist workers; any pytest arg runs exactly what it says
 #   --gpu: the GPU tier only (CUDA variants of tests/gpu, on the GPUs this machine has); prints the device, torch
 #          and CUDA versions; without a visible GPU it prints one line and exits 0; when nvidia-smi lists GPUs but
 #          torch has no CUDA it prints one line (how to install a CUDA torch with TORCH_SPEC) and exits 1
@@ -50,5 +51,14 @@ print(n, torch.__version__, torch.version.cuda or "none", torch.cuda.get_device_
   fi
   echo "GPU tier: $gpus x $name, torch $torch_version, CUDA $cuda_version"
   if [ -n "$report" ]; then exec "$PY" -m harness.gpu_report "$report"; fi
+fi
+if [ ${#args[@]} -eq 0 ] && [ "${marker[1]}" != "gpu" ]; then
+  # The whole tier with nothing else asked: on pytest-xdist workers, one more than the cores (most tests are one
+  # single-threaded process that also waits on ranks it started), at most 4 (each may hold an 8-rank run's memory).
+  # Work is handed out as CI does (tests/conftest.py: a file per unit, the long ones first). Any pytest argument
+  # (a path, -k, -n 0, -p no:xdist) turns this off: what is given runs as written.
+  workers=$(( $(nproc 2>/dev/null || echo 1) + 1 ))
+  if [ "$workers" -gt 4 ]; then workers=4; fi
+  args=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 fi
 exec "$PY" -m pytest "${marker[@]}" "${args[@]}"
