@@ -12,6 +12,7 @@ import pytest
 import training.timeouts as timeouts
 from config import RecipeError
 from config.recipe import load_config
+from harness.launch_env import child_env
 from tests.trainer_runs import ROOT, read_metrics, run_train
 from training.timeouts import CollectiveTimeouts, auto_step_timeout
 
@@ -137,8 +138,8 @@ def _run_with_rank_1(tmp_path, steps: int, **env):
     result = run_train(os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", str(out),
                        "--job.init_timeout_s", "150", "--job.step_timeout_s", "20", "--training.steps", str(steps),
                        "--metrics.enable_tensorboard", "false", nproc=2, timeout=400,
-                       env={"PYTHONPATH": str(helper), "FREEZE_METRICS": str(out / "metrics.jsonl"),
-                            "STOP_GRACE_S": "5", **{k: str(v) for k, v in env.items()}})
+                       env=child_env(str(helper), FREEZE_METRICS=str(out / "metrics.jsonl"), STOP_GRACE_S="5",
+                                     **{k: str(v) for k, v in env.items()}))
     return result, str(out)
 
 
