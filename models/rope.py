@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from config.rope import DEFAULT_ROPE_TYPE, ROPE_TYPES
+from models.tile_loops import tile_starts
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling_factor: float | None = None,
@@ -173,7 +174,7 @@ def _tiled(x, cos, sin, sign, tile_tokens: int, backward: bool) -> torch.Tensor:
     if tile_tokens >= x.size(1):
         return _rotate_tile(x, cos, sin, sign, backward)
     out = torch.empty_like(x)
-    for start in range(0, x.size(1), tile_tokens):
+    for start in tile_starts(x.size(1), tile_tokens, x):
         rows = slice(start, start + tile_tokens)
         out[:, rows] = _rotate_tile(x[:, rows], cos[:, rows], sin[:, rows], sign, backward)
     return out

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from models.autocast import to_autocast_dtype
+from models.tile_loops import tile_starts
 
 
 def _tile_forward(x, w1, w3, w2):
@@ -29,7 +30,7 @@ def _tile_forward(x, w1, w3, w2):
 def _forward_tiles(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                    tile_tokens: int) -> torch.Tensor:
     out = x.new_empty(x.size(0), w2.size(0))
-    for start in range(0, x.size(0), tile_tokens):
+    for start in tile_starts(x.size(0), tile_tokens, x):
         out[start:start + tile_tokens] = _tile_forward(x[start:start + tile_tokens], w1, w3, w2)
     return out
 
@@ -49,7 +50,7 @@ def _backward_tiles(grad_out: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w
                      tile_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_x = torch.empty_like(x)
     grad_w1, grad_w3, grad_w2 = (torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in (w1, w3, w2))
-    for start in range(0, x.size(0), tile_tokens):
+    for start in tile_starts(x.size(0), tile_tokens, x):
         rows = slice(start, start + tile_tokens)
         xt, dout = x[rows], grad_out[rows]
         gate, up = (xt @ w1.t()).float(), (xt @ w3.t()).float()

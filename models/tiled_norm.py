@@ -20,13 +20,15 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
+from models.tile_loops import tile_starts
+
 
 def _forward_tiles(x: torch.Tensor, weight: torch.Tensor, eps: float, tile_tokens: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, float32 rstd per row) of 2-D x, `tile_tokens` rows at a time."""
     out = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
     rstd = torch.empty(x.size(0), 1, dtype=torch.float32, device=x.device)
-    for start in range(0, x.size(0), tile_tokens):
+    for start in tile_starts(x.size(0), tile_tokens, x):
         rows = slice(start, start + tile_tokens)
         x32 = x[rows].float()
         torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps, out=rstd[rows])
@@ -50,7 +52,7 @@ def _backward_tiles(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
                      tile_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     grad_x = torch.empty_like(x)
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    for start in range(0, x.size(0), tile_tokens):
+    for start in tile_starts(x.size(0), tile_tokens, x):
         rows = slice(start, start + tile_tokens)
         normed = x[rows].float() * rstd[rows]
         g = grad_out[rows]

@@ -31,6 +31,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from models.tile_loops import active_sampler
+
 aten = torch.ops.aten
 
 KINDS = ("gemm", "attention", "copy/cast", "optimizer", "collective", "elementwise/other", "no kernel")
@@ -145,9 +147,12 @@ class DispatchCounter(TorchDispatchMode):
         """Attention calls per kernel (KERNEL_OF_OP)."""
         self.host_to_device = 0
         self._paused = 0
+        self._tiles = None
+        """The SampledTiles entered below this counter, if any (models/tile_loops.py): its weight scales counts."""
         self._host_reads = _HostReadCounter(self) if strict else None
 
     def __enter__(self):
+        self._tiles = active_sampler()
         super().__enter__()
         if self._host_reads is not None:
             self._host_reads.__enter__()
@@ -191,9 +196,10 @@ class DispatchCounter(TorchDispatchMode):
         if self._paused:
             return func(*args, **kwargs)
         self._count_transfers(func, args, kwargs)
-        self.calls[func] += 1
+        weight = self._tiles.weight if self._tiles is not None else 1  # a sampled tile stands for `weight`
+        self.calls[func] += weight
         out = func(*args, **kwargs)
-        self.bytes[func] += _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
+        self.bytes[func] += weight * (_tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out))
         if func in KERNEL_OF_OP:
             self.by_kernel[KERNEL_OF_OP[func]] = self.by_kernel.get(KERNEL_OF_OP[func], 0) + 1
             if self.record:

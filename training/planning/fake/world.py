@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from config.schema import Config
 from models.llama import Llama, recipe_model_config
+from models.tile_loops import SampledTiles
 from parallelisms.context_parallel import CommStats
 from parallelisms.cp.layouts import DOCUMENTS, ZIGZAG
 from parallelisms.parallel_dims import ParallelDims
@@ -105,7 +106,8 @@ def fake_world(cfg: Config, world_size: int, rank: int = 0, device: str = "cpu",
             model = parallelize(model, mesh, cfg)
         if p.cp_load_balancer == DOCUMENTS and not documents:  # no ids to plan from: its one-document row
             p = dataclasses.replace(p, cp_load_balancer=ZIGZAG)
-        with FakeTensorMode(allow_non_fake_inputs=True), _sharding_propagation_in_its_own_fake_mode():
+        with FakeTensorMode(allow_non_fake_inputs=True), _sharding_propagation_in_its_own_fake_mode(), \
+                SampledTiles():  # tile loops in three tiles: the same peaks and counts (models/tile_loops.py)
             if device != "cpu":  # in the mode: FSDP2 makes its (empty) buffers on the device
                 model = parallelize(model, mesh, cfg)
             setup = StepSetup(model, mesh, p, document_masking=documents and cfg.data.document_masking,
