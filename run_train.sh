@@ -23,18 +23,14 @@ if [ -n "${SLURM_JOB_ID:-}" ] && [ -n "${RDZV_ENDPOINT:-}" ]; then
   nodes="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
   launch=(--nnodes "$nodes" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$SLURM_JOB_ID")
 fi
-# Validate the recipe and the launch in one process first: bad input is one line, never a torchrun traceback wall.
+# Validate the recipe and the launch first: bad input is one line, never a torchrun traceback wall. The check runs in
+# the launcher's own process, before torchrun (training/launcher.py check_then_size), which also splits the cores
+# between the local ranks as train.py would (OMP_NUM_THREADS, unless set: no torchrun banner on every run).
 world=""
 if [ -n "${NPROC:-}" ]; then world=$((nodes * NPROC)); fi
-ranks="$(WORLD_SIZE="$world" "$PY" "$HERE/train.py" --check "$@")" || exit $?
 for arg in "$@"; do  # --check alone: the ranks it would launch, printed once, and no torchrun
-  if [ "$arg" = "--check" ]; then echo "$ranks"; exit 0; fi
+  if [ "$arg" = "--check" ]; then WORLD_SIZE="$world" exec "$PY" "$HERE/train.py" "$@"; fi
 done
-NPROC="${NPROC:-$ranks}"
-# The cores split between the local ranks, as train.py would split them itself; set here so that torchrun does not
-# print its OMP_NUM_THREADS banner on every run (an OMP_NUM_THREADS already set is kept).
-cores="$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NPROC > 0 ? cores / NPROC : 1 ))}"
 # MAX_RESTARTS=N: torchrun restarts the job after a rank dies and it resumes from the newest complete checkpoint. A
 # restarted job needs a fresh rendezvous store: torch 2.13's shared one hands it the dead ranks' stale gloo addresses.
 # Signals: torchrun forwards SIGTERM and SIGUSR1 to the ranks, which finish their step, save it and exit; it waits
@@ -43,6 +39,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NPROC > 0 ? cores / NPROC
 # code says why the run stopped: 0 after a save on SIGTERM, 75 (requeue) after a save on SIGUSR1; a rank the kernel's
 # OOM killer SIGKILLed (it leaves no word of its own) gets one last line naming the signal, the rank and the plan.
 exec env TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-$(( ${MAX_RESTARTS:-0} > 0 ))}" \
-  PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m training.launcher "${launch[@]}" \
+  TRAIN_CHECK_WORLD_SIZE="$world" PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" \
+  "$PY" -m training.launcher "${launch[@]}" \
   --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "${STOP_GRACE_S:-600}" \
-  --max-restarts "${MAX_RESTARTS:-0}" --nproc-per-node "$NPROC" "$HERE/train.py" "$@"
+  --max-restarts "${MAX_RESTARTS:-0}" --nproc-per-node "${NPROC:-auto}" "$HERE/train.py" "$@"

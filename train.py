@@ -31,6 +31,7 @@ from training.checkpoint_shapes import preflight_checkpoint  # noqa: E402
 from training.checkpoint_disk import DISK_EXIT_CODE, CheckpointDiskError, check_checkpoint_disk  # noqa: E402
 from training.launch_checks.device_check import check_attention_kernel, check_gpus  # noqa: E402
 from training.launch_checks.preflight import preflight_stages, required_ranks  # noqa: E402
+from training.rank_positions import is_collective_timeout, report_hang  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
 
 
@@ -123,14 +124,23 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    hung = False
     try:
         trainer.run()  # stopped on a signal or not, every rank exits 0: training/launcher.py sets the exit code
     except CheckpointDiskError as e:  # a save failed on the disk: one line, not DCP's traceback of every rank
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return DISK_EXIT_CODE
+    except RuntimeError as e:  # a collective timed out: who never arrived, in one line (training/rank_positions.py)
+        if not is_collective_timeout(e):
+            raise
+        hung = True
+        import traceback
+
+        report_hang(trainer.rank, trainer.hang_report(traceback.format_exc()))
+        return 1
     finally:
-        trainer.close()
+        trainer.close(hung=hung)
     return 0
 
 

@@ -72,18 +72,19 @@ def untested_torch(version: str | None = None) -> str | None:
             "(requirements.txt pins the tested one)")
 
 
-def exit_if_unsupported_torch(version: str | None = None) -> None:
+def exit_if_unsupported_torch(version: str | None = None, warn: bool = True) -> None:
     """train.py's first step: exits with status 2 after one `error:` line (rank 0 prints it, as train.py prints a
     RecipeError) when torch is older than `OLDEST_TORCH`; prints one `warning:` line when it is newer than
     `NEWEST_TESTED_TORCH` from a process that torchrun did not start (run_train.sh's one-process --check, --dry-run,
-    ...), so a launch warns once, not once per rank."""
+    ...), so a launch warns once, not once per rank. `warn=False`: the refusal only (training/launcher.py, whose launch
+    check loads train.py, which warns)."""
     refusal = unsupported_torch(version)
     if refusal:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {refusal}", file=sys.stderr)
         raise SystemExit(2)
     warning = untested_torch(version)
-    if warning and "LOCAL_RANK" not in os.environ:
+    if warning and warn and "LOCAL_RANK" not in os.environ:
         print(f"warning: {warning}", file=sys.stderr)
 
 

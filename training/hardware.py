@@ -1,6 +1,7 @@
 """Device and backend chosen at run time, the peak FLOP/s MFU is measured against, and memory readings."""
 from __future__ import annotations
 
+import json
 import os
 import resource
 import time
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from config.accelerators import part_of
+from training.checkpoint_files import write_json_atomically
 
 @dataclass
 class Device:
@@ -48,8 +50,9 @@ def measure_gemm_peak(dtype: torch.dtype, device: torch.device, size: int = 1024
     return 2 * size**3 / fastest
 
 
-def peak_flops(device: Device, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s per rank, where the number came from)."""
+def peak_flops(device: Device, dtype: torch.dtype, cache_dir: str | None = None) -> tuple[float, str]:
+    """(peak FLOP/s per rank, where the number came from). On CPU the measured peak is kept in
+    `cache_dir`/cpu_gemm_peak.json (data.cache_dir) for the next runs on the same CPU, dtype, thread count and torch."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name()
         part = part_of(name)  # the accelerator table's dense bf16 peak of this part (config/accelerators.py)
@@ -57,7 +60,58 @@ def peak_flops(device: Device, dtype: torch.dtype) -> tuple[float, str]:
             scale = 0.5 if dtype == torch.float32 else 1.0  # TF32 tensor cores run at half the bf16 rate
             return part.bf16_flops * scale, f"table:{part.spelling}"
         return measure_gemm_peak(dtype, device.torch_device, size=4096), f"measured-gemm:{name}"
-    return measure_gemm_peak(dtype, device.torch_device), f"measured-cpu-gemm:{str(dtype).replace('torch.', '')}"
+    source = f"measured-cpu-gemm:{str(dtype).replace('torch.', '')}"
+    if cache_dir is None:
+        return measure_gemm_peak(dtype, device.torch_device), source
+    return CpuPeakCache(cache_dir).peak(dtype, device.torch_device), source
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
+class CpuPeakCache:
+    """The CPU GEMM peak, measured once per (CPU model, dtype, threads, torch) and then read from a JSON file.
+
+    Measuring costs each rank 0.6 s of a busy core at every start (0.78 CPU-s in float32 here): in a test suite of a
+    thousand short runs, minutes of CPU for the same number again. The peak only scales the MFU column on a CPU, so a
+    number from an earlier run of the same machine serves as well; a new CPU, dtype, thread count or torch measures
+    again."""
+
+    FILE = "cpu_gemm_peak.json"
+
+    def __init__(self, cache_dir: str):
+        self.path = os.path.join(cache_dir, self.FILE)
+
+    @staticmethod
+    def key(dtype: torch.dtype) -> str:
+        return f"{_cpu_model()} | {str(dtype).replace('torch.', '')} | threads {torch.get_num_threads()} | " \
+               f"torch {torch.__version__}"
+
+    def _read(self) -> dict:
+        try:
+            with open(self.path) as f:
+                table = json.load(f)
+            return table if isinstance(table, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def peak(self, dtype: torch.dtype, device: torch.device) -> float:
+        key = self.key(dtype)
+        known = self._read().get(key)
+        if isinstance(known, (int, float)) and known > 0:
+            return float(known)
+        measured = measure_gemm_peak(dtype, device)
+        try:  # ranks of one run may measure at once: the last rename wins, a lost race only measures again later
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            write_json_atomically(self.path, {**self._read(), key: measured})
+        except OSError:  # a read-only cache folder: measure every time, as before
+            pass
+        return measured
 
 
 def peak_memory_gib(device: Device) -> float:

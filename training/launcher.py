@@ -12,24 +12,98 @@ kernel's OOM killer), which leaves no word of its own: one last line naming the 
 A rank torchrun itself stopped after a peer failed (it sends SIGTERM to the ranks still running, then SIGKILL to
 those that did not exit within the grace period: a rank stuck in a hang) is told apart by its pid: the launcher
 records which ranks were still running when torchrun began to close them (RankStops), and its last line names the
-rank that failed first and the ones torchrun stopped, never the OOM killer.
+rank that failed first and the ones torchrun stopped, never the OOM killer. A rank whose collective timed out leaves
+its line naming the ranks that never arrived (training/rank_positions.py) in a file this launcher makes
+(HANG_FILE_ENV); the ranks still running then get HANG_GRACE_S instead of the save-on-signal grace, and that line
+comes last.
+
+Before torchrun starts, the launch check (train.py --check: bad input in one line, before any rank) runs here, in
+this process (check_then_size): run_train.sh once ran it as a process of its own, which imported torch and the
+trainer a second time for every launch (~4 CPU-s, as much as a rank's start-up).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import sys
 import tempfile
 
+from config.torch_support import exit_if_unsupported_torch
+
+exit_if_unsupported_torch(warn=False)  # before torch.distributed's imports: an old torch stops in one line
+
 from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import get_args_parser, main as torchrun
+from torch.distributed.run import get_args_parser, main as torchrun  # noqa: E402
 
-from training.checkpoint_disk import DISK_EXIT_CODE
-from training.preemption import EXIT_CODES, STOP_FILE_ENV
+from training.checkpoint_disk import DISK_EXIT_CODE  # noqa: E402
+from training.preemption import EXIT_CODES, STOP_FILE_ENV  # noqa: E402
+from training.rank_positions import HANG_FILE_ENV, reported_hang  # noqa: E402
+
+_TORCH_CLOSE = PContext.close
+HANG_GRACE_S = 5
+"""After a rank reported a hang (training/rank_positions.py), the ranks still running get this long between SIGTERM
+and SIGKILL instead of the save-on-signal grace: the rank that never arrived cannot save, nor can its waiters."""
 
 
 GRACE_FLAG = "--shutdown-timeout"
+NPROC_FLAG = "--nproc-per-node"
+CHECK_WORLD_ENV = "TRAIN_CHECK_WORLD_SIZE"
+"""The world size run_train.sh asks for (nodes x NPROC), empty when NPROC is unset: the check then takes the
+recipe's own degrees and says how many ranks to start (`--nproc-per-node auto`)."""
+
+
+def _script_at(argv: list[str]) -> int:
+    return next((i for i, arg in enumerate(argv) if not arg.startswith("-") and arg.endswith(".py")), len(argv))
+
+
+def _load_script(path: str):
+    """The script torchrun will run (run_train.sh passes train.py), loaded as a module of this process: its `--check`
+    mode is the launch check. Loaded by the path on the command line, as torchrun runs it, not imported by name: the
+    training package never imports the entry point (tests/test_import_direction.py)."""
+    import importlib.util
+
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_then_size(argv: list[str]) -> list[str] | int:
+    """train.py --check on the script's arguments, in this process: an exit code when it refuses (its one line is
+    printed), else torchrun's arguments with `--nproc-per-node auto` replaced by the ranks the check asks for, and
+    OMP_NUM_THREADS (unless set) the cores split between them, so torchrun prints no thread banner."""
+    script = _script_at(argv)
+    entry = _load_script(argv[script])
+    world = os.environ.pop(CHECK_WORLD_ENV, "")
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = world  # what the check reads as the launch's world size ("" = the recipe's)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            code = entry.main([*argv[script + 1:], "--check"])
+    finally:
+        if saved is None:
+            os.environ.pop("WORLD_SIZE")
+        else:
+            os.environ["WORLD_SIZE"] = saved
+    *lines, ranks = printed.getvalue().splitlines() or [""]
+    if lines:
+        print("\n".join(lines), flush=True)
+    if code != 0:
+        return code
+    argv = list(argv)
+    at = argv.index(NPROC_FLAG, 0, script) + 1
+    if argv[at] == "auto":
+        argv[at] = ranks.strip()
+    nproc = int(argv[at])
+    cores = os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    return argv
 
 
 def grace_on_any_torch(argv: list[str], parser=None) -> list[str]:
@@ -39,7 +113,7 @@ def grace_on_any_torch(argv: list[str], parser=None) -> list[str]:
     the arguments and its value becomes the least timeout of torchrun's own close of the ranks (PContext.close, which
     its signal path calls with the 30 s default), patched in this process only: it exists to run torchrun once."""
     parser = parser or get_args_parser()
-    script = next((i for i, arg in enumerate(argv) if not arg.startswith("-") and arg.endswith(".py")), len(argv))
+    script = _script_at(argv)
     if GRACE_FLAG in parser._option_string_actions or GRACE_FLAG not in argv[:script]:
         return argv
     i = argv.index(GRACE_FLAG)
@@ -55,20 +129,37 @@ def grace_on_any_torch(argv: list[str], parser=None) -> list[str]:
 
 class RankStops:
     """The pids of the ranks still running each time torchrun closes its process context (after a failure, a signal
-    or the end): a rank that then dies of SIGTERM or SIGKILL was stopped by torchrun, not by the kernel. Installed by
-    wrapping PContext.close in this process only (it exists to run torchrun once)."""
+    or the end): a rank that then dies of SIGTERM or SIGKILL was stopped by torchrun, not by the kernel. And, from
+    `hang_file`, the line of a rank whose collective timed out in the attempt being closed (`hang`; the file is
+    emptied for a restart's next attempt, and a later attempt's close forgets it): then the ranks still running get
+    HANG_GRACE_S. Installed by wrapping PContext.close in this process only (it exists to run torchrun once)."""
 
-    def __init__(self):
+    def __init__(self, hang_file: str | None = None):
         self.pids: set[int] = set()
+        self.hang_file = hang_file
+        self._hang: tuple[object, str] | None = None  # (the attempt's process context, the line)
+        self._closed: object | None = None
+
+    @property
+    def hang(self) -> str | None:
+        """The hang line of the last attempt torchrun closed, if a rank of it reported one."""
+        return self._hang[1] if self._hang is not None and self._hang[0] is self._closed else None
 
     def install(self) -> None:
         close = PContext.close
         stops = self
 
-        def recording_close(pcontext, *args, **kwargs):
+        def recording_close(pcontext, death_sig=None, timeout: int = 30):
             handlers = getattr(pcontext, "subprocess_handlers", {}) or {}
             stops.pids.update(h.proc.pid for h in handlers.values() if h.proc.poll() is None)
-            return close(pcontext, *args, **kwargs)
+            stops._closed = pcontext  # torchrun may close one attempt twice (on failure, then in a finally)
+            line = reported_hang(stops.hang_file) if stops.hang_file else None
+            if line is not None:
+                stops._hang = (pcontext, line)
+                open(stops.hang_file, "w").close()
+            if stops.hang is not None:
+                return _TORCH_CLOSE(pcontext, death_sig, min(timeout, HANG_GRACE_S))
+            return close(pcontext, death_sig, timeout)
 
         PContext.close = recording_close
 
@@ -98,8 +189,14 @@ def failure_line(failures: dict, stopped_pids: set[int], recipe: str) -> str | N
 
 
 def main(argv: list[str]) -> int:
-    argv = grace_on_any_torch(argv)
-    stops = RankStops()
+    checked = check_then_size(argv)
+    if isinstance(checked, int):
+        return checked
+    argv = grace_on_any_torch(checked)
+    fd, hang_path = tempfile.mkstemp(prefix="train-hang-")
+    os.close(fd)
+    os.environ[HANG_FILE_ENV] = hang_path  # the ranks inherit it
+    stops = RankStops(hang_path)
     stops.install()
     fd, path = tempfile.mkstemp(prefix="train-stop-")
     os.close(fd)
@@ -113,6 +210,9 @@ def main(argv: list[str]) -> int:
         except ChildFailedError as e:  # a save failed on the disk: rank 0 said so in one line
             if any(f.exitcode == DISK_EXIT_CODE for f in e.failures.values()):
                 return DISK_EXIT_CODE
+            if stops.hang is not None:  # a collective timed out: who never arrived, after torchrun's summary
+                print(stops.hang, file=sys.stderr)
+                return 1
             line = failure_line(e.failures, stops.pids, _recipe(argv))
             if line:  # torchrun's failure summary is printed; this line comes last
                 print(line, file=sys.stderr)
@@ -122,6 +222,7 @@ def main(argv: list[str]) -> int:
             saved_on = f.read().strip()
     finally:
         os.unlink(path)
+        os.unlink(hang_path)
     if saved_on:
         return EXIT_CODES[saved_on]
     if signalled is not None:

@@ -34,6 +34,7 @@ from training.loss import global_label_tokens
 from training.metrics import MetricsLogger, StepMetrics, visible_pairs
 from training.launch_checks.preflight import preflight_stages
 from training.preemption import StopSignals, ignore_stop_signals
+from training.rank_positions import RankPositions, hang_line, newest_checkpoint, write_details
 from training.ramp import RampStage, model_build_config, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_
 from training.step_profile import profile_line, profiled_step
@@ -53,6 +54,9 @@ class Trainer:
         self.dist = init_distributed(cfg)
         self.device = self.dist.device
         self.rank = self.dist.rank
+        # where this rank is, in the launch's store: who never arrived, when a collective times out (hang_report)
+        self.positions = RankPositions(dist.distributed_c10d._get_default_store() if dist.is_initialized() else None,
+                                       self.rank, dist.get_world_size() if dist.is_initialized() else 1)
         # bf16 GEMMs on a CPU without native ones: float32 kernels (models/cpu_half_gemm.py), or 31x slower; only for
         # runs that have half-precision GEMMs (a float32 run's matmuls keep torch's own kernels, without a Python call)
         halves = any(s.cfg.training.dtype != "float32" or s.cfg.training.float8 != "off" for s in self.stages)
@@ -103,7 +107,8 @@ class Trainer:
         if self.float8:  # the first step's weight scales too, from the weights it starts from (fresh or resumed)
             precompute_float8_scales(self.model_parts)
         dist.barrier()  # every rank measures its peak at the same time, sharing the cores as in training
-        self.peak_flops, self.peak_source = peak_flops(self.device, getattr(torch, cfg.training.dtype))
+        self.peak_flops, self.peak_source = peak_flops(self.device, getattr(torch, cfg.training.dtype),
+                                                         cfg.data.cache_dir)
         self.metrics = StepMetrics(self.dist.comm, self.comm_stats, self.device, self.peak_flops, self.peak_source,
                                    self.step, self.attention_kernel, self.documents_kernel)
         self.logger = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
@@ -154,11 +159,13 @@ class Trainer:
             seq_len=cfg.training.seq_len, comm=self.dist.comm, data_group=self.mesh.data.get_group())
         loss = torch.zeros((), dtype=torch.float32, device=device)
         pairs = []
-        for batch in batches:
+        for micro, batch in enumerate(batches):
+            self.positions.post(self.step + 1, "forward/backward", micro)
             local = step.move_batch(batch, device)
             loss += step.micro_step(self.setup, local, global_tokens)
             pairs.append(visible_pairs(local["position_ids"]))  # after the step: this rank's CP shard
         self.step_pairs = pairs
+        self.positions.post(self.step + 1, "optimizer")
         pp_group = self.mesh.pp_mesh.get_group() if self.stage.dims.pp > 1 else None
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group)
@@ -179,12 +186,13 @@ class Trainer:
             stage = stage_at(self.stages, self.step)
             if stage is not self.stage:
                 if self.cfg.checkpoint.enable and self.step % self.cfg.checkpoint.interval:
-                    with self.timeouts.phase():
+                    with self._long_phase("checkpoint"):
                         self.checkpointer.save(self.step)  # a stage boundary is always a checkpoint
                 self._switch_stage(stage)
                 self._announce()
                 data_iter = iter(self.dataloader)
             start = time.perf_counter()
+            self.positions.post(self.step + 1, "data")
             batches = self._step_batches(data_iter)
             data_time = time.perf_counter() - start
             lr = self.scheduler.get_last_lr()[0]
@@ -202,14 +210,14 @@ class Trainer:
                 raise FloatingPointError(f"loss became {loss} at step {self.step}; lower optimizer.lr or check data.")
             last = self.step == self.cfg.training.steps
             if self.checkpointer.due(self.step, last):
-                with self.timeouts.phase():
+                with self._long_phase("checkpoint"):
                     self.checkpointer.maybe_save(self.step, last=last)
             evaluation = {}
             if self._long_doc_eval_due(last):
-                with self.timeouts.phase():
+                with self._long_phase("evaluation"):
                     evaluation = self._long_doc_eval()
             if self._niah_due(last):
-                with self.timeouts.phase():
+                with self._long_phase("evaluation"):
                     run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
                                   self.rank == 0, self.step, self.dist.comm)
             if self.step % self.cfg.metrics.log_freq == 0 or last or evaluation:
@@ -239,6 +247,7 @@ class Trainer:
                 self._save_and_stop(stop)
                 return stop
         self.timeouts.start_stage(self.mesh)  # the end-of-run evaluations: the long timeout
+        self.positions.post(self.step, "evaluation")
         if self.cfg.eval.niah and self.step == resumed_at:
             # resumed at the last step (nothing to train): evaluate the checkpoint, e.g. on another mesh
             run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
@@ -251,11 +260,19 @@ class Trainer:
     def _save_and_stop(self, name: str) -> None:
         """Every rank, after the same step: a synchronous checkpoint of it (unless this step's interval save is it),
         published before the line that says so."""
-        with self.timeouts.phase():
+        with self._long_phase("checkpoint"):
             if self.checkpointer.saved_step != self.step:
                 self.checkpointer.save(self.step)
             self.checkpointer.wait()  # an async save (this one or the one in flight) is published first
         self.stop_signals.report(name, self.step, self.rank)
+
+    @contextlib.contextmanager
+    def _long_phase(self, name: str):
+        """A checkpoint save or an evaluation after the current step: posted as this rank's position and run under
+        the long collective timeout."""
+        self.positions.post(self.step, name)
+        with self.timeouts.phase():
+            yield
 
     def _profiled(self):
         """The step about to run under torch.profiler (training/step_profile.py), its summary per rank in the dump
@@ -319,10 +336,22 @@ class Trainer:
             for line in describe_chat_rows(s.cfg, self.dataloader.packed):
                 print(line, flush=True)
 
-    def close(self) -> None:
+    def hang_report(self, details: str) -> str:
+        """After this rank's collective timed out: `details` (the tracebacks) in the dump folder's hang/ and the one
+        line naming who never arrived (training/rank_positions.py)."""
+        folder = write_details(self.cfg.job.dump_folder, self.rank, details)
+        return hang_line(self.rank, self.positions.read(), time.time(), self.timeouts.current_s,
+                         newest_checkpoint(self.checkpointer.folder) if self.cfg.checkpoint.enable else None, folder)
+
+    def close(self, hung: bool = False) -> None:
+        """`hung`: a collective timed out; the barrier and an async save in flight would wait for the rank that
+        never arrived, so neither is waited for."""
         self.stop_signals.close()
-        self.checkpointer.close()  # waits for an async save in flight
+        self.positions.close()
+        if not hung:
+            self.checkpointer.close()  # waits for an async save in flight
         self.logger.close()
         if dist.is_initialized():
-            dist.barrier()
+            if not hung:
+                dist.barrier()
             dist.destroy_process_group()

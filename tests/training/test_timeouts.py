@@ -1,11 +1,13 @@
 """Two collective timeouts (training/timeouts.py): the long job.init_timeout_s for set-up, each stage's warm-up
 steps, checkpoints and evaluations; job.step_timeout_s (or 5x the measured warm-up step, at least 60 s) for the
 training steps after those. The switching is checked against a recording stand-in for torch's `_set_pg_timeout`;
-a real 2-rank run (slow tier) shows a rank slower than the step timeout in a warm-up step being waited for. A second
-run, rank 1 frozen (SIGSTOP) after step 4 so that the 20 s step timeout ends the job, passed 3 of 5 times on a
-loaded box and is left out until its failure is understood (FREEZE_AFTER_LINES stays for it)."""
+a real 2-rank run (slow tier) shows a rank slower than the step timeout in a warm-up step being waited for, and a
+second, rank 1 frozen (SIGSTOP) after step 4, ends within the 20 s step timeout with the one line that names it
+(training/rank_positions.py; its parts are tested in tests/training/test_rank_positions.py)."""
 import os
+import re
 import textwrap
+import time
 
 import pytest
 
@@ -138,8 +140,8 @@ def _run_with_rank_1(tmp_path, steps: int, **env):
     result = run_train(os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", str(out),
                        "--job.init_timeout_s", "150", "--job.step_timeout_s", "20", "--training.steps", str(steps),
                        "--metrics.enable_tensorboard", "false", nproc=2, timeout=400,
-                       env=child_env(str(helper), FREEZE_METRICS=str(out / "metrics.jsonl"), STOP_GRACE_S="5",
-                                     **{k: str(v) for k, v in env.items()}))
+                       env=child_env(str(helper), **{"FREEZE_METRICS": str(out / "metrics.jsonl"),
+                                                     "STOP_GRACE_S": "5", **{k: str(v) for k, v in env.items()}}))
     return result, str(out)
 
 
@@ -153,3 +155,25 @@ def test_a_rank_slower_than_the_step_timeout_in_a_warmup_step_is_waited_for(tmp_
     assert "collective timeout 20s from now on (job.step_timeout_s)" in result.stdout
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_a_frozen_rank_is_named_in_one_line_within_the_step_timeout(tmp_path):
+    """Rank 1 frozen (SIGSTOP) once step 4's record is written: rank 0 waits its 20 s step timeout and the run ends
+    with one line naming rank 1, where it was and where rank 0 waited, never the OOM killer; rank 0's traceback is in
+    the named folder; the frozen rank is killed after HANG_GRACE_S, not the save-on-signal grace (600 s here)."""
+    result, out = _run_with_rank_1(tmp_path, 12, FREEZE_AFTER_LINES=4, FREEZE_S=400, STOP_GRACE_S="600")
+    ended = time.time()
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    # Where exactly depends on when the freezer saw the 4th record: rank 1 in step 4's last collectives, or in step
+    # 5's data or first micro-step (rank 0 can pass none of step 5's collectives without it).
+    assert re.fullmatch(r"error: hang at step [45] \(.+\): rank 1 on \S+ \(last at step [45] \(.+\); heartbeat "
+                        r"\d+s old\) never arrived; rank\(s\) 0 waited 20s \(the collective timeout\) and stopped "
+                        r"the run; no checkpoint to resume from yet; tracebacks in .+", last), last
+    assert "OOM" not in result.stderr and f"tracebacks in {out}/hang" in last, last
+    with open(os.path.join(out, "hang", "rank_0.txt")) as f:
+        assert "Timed out" in f.read()
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert ended - os.path.getmtime(os.path.join(out, "metrics.jsonl")) <= 20 + 30  # step timeout + 30 s

@@ -1,0 +1,110 @@
+"""Who never arrived (training/rank_positions.py): ranks' positions through a real c10d store, and the one line a
+rank whose collective timed out leaves, for each way a rank can fail to arrive (behind, frozen, never posted) and
+for none. The end-to-end run (a rank frozen with SIGSTOP mid-step, the launcher's last line) is in
+tests/training/test_timeouts.py (slow tier)."""
+import time
+
+import pytest
+import torch.distributed as dist
+
+from training.launcher import HANG_GRACE_S, RankStops
+from training.rank_positions import (STALE_S, Position, RankPositions, hang_line, is_collective_timeout,
+                                     report_hang, reported_hang)
+
+
+def _at(step, phase, micro=0, host="node7"):
+    return Position(step, phase, micro, host, 0.0)
+
+
+NOW = 1000.0
+
+
+def test_a_rank_behind_the_waiters_never_arrived():
+    seen = {0: (_at(8, "forward/backward"), NOW - 1), 1: (_at(8, "data", host="node9"), NOW - 1),
+            2: (_at(8, "forward/backward"), NOW - 1), 3: (_at(8, "forward/backward"), NOW - 1)}
+    line = hang_line(0, seen, NOW, 20, "out/checkpoints/step-5", "out/hang")
+    assert line == ("error: hang at step 8 (forward/backward, micro-step 1): rank 1 on node9 (last at step 8 (data); "
+                    "heartbeat 1s old) never arrived; rank(s) 0, 2-3 waited 20s (the collective timeout) and stopped "
+                    "the run; resume from out/checkpoints/step-5; tracebacks in out/hang")
+    assert "OOM" not in line and "\n" not in line
+
+
+def test_a_frozen_rank_at_the_same_place_never_arrived_and_no_checkpoint_is_said():
+    seen = {0: (_at(8, "forward/backward", 1), NOW - 1), 1: (_at(8, "forward/backward", 1), NOW - STALE_S - 5)}
+    line = hang_line(0, seen, NOW, 60, None, "out/hang")
+    assert "rank 1 on node7 (last at step 8 (forward/backward, micro-step 2); heartbeat 15s old) never arrived" in line
+    assert "rank(s) 0 waited 60s" in line and "no checkpoint to resume from yet" in line
+
+
+def test_a_rank_that_never_posted_and_the_case_of_no_one_behind():
+    seen = {0: (_at(1, "forward/backward"), NOW), 1: (None, None)}
+    assert "rank 1 (last at before its first post; no heartbeat) never arrived" in hang_line(0, seen, NOW, 600, None,
+                                                                                           "h")
+    same = {0: (_at(3, "optimizer"), NOW), 1: (_at(3, "optimizer"), NOW)}
+    line = hang_line(1, same, NOW, 60, None, "h")
+    assert "every rank is at the same place with a live heartbeat" in line and "rank(s) 0-1 waited" in line
+
+
+def test_positions_and_heartbeats_go_through_the_store():
+    store = dist.HashStore()
+    ranks = [RankPositions(store, r, 2, heartbeat_s=0.05) for r in range(2)]
+    try:
+        ranks[1].post(4, "data")
+        ranks[0].post(4, "forward/backward", 1)
+        seen = ranks[0].read()
+        assert seen[0][0].describe() == "step 4 (forward/backward, micro-step 2)"
+        assert seen[1][0].describe() == "step 4 (data)" and seen[1][0].order() < seen[0][0].order()
+        first_beat = seen[1][1]
+        time.sleep(0.3)
+        assert ranks[0].read()[1][1] > first_beat  # the heartbeat thread keeps it fresh
+    finally:
+        for r in ranks:
+            r.close()
+    lone = RankPositions(dist.HashStore(), 0, 2)  # rank 1 never started
+    try:
+        assert lone.read()[1] == (None, None)
+    finally:
+        lone.close()
+
+
+def test_timeouts_are_told_from_dead_peers():
+    assert is_collective_timeout(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms "
+                                              "for recv operation to complete"))
+    assert is_collective_timeout(dist.DistBackendError("Watchdog caught collective operation timeout"))
+    assert not is_collective_timeout(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert not is_collective_timeout(ValueError("timed out"))
+
+
+def test_the_launcher_prints_the_lowest_rank_s_line_and_shortens_the_grace(tmp_path, monkeypatch):
+    path = tmp_path / "hang"
+    path.write_text("")
+    monkeypatch.setenv("TRAIN_HANG_FILE", str(path))
+    report_hang(2, "error: from rank 2")
+    report_hang(0, "error: from rank 0")
+    assert reported_hang(str(path)) == "error: from rank 0"
+
+    closes = []
+
+    class FakeContext:
+        subprocess_handlers = {}
+
+        def close(self, death_sig=None, timeout=30):
+            closes.append(timeout)
+
+    import training.launcher as launcher
+    monkeypatch.setattr(launcher, "PContext", FakeContext)
+    monkeypatch.setattr(launcher, "_TORCH_CLOSE", FakeContext.close)
+    stops = RankStops(str(path))
+    stops.install()
+    attempt = FakeContext()
+    attempt.close(None, 600)  # a hang was reported: the save-on-signal grace is not waited
+    assert closes == [HANG_GRACE_S] and stops.hang == "error: from rank 0" and path.read_text() == ""
+    attempt.close(None, 600)  # torchrun closes an attempt again in its finally: the line stays
+    assert closes == [HANG_GRACE_S, HANG_GRACE_S] and stops.hang == "error: from rank 0"
+    FakeContext().close(None, 600)  # the next attempt's close (after a restart), nothing reported: as asked
+    assert closes == [HANG_GRACE_S, HANG_GRACE_S, 600] and stops.hang is None
+
+
+@pytest.mark.parametrize("phase", ["set-up", "evaluation"])
+def test_phases_order_within_a_step(phase):
+    assert _at(5, phase).order() < _at(6, "set-up" if phase == "evaluation" else "data").order()
