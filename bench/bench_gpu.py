@@ -63,6 +63,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from bench.our_runs import dry_run_stage, last_error, our_overrides, run_in_session  # noqa: E402
+from bench.transformers_peer import add_shape_args  # noqa: E402
 from config.accelerators import accelerator_of  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 from bench.torchtitan_config import JOB_ENV  # noqa: E402
@@ -309,11 +310,7 @@ def attention_kernels(args, device: torch.device) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--n-layers", type=int, default=8)
-    parser.add_argument("--n-heads", type=int, default=16)
-    parser.add_argument("--n-kv-heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=8192)
+    add_shape_args(parser)
     parser.add_argument("--long-seq", type=int, default=65536,
                         help="the trainers compared again at this length (0: not; --short: not)")
     parser.add_argument("--batch", type=int, default=1)

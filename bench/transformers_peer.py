@@ -75,13 +75,19 @@ def train_loop(model, seq: int, batch: int, steps: int, warmup: int, device: tor
             "attention": model.config._attn_implementation}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """The model and sequence flags, shared with bench/bench_gpu.py, which passes its own on to this script: both
+    sides of the comparison are built from one definition of the shape."""
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--n-layers", type=int, default=8)
     parser.add_argument("--n-heads", type=int, default=16)
     parser.add_argument("--n-kv-heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=8192)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_shape_args(parser)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)

@@ -3,6 +3,8 @@ CUDA device name maps to, the dry run run with our side's own overrides, and the
 shape with a made-up measurement (the GPU supplies the real one)."""
 import argparse
 
+import pytest
+
 from bench import bench_gpu
 
 
@@ -14,7 +16,9 @@ def test_device_names_map_to_the_dry_runs_accelerators():
     assert bench_gpu.accelerator_of("NVIDIA L4") is None
 
 
+@pytest.mark.slow
 def test_prediction_rows_run_the_dry_run_with_our_sides_overrides():
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): dry runs of the prediction rows, 22 s."""
     args = argparse.Namespace(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, seq=256, batch=1, steps=2, lr=3e-4,
                               compile="false", ac="none", timeout=300)
     step_s, peak = bench_gpu.predicted(args, False, "h100-sxm")
