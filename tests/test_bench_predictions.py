@@ -24,7 +24,10 @@ def _bench(*args, timeout=600, **env):
                           env=child_env(OMP_NUM_THREADS="1", **env))
 
 
+@pytest.mark.slow
 def test_measuring_writes_what_predicting_reads(tmp_path):
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): the bench's trainer runs and dry runs, 70
+    s."""
     measured = tmp_path / "measured.json"
     done = _bench(*TINY, "--ac", "none,full", "--measured", str(measured), "--profile-step", "5")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -38,7 +38,10 @@ def counts():
                      overrides=["--training.loss_chunk_tokens", "128"])
 
 
+@pytest.mark.slow
 def test_both_sides_run_and_buckets_add_up(counts):
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): the bench's counted step on both sides
+    (the counts fixture, shared with the three tests after it), 28 s."""
     for side in ("ours", "transformers"):
         c = counts[side]
         assert c["total_ops"] > 0 and c["total_bytes"] > 0
@@ -54,21 +57,28 @@ def test_the_fake_cpu_count_runs_in_this_process():
     assert result["ours"]["ops"]["gemm"] > 0 and result["transformers"]["ops"]["attention"] == 2 * LAYERS
 
 
+@pytest.mark.slow
 def test_gemm_counts_match_the_architecture(counts):
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): the counts fixture of the test above, 25
+    s."""
     chunks = math.ceil(SEQ / counts["shape"]["loss_chunk_tokens"])
     assert chunks == 4
     assert counts["transformers"]["ops"]["gemm"] == hand_gemms(LAYERS)
     assert counts["ours"]["ops"]["gemm"] == hand_gemms(LAYERS, chunks)
 
 
+@pytest.mark.slow
 def test_attention_is_one_fused_op_each_way_per_block(counts):
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): the counts fixture of the tests above."""
     for side in ("ours", "transformers"):
         assert counts[side]["ops"]["attention"] == 2 * LAYERS
 
 
+@pytest.mark.slow
 def test_optimizer_paths(counts):
     """Both fused AdamW, one op for every parameter: the peer's, and build_optimizer's for a CUDA rank (the fake rank
-    stands for one), with no foreach AdamW op left on our side."""
+    stands for one), with no foreach AdamW op left on our side. Slow tier since issue 56 (the fast tier runs in minutes;
+    CI runs both): the counts fixture and optimizer steps of each path, 27 s."""
     for side in ("ours", "transformers"):
         assert counts[side]["per_op"].get("aten._fused_adamw_.default") == 1, side
     assert not any(n.startswith("aten._foreach_div") or n.startswith("aten._foreach_lerp")
@@ -82,11 +92,13 @@ def bench_shape():
     return bench.run()
 
 
+@pytest.mark.slow
 def test_one_gpu_step_against_the_transformers_loop_on_fake_cuda(bench_shape):
     """Issue 36's count at the bench's own shape (docs/gpu_step.md's table), both steps on fake CUDA as an H100 runs
     them: our device kernels and our eager elementwise bytes per optimizer step are each at most the plain
     transformers loop's (1,159 vs 1,168 kernels; docs/gpu_step.md). With the loss tiled at 2048 tokens, as before the
-    automatic tile, ours were 1,225: the count fails then."""
+    automatic tile, ours were 1,225: the count fails then. Slow tier since issue 56 (the fast tier runs in minutes; CI
+    runs both): both loops on fake CUDA (the bench_shape fixture, shared with the next test), 20 s."""
     result = bench_shape
     assert result["shape"]["device"] == "fake cuda"
     ours, theirs = result["ours"], result["transformers"]
@@ -103,11 +115,13 @@ LOOP_8K_H100_S = 8192 / 95_540
 95,540 tok/s). Measured on the GPU, never derived from this code."""
 
 
+@pytest.mark.slow
 def test_the_step_model_prices_the_counted_loop_near_its_h100_step(bench_shape):
     """The dry run prices an eager step's elementwise work from the bytes its kernels move (training/planning/
     fake/counter.py, counted by the memory probe). Priced the same way (GEMMs, attention and optimizer from the model's
     rates, the counted bytes over HBM bandwidth), the transformers loop's counted step lands within 15% of its
-    measured H100 step; ours, which moves fewer bytes, is predicted faster."""
+    measured H100 step; ours, which moves fewer bytes, is predicted faster. Slow tier since issue 56 (the fast tier runs
+    in minutes; CI runs both): the bench_shape fixture of the test above, 22 s."""
     import dataclasses
 
     from config.recipe import load_config

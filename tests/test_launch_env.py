@@ -39,7 +39,9 @@ def test_child_env_keeps_the_rest_of_the_environment_and_refuses_a_pythonpath_by
         child_env(PYTHONPATH="/x")
 
 
+@pytest.mark.slow
 def test_a_trainer_launch_imports_a_module_only_the_callers_pythonpath_holds(tmp_path, monkeypatch):
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): a real trainer launch, 18 s."""
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "outside_marker.py").write_text(MARKER)

@@ -44,7 +44,10 @@ weight = 1.0
     return str(recipe)
 
 
+@pytest.mark.slow
 def test_show_rows_json_holds_transformers_rendering(tmp_path):
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): launches beside transformers' chat
+    template, 19 s."""
     folder = write_chat_tokenizer(str(tmp_path / "tok"), "llama3")
     chats = conversations(30, seed=7)
     reference = transformers.AutoTokenizer.from_pretrained(folder)

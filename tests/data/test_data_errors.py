@@ -65,7 +65,10 @@ def test_a_jsonl_line_without_the_field(tmp_path):
     assert_one_line_error(write_recipe(tmp_path, a=path, field="body"), "a.jsonl", "line 2", "\"body\"")
 
 
+@pytest.mark.slow
 def test_a_store_whose_sources_changed(tmp_path):
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): three launches around a prepared store,
+    28 s."""
     from data.corpus import load_documents
     from data.tokenizer import build_tokenizer
 

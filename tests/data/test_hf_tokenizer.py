@@ -80,7 +80,9 @@ def test_a_folder_or_the_file_loads_and_bad_tokenizers_are_one_line_errors(tmp_p
     assert "\n" not in str(info.value) and "no EOS" in str(info.value) and "tokenizer.json" in str(info.value)
 
 
+@pytest.mark.slow
 def test_the_debug_model_trains_with_a_tokenizer_json(tmp_path, tokenizer_folder):
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): trainer launches, 35 s."""
     out = str(tmp_path / "run")
     result = run_train("--job.dump_folder", out, "--training.steps", "3", "--training.seq_len", "128",
                        "--data.tokenizer_path", tokenizer_folder, "--data.cache_dir", str(tmp_path / "cache"),
@@ -94,8 +96,10 @@ def test_the_debug_model_trains_with_a_tokenizer_json(tmp_path, tokenizer_folder
         os.path.join(tokenizer_folder, "tokenizer.json")).eos_id
 
 
+@pytest.mark.slow
 def test_an_hf_folder_gives_weights_and_tokenizer_from_one_path(tmp_path):
-    """The run's first loss equals transformers' loss of the same weights on the same rows."""
+    """The run's first loss equals transformers' loss of the same weights on the same rows. Slow tier since issue 56
+    (the fast tier runs in minutes; CI runs both): a trainer launch beside transformers, 24 s."""
     from data.loader import GlobalRowStream
     from data.prepare import StoreSpec, open_store
     from data.store_rows import StoreRows

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from harness.launch_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,7 +42,9 @@ def test_report_goes_with_gpu_alone_and_needs_a_folder():
             done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_the_gpu_marker_selects_a_cuda_variant_of_every_check():
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): a collection of the whole suite, 17 s."""
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests/gpu"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=child_env())
     selected = [line for line in done.stdout.splitlines() if "::" in line]

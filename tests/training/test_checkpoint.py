@@ -269,8 +269,10 @@ def test_pipeline_parts_save_under_the_full_model_names(tmp_path):
     assert all(torch.equal(merged[k], reference[k]) for k in reference)
 
 
+@pytest.mark.slow
 def test_launcher_refuses_a_foreign_checkpoint_or_hf_folder_in_one_line(tmp_path):
-    """train.py --check (run by run_train.sh before torchrun) checks what would be loaded against the recipe."""
+    """train.py --check (run by run_train.sh before torchrun) checks what would be loaded against the recipe. Slow tier
+    since issue 56 (the fast tier runs in minutes; CI runs both): three train.py --check launches after a save, 36 s."""
     from tests.models.test_hf import hf_model
     from tests.trainer_runs import run_train
 

@@ -57,9 +57,11 @@ def test_persistent_state_is_the_closed_form_fsdp_shard():
     assert memory["optimizer"] == pytest.approx(8 * n / 2, rel=1e-3)  # + one 4-byte step counter per tensor
 
 
+@pytest.mark.slow
 def test_two_depths_extrapolate_exactly_to_the_full_depth():
     """CP 2 x FSDP 2, bf16: measuring 3, 4 and 5 blocks predicts 8 (memory peaks and the ring's bytes), and the
-    evaluation's peak, measured at 3 and 4 blocks only (memory_probe._eval_on_state_line), predicts it too."""
+    evaluation's peak, measured at 3 and 4 blocks only (memory_probe._eval_on_state_line), predicts it too. Slow tier
+    since issue 56 (the fast tier runs in minutes; CI runs both): probes at 3, 4, 5 and 8 blocks, 42 s."""
     overrides = ["--model.n_layers", "8", "--parallelism.cp", "2", "--parallelism.dp_shard", "2",
                  "--training.dtype", "bfloat16", "--training.seq_len", "256", "--training.local_batch_size", "2",
                  "--eval.long_doc_loss", "true"]
@@ -129,6 +131,7 @@ def predicted_and_real():
     return {name: (fake[name], real[name]) for name in PREDICTED_MESHES}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mesh", list(PREDICTED_MESHES))
 def test_dry_run_peak_matches_a_real_run(mesh, predicted_and_real):
@@ -143,7 +146,8 @@ def test_dry_run_peak_matches_a_real_run(mesh, predicted_and_real):
     real host integers. The allocator's own events put the real cp2 meshes 0.16 and 0.12 MiB higher (the CPU attention backward's
     internal scratch, which no tensor-level count sees). The 3-37 % gaps reported before on these meshes came from the
     old reference (profiler op events' net memory ordered by start time), not from the dry run. The 15 % bound is the
-    acceptance bar (issue 15), not the error."""
+    acceptance bar (issue 15), not the error. Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): a
+    real step on gloo ranks beside each dry run, 45-50 s each."""
     predicted, real = predicted_and_real[mesh]
     print(f"{mesh}: dry run {predicted / 2**20:.2f} MiB, real {real / 2**20:.2f} MiB "
           f"({predicted - real:+,.0f} bytes, {100 * (predicted - real) / real:+.1f} %)")
@@ -197,7 +201,10 @@ def table_rows(stdout: str) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_dry_run_names_the_stage_that_does_not_fit_and_checks_the_fix():
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): a failing dry run and its checked fix, 27
+    s."""
     done, _ = _run_train("--dry-run", "--hardware.device_memory_gib", "2.12", "--model.n_layers", "2")
     assert done.returncode == 1, done.stdout + done.stderr[-2000:]
     (row,) = table_rows(done.stdout)
@@ -207,8 +214,11 @@ def test_dry_run_names_the_stage_that_does_not_fit_and_checks_the_fix():
     assert "checked with the same measurement: peak" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(os.environ.get("CUDA_VISIBLE_DEVICES")), reason="a GPU may be visible")
 def test_gpu_sized_recipe_fails_fast_without_gpus():
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): launches of the GPU-sized recipes, 16
+    s."""
     import torch
 
     if torch.cuda.is_available():

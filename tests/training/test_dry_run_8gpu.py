@@ -11,9 +11,10 @@ from tests.training.test_dry_run import ROOT, _run_train, table_rows
 
 
 RECIPE_8GPU = os.path.join(ROOT, "recipes/llama3_8b_1m_8gpu.toml")
-LIMIT_S = 1000
+LIMIT_S = 1600
 """Each dry run's own limit (a hang guard, not a speed target): the 4M run passed 540 s in 4937939's clean-clone CI
-with two other workers on the 2 cores, where the file's three runs took 1,186 s together."""
+with two other workers on the 2 cores, where the file's three runs took 1,186 s together; in 77b4ae0's (2026-12-02)
+every dry run took 1.6-2x as long (the 1M run 435 s against 219, code unchanged) and the 4M run passed 1,000 s."""
 
 
 def _recipe_parts() -> tuple[str, list[str]]:

@@ -40,7 +40,10 @@ def test_counter_on_a_device_run_ignores_scalar_reads_of_host_tensors():
     assert syncs.counts == {"_local_scalar_dense": 1}
 
 
+@pytest.mark.slow
 def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement_makes_no_host_sync():
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): a 4-rank trainer micro-step on fake CUDA,
+    41 s."""
     from training.planning.fake.cuda import fake_cuda_env
 
     try:
@@ -66,12 +69,14 @@ def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement
         assert record["clip_counts"] == {}
 
 
+@pytest.mark.slow
 def test_at_cp1_the_probe_runs_the_trainers_packed_plan_whatever_the_load_balancer():
     """Issue 50: the probe builds its loader with the trainer's own function (training/batch_plans
     stage_step_loader). Its former copy planned documents only for the documents load balancer, so at CP 1 with
     zigzag the micro-step planned the packed form itself from device ids and the probe reported a device-to-host
     copy that the trainer, whose loader makes that plan on the host, never makes. Now: no sync, and one packed
-    varlen call per layer forward and backward (the debug model's 6 layers) on every rank."""
+    varlen call per layer forward and backward (the debug model's 6 layers) on every rank. Slow tier since issue 56 (the
+    fast tier runs in minutes; CI runs both): the probe's packed plans on fake CUDA ranks, 22 s."""
     from training.planning.fake.cuda import fake_cuda_env
 
     try:

@@ -70,9 +70,12 @@ def peaks_without_and_with(change: str, timeout: float = 300) -> tuple[list, lis
         return fake.result(timeout=timeout), real
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_real_peak_drops_as_the_dry_run_says(change):
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): a real step and a dry run per change,
+    34-56 s each."""
     fake, real = peaks_without_and_with(change)
     predicted, measured = fake[0] - fake[1], real[0] - real[1]
     print(f"{change}: peaks MiB without/with: dry run {fake[0] / 2**20:.2f}/{fake[1] / 2**20:.2f}, real "

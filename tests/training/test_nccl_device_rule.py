@@ -83,10 +83,12 @@ def _double_report(out: str) -> list[dict]:
     return [json.load(open(os.path.join(folder, name))) for name in sorted(os.listdir(folder))]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_keeps_every_collective_on_the_run_device(tmp_path):
     """dp 2 x cp 2 on passkey rows (their label count is reduced over dp) with the passkey evaluation (predictions
-    gathered over cp): token counting, the loss, metrics and evaluation all pass through collectives."""
+    gathered over cp): token counting, the loss, metrics and evaluation all pass through collectives. Slow tier since
+    issue 56 (the fast tier runs in minutes; CI runs both): trainer ranks under the NCCL double, 23 s."""
     out = _check(tmp_path, PASSKEY)
     assert os.path.exists(os.path.join(out, "passkey_eval.json"))
     assert all(rank["collectives"] > 0 and rank["reductions_compared"] > 0 for rank in _double_report(out))

@@ -130,21 +130,30 @@ def tight_plan():
     return _in_fresh_process(_plan_and_check, 12.0)
 
 
+@pytest.mark.slow
 def test_every_planned_stage_fits(tight_plan):
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): the planned recipe's dry run (the tight
+    plan, shared with the next two tests), 35 s."""
     assert [s["seq_len"] for s in tight_plan["stages"]] == [256, 2048, 8192]
     for stage in tight_plan["stages"]:
         assert stage["peak"] <= tight_plan["usable"]
         assert stage["predicted"] == pytest.approx(stage["peak"], rel=0.15)  # the line against the measurement
 
 
+@pytest.mark.slow
 def test_last_stage_cp_is_minimal_and_no_slower_than_the_largest(tight_plan):
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): the tight plan, shared with the tests
+    around it."""
     last = tight_plan["stages"][-1]
     assert last["cp"] > 1
     assert tight_plan["half_peak"] > tight_plan["usable"]  # the dry run's probe: half the CP does not fit
     assert last["step_s"] <= tight_plan["cp_max_step_s"]
 
 
+@pytest.mark.slow
 def test_written_recipe_names_why_and_the_rope_source(tight_plan):
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): the tight plan, shared with the tests
+    above, 29 s."""
     text = tight_plan["texts"][0]
     assert text.count("\n[[ramp]]\n") == 3
     flat = " ".join(line.lstrip("#").strip() for line in text.splitlines())  # comments wrap at 118 columns
@@ -173,9 +182,11 @@ def _impossible(usable_mib: float):
     return dict(message=message, named=named, peak_below=peak_below)
 
 
+@pytest.mark.slow
 def test_impossible_target_names_the_smallest_gpu_count():
     """2.5 MiB usable: the tiny model's state alone (about 2.3 MiB unsharded, plus the optimizer's temporaries) does
-    not fit one GPU."""
+    not fit one GPU. Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): the planner's dry runs for
+    every GPU count, 55 s."""
     result = _in_fresh_process(_impossible, 2.5)
     assert result["message"] is not None
     assert "\n" not in result["message"] and "smallest GPU count that fits is" in result["message"]
@@ -211,11 +222,13 @@ def _auto_plan(usable_mib: float, mode: str):
                 written=[(s.cfg.activation_checkpoint.offload, s.cfg.activation_checkpoint.mode) for s in written])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "none"])
 def test_auto_offload_only_in_the_stage_that_needs_it(mode):
     """24.6 MiB usable: the dry run measures the 4K stage at 25.2 MiB without offload and 24.1 MiB with it, the
     256-token stage at 6.7 MiB. A base without checkpointing is planned again with it on every stage (one model
-    build has one mode, and offload needs one)."""
+    build has one mode, and offload needs one). Slow tier since issue 56 (the fast tier runs in minutes; CI runs both):
+    the planner's dry runs of each stage, 39-53 s each."""
     result = _in_fresh_process(_auto_plan, 24.6, mode)
     assert result["offload"] == [False, True]
     assert all(peak <= 24.6 / 1024 for peak in result["peaks"])
