@@ -172,9 +172,9 @@ def failure_line(failures: dict, stopped_pids: set[int], recipe: str) -> str | N
         return None
     outside = [rank for rank, f in signalled.items() if f.exitcode == -signal.SIGKILL and f.pid not in stopped_pids]
     if outside:  # nobody in this job sent it: the kernel's OOM killer is the usual sender
-        return (f"error: rank {outside[0]} was killed by signal 9 (SIGKILL), which the launcher did not send; the "
-                f"kernel's OOM killer stops a process that way when the host runs out of memory: ./run_train.sh "
-                f"{recipe} --dry-run shows each stage's host memory per node.")
+        return (f"error: rank {outside[0]} was killed by signal 9 (SIGKILL) from outside the run (the launcher did "
+                f"not send it); the kernel's OOM killer stops a process that way when the host runs out of memory: "
+                f"./run_train.sh {recipe} --dry-run shows each stage's host memory per node.")
     stopped = [rank for rank, f in signalled.items() if f.pid in stopped_pids]
     first = [rank for rank, f in sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
              if f.pid not in stopped_pids]

@@ -25,7 +25,8 @@ def test_a_rank_torchrun_stopped_is_not_blamed_on_memory():
 def test_a_sigkill_nobody_in_the_job_sent_keeps_the_oom_line():
     failures = {0: _failure(0, 100, -signal.SIGTERM), 1: _failure(1, 101, -signal.SIGKILL)}
     line = failure_line(failures, stopped_pids={100}, recipe="recipes/debug.toml")
-    assert line.startswith("error: rank 1 was killed by signal 9 (SIGKILL), which the launcher did not send"), line
+    assert line.startswith("error: rank 1 was killed by signal 9 (SIGKILL) from outside the run (the launcher "
+                           "did not send it)"), line
     assert "OOM killer" in line and "./run_train.sh recipes/debug.toml --dry-run" in line, line
 
 
