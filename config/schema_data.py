@@ -83,6 +83,12 @@ class EvalConfig:
     """Number of evenly spaced key depths from 0 (start of the context) to 1 (just before the question)."""
     passkey_samples: int = 20
     """Rows per (length, depth) cell."""
+    passkey_interval: int = 0
+    """Also evaluate every this many steps of the last ramp stage (the context the run trains for; 0 = only at the
+    end)."""
+    passkey_stop_at: float = 0.0
+    """With passkey_interval: end the run (its checkpoint saved, as at the last step) at the first of those
+    evaluations where every (length, depth) cell reaches this accuracy; 0 = train to training.steps."""
     long_doc_loss: bool = False
     """Loss by position bucket (0-1K, 1K-4K, ... up to seq_len) on held-out documents of the data stores, on the
     training mesh: whether longer context is being used (metrics.jsonl and TensorBoard: long_doc_loss)."""

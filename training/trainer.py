@@ -55,6 +55,7 @@ class Trainer:
         self.device = self.dist.device
         self.rank = self.dist.rank
         # where this rank is, in the launch's store: who never arrived, when a collective times out (hang_report)
+        self.passkey_evaluated_at: int | None = None  # the step of the last passkey evaluation during training
         self.positions = RankPositions(dist.distributed_c10d._get_default_store() if dist.is_initialized() else None,
                                        self.rank, dist.get_world_size() if dist.is_initialized() else 1)
         # bf16 GEMMs on a CPU without native ones: float32 kernels (models/cpu_half_gemm.py), or 31x slower; only for
@@ -209,13 +210,16 @@ class Trainer:
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss became {loss} at step {self.step}; lower optimizer.lr or check data.")
             last = self.step == self.cfg.training.steps
+            evaluation = {}
+            if self._passkey_due(last):  # may make this step the run's last (eval.passkey_stop_at)
+                with self._long_phase("evaluation"):
+                    evaluation, last = self._passkey_eval()
             if self.checkpointer.due(self.step, last):
                 with self._long_phase("checkpoint"):
                     self.checkpointer.maybe_save(self.step, last=last)
-            evaluation = {}
             if self._long_doc_eval_due(last):
                 with self._long_phase("evaluation"):
-                    evaluation = self._long_doc_eval()
+                    evaluation.update(self._long_doc_eval())
             if self._niah_due(last):
                 with self._long_phase("evaluation"):
                     run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
@@ -246,16 +250,37 @@ class Trainer:
             if stop and not last:  # at the last step the run ends as usual, its checkpoint saved above
                 self._save_and_stop(stop)
                 return stop
+            if last:  # training.steps, or an early stop on the passkey accuracy
+                break
         self.timeouts.start_stage(self.mesh)  # the end-of-run evaluations: the long timeout
         self.positions.post(self.step, "evaluation")
         if self.cfg.eval.niah and self.step == resumed_at:
             # resumed at the last step (nothing to train): evaluate the checkpoint, e.g. on another mesh
             run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
                           self.rank == 0, self.step, self.dist.comm)
-        if self.cfg.eval.passkey:
+        if self.cfg.eval.passkey and self.passkey_evaluated_at != self.step:
             run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0,
                              self.dist.comm)
         return None
+
+    def _passkey_due(self, last: bool) -> bool:
+        """eval.passkey_interval: an evaluation during the last ramp stage (the one at the end runs after the loop)."""
+        e = self.cfg.eval
+        return (e.passkey and e.passkey_interval > 0 and not last and self.stage is self.stages[-1]
+                and self.step % e.passkey_interval == 0)
+
+    def _passkey_eval(self) -> tuple[dict, bool]:
+        """The passkey table now ({"passkey_accuracy": mean} for the step's record) and whether it ends the run: every
+        cell at eval.passkey_stop_at or better (the accuracies are reduced over ranks, so every rank agrees)."""
+        results = run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0,
+                                   self.dist.comm)
+        self.passkey_evaluated_at = self.step
+        stop_at = self.cfg.eval.passkey_stop_at
+        reached = stop_at > 0 and min(results.values()) >= stop_at
+        if reached and self.rank == 0:
+            print(f"passkey accuracy >= {stop_at:g} in every cell at step {self.step}: the run ends here "
+                  f"(eval.passkey_stop_at), its checkpoint saved as at the last step", flush=True)
+        return {"passkey_accuracy": sum(results.values()) / len(results)}, reached
 
     def _save_and_stop(self, name: str) -> None:
         """Every rank, after the same step: a synchronous checkpoint of it (unless this step's interval save is it),

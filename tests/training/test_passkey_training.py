@@ -1,13 +1,18 @@
-"""Passkey retrieval learned by the real trainer under zigzag CP=2 (recipes/passkey_cp2.toml, ~6 minutes): proves
-that attention crosses shards during training, not only in parity tests. The evaluation keys at middle depths sit in
-rank 1's zigzag chunks while the question is on rank 0."""
+"""Passkey retrieval learned by the real trainer under zigzag CP=2 (recipes/passkey_cp2.toml): proves that attention
+crosses shards during training, not only in parity tests. The evaluation keys at middle depths sit in rank 1's zigzag
+chunks while the question is on rank 0. The recipe evaluates every 100 steps of its last stage and ends at the first
+evaluation with every depth at 95% or better (eval.passkey_stop_at): a learning run that stops once its criterion
+holds, not at a fixed step."""
 import json
 import os
 
 import numpy as np
 import pytest
 
+from config import RecipeError
+from config.recipe import load_config
 from tests.trainer_runs import ROOT, read_metrics, run_train
+from training.launch_checks.preflight import preflight_stages
 
 RECIPE = os.path.join(ROOT, "recipes", "passkey_cp2.toml")
 
@@ -31,6 +36,19 @@ def _key_and_question_ranks(depth: float, seq_len: int = 256) -> tuple[set[int],
     return set(owner[start:start + 5].tolist()), set(owner[seq_len - 5:].tolist())
 
 
+@pytest.mark.parametrize("overrides, expect", [
+    (["--eval.passkey_stop_at", "1.5"], "passkey_stop_at in [0, 1] (got 100, 1.5)"),
+    (["--eval.passkey_interval", "-1"], "eval.passkey_interval must be >= 0"),
+    (["--eval.passkey_interval", "0"], "set eval.passkey = true and eval.passkey_interval > 0"),
+    (["--eval.passkey", "false"], "set eval.passkey = true and eval.passkey_interval > 0"),
+])
+def test_a_passkey_stop_without_its_evaluations_is_refused_in_one_line(overrides, expect):
+    with pytest.raises(RecipeError) as err:
+        preflight_stages(load_config(RECIPE, overrides), world_size=2)
+    message = str(err.value)
+    assert expect in message and RECIPE in message and "\n" not in message, message
+
+
 @pytest.mark.slow
 # A hang guard, not a speed target: ~6 minutes on an idle 2-core box, 916 s in 4937939's clean-clone CI, past
 # 1,400 s in 77b4ae0's and 1,961 s in 04cd307's (2026-12-02: the box's float32 GEMM at 53 GFLOP/s against 76).
@@ -42,6 +60,12 @@ def test_passkey_is_learned_under_zigzag_cp2(tmp_path):
     records = read_metrics(out)
     stages = {(r["seq_len"], r["cp"]) for r in records}
     assert stages == {(48, 1), (128, 2), (256, 2)}
+    # an evaluation every 100 steps of the 256-token stage (steps 1000-2500), none before it
+    evaluated = [r["step"] for r in records if "passkey_accuracy" in r]
+    last = records[-1]["step"]
+    assert evaluated == list(range(1100, min(last, 2499) + 1, 100)), (evaluated, last)
+    if last < 2500:  # ended early: its last evaluation had every depth at 95% or better, and it said so
+        assert f"passkey accuracy >= 0.95 in every cell at step {last}: the run ends here" in result.stdout
     with open(os.path.join(out, "passkey_eval.json")) as f:
         table = json.load(f)
     assert {t["context_length"] for t in table} == {256} and len(table) == 5

@@ -144,9 +144,10 @@ def long_document_loss(model, sources: list, rows: int, *, device: torch.device,
 
 
 def run_passkey_eval(cfg: Config, setup: StepSetup, tokenizer, device: torch.device, is_writer: bool,
-                     comm=None) -> None:
+                     comm=None) -> dict[tuple[int, float], float]:
     """Passkey retrieval by depth x context length on the training mesh, sharded by the training step's own CP
-    context; rank 0 prints the table and saves <dump_folder>/passkey_eval.json."""
+    context; rank 0 prints the table and saves <dump_folder>/passkey_eval.json. Returns {(length, depth): accuracy},
+    the same on every rank."""
     e, p = cfg.eval, cfg.parallelism
     depths = [i / max(1, e.passkey_depths - 1) for i in range(e.passkey_depths)]
     results = evaluate_passkey(
@@ -159,6 +160,7 @@ def run_passkey_eval(cfg: Config, setup: StepSetup, tokenizer, device: torch.dev
         print(format_passkey_table(results), flush=True)
         write_json_atomically(os.path.join(cfg.job.dump_folder, "passkey_eval.json"),
                               [{"context_length": n, "depth": d, "accuracy": a} for (n, d), a in results.items()])
+    return results
 
 
 def run_long_doc_eval(cfg: Config, setup: StepSetup, stores: dict, device: torch.device, comm, is_writer: bool) -> dict:

@@ -25,6 +25,7 @@ def preflight_stages(cfg: Config, world_size: int, check_data: bool = True) -> l
     out (the dry run plans a recipe whose data lives on the cluster)."""
     if check_data:
         check_sources(cfg)  # names, weights and paths of the sources and the tokenizer; reads no file
+    check_passkey_stop(cfg)  # the recipe's own keys: a stage's evaluation config clears them before its last stage
     stages = resolve_stages(cfg, world_size)
     for stage in stages:
         try:
@@ -122,3 +123,14 @@ def check_sequence_split(cfg: Config, seq_len: int | None = None, key: str = "tr
         parts.append(f"cp x tp = {p.cp * p.tp} for sequence parallelism over tp {p.tp}")
     raise RecipeError(f"{cfg.recipe_path}: {key} {seq_len} is not divisible by {multiple} "
                       f"({'; '.join(parts)}). Use {nearest}.")
+
+
+def check_passkey_stop(cfg: Config) -> None:
+    """eval.passkey_interval and passkey_stop_at: in range, and a stop only with the evaluations that decide it."""
+    e = cfg.eval
+    if e.passkey_interval < 0 or not 0 <= e.passkey_stop_at <= 1:
+        raise RecipeError(f"{cfg.recipe_path}: eval.passkey_interval must be >= 0 and passkey_stop_at in [0, 1] "
+                          f"(got {e.passkey_interval}, {e.passkey_stop_at}).")
+    if e.passkey_stop_at and not (e.passkey and e.passkey_interval):
+        raise RecipeError(f"{cfg.recipe_path}: eval.passkey_stop_at ends the run at a passkey evaluation during "
+                          f"training; set eval.passkey = true and eval.passkey_interval > 0, or passkey_stop_at = 0.")
