@@ -50,8 +50,8 @@ def test_a_passkey_stop_without_its_evaluations_is_refused_in_one_line(overrides
 
 
 @pytest.mark.slow
-# A hang guard, not a speed target: ~6 minutes on an idle 2-core box, 916 s in 4937939's clean-clone CI, past
-# 1,400 s in 77b4ae0's and 1,961 s in 04cd307's (2026-12-02: the box's float32 GEMM at 53 GFLOP/s against 76).
+# A hang guard, not a speed target: 414 s alone on the Intel box of 2026-12-03 (ends at step 2,000), 1,032 s in
+# 944dbb1's clean-clone CI; 1,961 s in a clean-clone CI of a slower AMD box (float32 GEMM at 53 GFLOP/s).
 @pytest.mark.timeout(3100)
 def test_passkey_is_learned_under_zigzag_cp2(tmp_path):
     out = str(tmp_path / "passkey")
