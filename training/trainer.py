@@ -55,7 +55,6 @@ class Trainer:
         self.device = self.dist.device
         self.rank = self.dist.rank
         # where this rank is, in the launch's store: who never arrived, when a collective times out (hang_report)
-        self.passkey_evaluated_at: int | None = None  # the step of the last passkey evaluation during training
         self.positions = RankPositions(dist.distributed_c10d._get_default_store() if dist.is_initialized() else None,
                                        self.rank, dist.get_world_size() if dist.is_initialized() else 1)
         # bf16 GEMMs on a CPU without native ones: float32 kernels (models/cpu_half_gemm.py), or 31x slower; only for
@@ -258,7 +257,7 @@ class Trainer:
             # resumed at the last step (nothing to train): evaluate the checkpoint, e.g. on another mesh
             run_niah_eval(self.cfg, self.setup, self.tokenizer, self.stores, self.device.torch_device,
                           self.rank == 0, self.step, self.dist.comm)
-        if self.cfg.eval.passkey and self.passkey_evaluated_at != self.step:
+        if self.cfg.eval.passkey and self.step == self.cfg.training.steps:  # else its stop's evaluation was the last
             run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0,
                              self.dist.comm)
         return None
@@ -274,7 +273,6 @@ class Trainer:
         cell at eval.passkey_stop_at or better (the accuracies are reduced over ranks, so every rank agrees)."""
         results = run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0,
                                    self.dist.comm)
-        self.passkey_evaluated_at = self.step
         stop_at = self.cfg.eval.passkey_stop_at
         reached = stop_at > 0 and min(results.values()) >= stop_at
         if reached and self.rank == 0:
