@@ -18,7 +18,9 @@ def _pytest_with_hidden_transformers(tmp_path, test_text: str) -> subprocess.Com
     (shadow / "__init__.py").write_text("raise ModuleNotFoundError('hidden by the test', name='transformers')\n")
     module = tmp_path / "case.py"
     module.write_text(test_text)
-    probe = os.path.join(ROOT, "tests", "_pinned_probe_test.py")  # under tests/ so the project's conftest applies
+    # Under tests/ so the project's conftest applies; named after this test's own tmp_path so the two tests here,
+    # run at once on two xdist workers, never share one link (a clean-clone CI failed on that race: File exists).
+    probe = os.path.join(ROOT, "tests", f"_pinned_probe_{tmp_path.name}_test.py")
     os.symlink(module, probe)
     try:
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", probe],
