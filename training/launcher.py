@@ -110,8 +110,11 @@ def grace_on_any_torch(argv: list[str], parser=None) -> list[str]:
     """torchrun's arguments for this torch. torch 2.11 has no `--shutdown-timeout` (2.12 added it; 2.11 is what GPU
     images ship): there torchrun, after forwarding a signal, gives the ranks a fixed 30 s before it kills them, too
     short for a large model's step plus its save, and it refuses the unknown flag. On such a torch the flag leaves
-    the arguments and its value becomes the least timeout of torchrun's own close of the ranks (PContext.close, which
-    its signal path calls with the 30 s default), patched in this process only: it exists to run torchrun once."""
+    the arguments and its value becomes the least timeout of torchrun's own close of the ranks on its signal path
+    (PContext.close with the 30 s default, called while the agent handles the SignalException its signal handler
+    raised), patched in this process only: it exists to run torchrun once. Every other close keeps its own timeout:
+    a restart's (after a rank failed, with MAX_RESTARTS > 0) and the end's, where waiting the grace would only keep
+    survivors stuck in a collective alive longer before the restart."""
     parser = parser or get_args_parser()
     script = _script_at(argv)
     if GRACE_FLAG in parser._option_string_actions or GRACE_FLAG not in argv[:script]:
@@ -121,7 +124,8 @@ def grace_on_any_torch(argv: list[str], parser=None) -> list[str]:
     close = PContext.close
 
     def close_with_grace(self, death_sig=None, timeout: int = 30):
-        return close(self, death_sig, max(timeout, seconds))
+        signalled = isinstance(sys.exc_info()[1], SignalException)  # inside the agent's `except SignalException`
+        return close(self, death_sig, max(timeout, seconds) if signalled else timeout)
 
     PContext.close = close_with_grace
     return argv[:i] + argv[i + 2:]

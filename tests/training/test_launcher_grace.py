@@ -5,7 +5,7 @@ become the timeout of that close. On the installed torch (2.13, which has the fl
 import argparse
 import signal
 
-from torch.distributed.elastic.multiprocessing.api import PContext
+from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 
 from training import launcher
 
@@ -27,8 +27,26 @@ def test_on_torch_2_11_the_grace_leaves_torchruns_arguments_and_becomes_its_clos
     assert argv == ["--signals-to-handle", "SIGTERM,SIGUSR1", "--nproc-per-node", "2", "/repo/train.py",
                     "--training.steps", "5"]
     torch_2_11_parser().parse_known_args(argv)  # torchrun's parser takes what is left
-    PContext.close(object(), signal.SIGUSR1)  # 2.11's signal path: the death signal, the timeout left to default
+    try:  # 2.11's signal path: inside the agent's `except SignalException`, the timeout left to its default
+        raise SignalException("got signal", sigval=signal.SIGUSR1)
+    except SignalException as e:
+        PContext.close(object(), e.sigval)
     assert closed == [(signal.SIGUSR1, 600)]
+
+
+def test_on_torch_2_11_a_restart_or_the_end_keeps_its_own_close_timeout(monkeypatch):
+    """Issue 57 item 7: the agent's `_stop_workers` (a restart after a rank failed) and the close at the end call
+    the same PContext.close outside any SignalException; raised to the grace, each dead rank would wait that long
+    for survivors stuck in a collective before the restart."""
+    closed = []
+    monkeypatch.setattr(PContext, "close", lambda self, death_sig=None, timeout=30: closed.append((death_sig, timeout)))
+    launcher.grace_on_any_torch(list(ARGV), torch_2_11_parser())
+    PContext.close(object())  # _stop_workers -> _shutdown() -> close(SIGTERM by default, 30)
+    try:
+        raise RuntimeError("a rank failed")
+    except RuntimeError:
+        PContext.close(object(), signal.SIGTERM)  # any other exception in flight is no signal either
+    assert closed == [(None, 30), (signal.SIGTERM, 30)]
 
 
 def test_a_torchrun_that_knows_the_flag_gets_it_unchanged(monkeypatch):
