@@ -41,6 +41,35 @@ def ignore_stop_signals(worker_id: int) -> None:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
+def start_compile_workers_deaf_to(names: list[str], triton: bool | None = None) -> bool:
+    """Start inductor's compile workers now, with the stop signals blocked, so that they never see one. torchrun
+    signals each rank's whole process group, which holds the workers (a sidecar process started by subprocess from
+    the rank, and its pool; they ignore only SIGINT), so the first signal killed them, and a compile between the
+    signal and the save (step 1's lazy backward, a ramp stage's new shapes, an evaluation) failed instead of saving.
+
+    A blocked signal stays blocked across fork and exec, so the workers keep it pending, never delivered; the rank
+    unblocks it right after, and its handler notes anything that arrived meanwhile (ignoring it for the window
+    instead could lose one). The workers still end with the rank (their parent watchdog). That pool compiles
+    Triton kernels only (`triton`: whether the triton package is installed, as torch decides when it warms the pool
+    at the first compile); CPU kernels are built by g++ from the rank's own threads, so without triton nothing is
+    started. Returns whether a pool was started."""
+    from torch._inductor import async_compile
+    from torch.utils._triton import has_triton_package
+
+    if triton is None:
+        triton = has_triton_package()
+    if (not triton or async_compile.get_compile_threads() <= 1
+            or threading.current_thread() is not threading.main_thread()):
+        return False
+    numbers = {getattr(signal, name) for name in names}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+    try:
+        async_compile.AsyncCompile.process_pool()  # once per process (cached): every later compile submits to it
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    return True
+
+
 class StopSignals:
     """This rank's signal handlers and what they saw (the data loader's workers ignore the signals instead:
     `ignore_stop_signals`)."""

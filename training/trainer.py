@@ -33,7 +33,7 @@ from training.evaluation.niah import run_niah_eval
 from training.loss import global_label_tokens
 from training.metrics import MetricsLogger, StepMetrics, visible_pairs
 from training.launch_checks.preflight import preflight_stages
-from training.preemption import StopSignals, ignore_stop_signals
+from training.preemption import StopSignals, ignore_stop_signals, start_compile_workers_deaf_to
 from training.rank_positions import RankPositions, hang_line, newest_checkpoint, write_details
 from training.ramp import RampStage, model_build_config, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_
@@ -86,6 +86,8 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model_parts, self.device.type)
         self.comm_stats = CommStats()
         self.compiled = cfg.training.compiles(self.device.type)
+        if self.stop_signals.names and any(s.cfg.training.compiles(self.device.type) for s in self.stages):
+            start_compile_workers_deaf_to(self.stop_signals.names)  # before any compile: a signal must not kill them
         self.float8 = cfg.training.float8 != "off"
         """Float8 linear layers (parallelisms/float8.py): their weights' scales follow every optimizer step."""
         self.compile_first_step_s: float | None = None
