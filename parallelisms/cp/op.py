@@ -82,18 +82,31 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     """(out like q, float32 log-sum-exp (B, Hq, S_local)) of this rank's queries against the whole sequence."""
     out, lse = variant_forward(ACTIVE.current(group_name), variant, q, k, v, is_causal, scale)
     lse = lse.contiguous()
-    return _own_outputs([out, lse], [q, lse], (q, k, v))
+    return _own_outputs("attention", [out, lse], _forward_fakes(q), (q, k, v))
 
 
-def _own_outputs(results: list, likes: list, inputs: tuple) -> tuple:
-    """Each result in `torch.empty_like(like)`'s memory layout, so the fake implementation's strides are the real ones
-    on every path, and in storage of its own: an op's outputs may not alias its inputs or each other (the all-to-all
-    returns dQ, dK and dV as views of one buffer). A copy only where either is not so already."""
+def _forward_fakes(q: torch.Tensor) -> list[torch.Tensor]:
+    """The forward's outputs as its fake implementation lays them out, on the meta device (no memory)."""
+    return [torch.empty_like(q, device="meta"), torch.empty(q.shape[:-1], dtype=torch.float32, device="meta")]
+
+
+def _own_outputs(op: str, results: list, fakes: list, inputs: tuple) -> tuple:
+    """Each result checked against what the fake implementation says (shape, dtype, device: inductor plans every
+    buffer from the fake and trusts it, so a variant that returned, say, float32 where the fake says bf16 would be
+    read wrongly without a word), then in the fake's memory layout, so the strides a graph was traced with are the
+    real ones on every path, and in storage of its own: an op's outputs may not alias its inputs or each other (the
+    all-to-all returns dQ, dK and dV as views of one buffer). A copy only where either is not so already."""
+    device = inputs[0].device
     taken = {x.untyped_storage().data_ptr() for x in inputs}
     owned = []
-    for x, like in zip(results, likes):
-        if x.stride() != torch.empty_like(like, device="meta").stride() or x.untyped_storage().data_ptr() in taken:
-            x = torch.empty_like(like).copy_(x)
+    for i, (x, fake) in enumerate(zip(results, fakes)):
+        if x.shape != fake.shape or x.dtype != fake.dtype or x.device != device:
+            raise RuntimeError(
+                f"torch.ops.{LIBRARY}.{op} output {i} is {tuple(x.shape)} {x.dtype} on {x.device}, but its fake "
+                f"implementation says {tuple(fake.shape)} {fake.dtype} on {device}, which is what a compiled graph "
+                "was built for: the variant's result is wrong (parallelisms/cp/op_variants.py)")
+        if x.stride() != fake.stride() or x.untyped_storage().data_ptr() in taken:
+            x = torch.empty_like(fake, device=device).copy_(x)
         taken.add(x.untyped_storage().data_ptr())
         owned.append(x)
     return tuple(owned)
@@ -101,7 +114,8 @@ def _own_outputs(results: list, likes: list, inputs: tuple) -> tuple:
 
 @cp_attention.register_fake
 def _(q, k, v, is_causal, scale, group_name, variant):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    out, lse = (torch.empty_like(fake, device=q.device) for fake in _forward_fakes(q))
+    return out, lse
 
 
 @torch.library.custom_op(f"{LIBRARY}::attention_backward", mutates_args=())
@@ -110,7 +124,8 @@ def cp_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           variant: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the forward's own output and log-sum-exp: nothing is recomputed but the exchanges."""
     grads = variant_backward(ACTIVE.current(group_name), variant, dout, q, k, v, out, lse, is_causal, scale)
-    return _own_outputs(list(grads), [q, k, v], (dout, q, k, v, out, lse))
+    fakes = [torch.empty_like(x, device="meta") for x in (q, k, v)]
+    return _own_outputs("attention_backward", list(grads), fakes, (dout, q, k, v, out, lse))
 
 
 @cp_attention_backward.register_fake
