@@ -11,8 +11,11 @@ tell: tile 0 starts from nothing of the loop; tile 1 starts with tile 0's leftov
 a tile's temporaries when the next tile rebinds their names), as every later full tile does with its predecessor's;
 the last tile (full or short) follows a full tile either way. The dispatch counter (training/planning/fake/
 counter.py) counts tile 1's ops `weight` = n - 2 times, so the op, kernel and byte counts the step price reads are
-the whole loop's. Fake tensors hold no values, so the tiles not run change no number. Real tensors, compiled graphs
-(whose inputs are functional wrappers, never bare fake tensors) and loops of three tiles or fewer run every tile.
+the whole loop's. The CP attention's head groups (parallelisms/cp/autograd.py: a ring per group, each writing its
+slice of preallocated outputs) are walked the same way, and the ring's byte counter (cp/counters.py) scales what
+the middle group sends by its weight. Fake tensors hold no values, so the tiles not run change no number. Real
+tensors, compiled graphs (whose inputs are functional wrappers, never bare fake tensors) and loops of three tiles or
+fewer run every tile.
 """
 from __future__ import annotations
 
@@ -49,9 +52,10 @@ def tile_starts(length: int, tile: int, like: torch.Tensor) -> Iterator[int]:
         yield from starts
         return
     yield starts[0]
-    sampler.weight = len(starts) - 2
+    outer = sampler.weight  # a loop inside a sampled one (a ring's head groups hold no tile loop today) multiplies
+    sampler.weight = outer * (len(starts) - 2)
     try:
         yield starts[1]
     finally:
-        sampler.weight = 1
+        sampler.weight = outer
     yield starts[-1]

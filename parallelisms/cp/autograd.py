@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from models.tile_loops import tile_starts
+
 if TYPE_CHECKING:  # an annotation only: the wrapper stays a leaf
     from parallelisms.cp.block_spec import BlockSpec
 
@@ -40,18 +42,20 @@ def _head_slices(q: torch.Tensor, k: torch.Tensor, groups: int) -> list[tuple[sl
 
 
 def grouped_forward(forward_fn, q, k, v, spec: BlockSpec):
-    """`forward_fn` over the call's head groups -> (out, float32 lse, the kernels' auxiliaries per group)."""
+    """`forward_fn` over the call's head groups -> (out, float32 lse, the kernels' auxiliaries per group; None for a
+    group a dry run did not run)."""
     groups = head_group_count(q, k, spec.head_groups)
     if groups == 1:
         out, lse, auxes = forward_fn(q, k, v, spec)
         return out, lse, [auxes]
     out = torch.empty_like(q)  # q's memory layout: the model's transpose back stays a view
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    group_auxes = []
-    for qh, kh in _head_slices(q, k, groups):
-        g_out, g_lse, auxes = forward_fn(q[:, qh], k[:, kh], v[:, kh], spec)
+    group_auxes: list = [None] * groups
+    slices = _head_slices(q, k, groups)
+    for g in tile_starts(groups, 1, q):  # every group; a dry run's fake tensors: three (models/tile_loops.py)
+        qh, kh = slices[g]
+        g_out, g_lse, group_auxes[g] = forward_fn(q[:, qh], k[:, kh], v[:, kh], spec)
         out[:, qh], lse[:, qh] = g_out, g_lse
-        group_auxes.append(auxes)
         del g_out, g_lse
     return out, lse, group_auxes
 
@@ -61,7 +65,9 @@ def grouped_backward(backward_fn, dout, q, k, v, out, lse, group_auxes: list, sp
     if len(group_auxes) == 1:
         return backward_fn(dout, q, k, v, out, lse, group_auxes[0], spec)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for (qh, kh), auxes in zip(_head_slices(q, k, len(group_auxes)), group_auxes):
+    slices = _head_slices(q, k, len(group_auxes))
+    for g in tile_starts(len(group_auxes), 1, q):  # the groups grouped_forward ran, in its order
+        (qh, kh), auxes = slices[g], group_auxes[g]
         g_dq, g_dk, g_dv = backward_fn(dout[:, qh], q[:, qh], k[:, kh], v[:, kh], out[:, qh], lse[:, qh], auxes,
                                        spec)
         dq[:, qh], dk[:, kh], dv[:, kh] = g_dq, g_dk, g_dv

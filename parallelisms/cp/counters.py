@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from config.errors import Refusal
+from models.tile_loops import active_sampler
 
 UnsupportedAttentionError = Refusal
 """An attention call the CP variants cannot compute exactly (they refuse instead of computing something else)."""
@@ -31,9 +32,11 @@ class CommStats:
 
 
 def count_sent(stats: CommStats | None, nbytes: int, backward: bool = False) -> None:
-    """Adds `nbytes` to `stats` when the caller passed counters."""
+    """Adds `nbytes` to `stats` when the caller passed counters, times the head groups the one now running stands
+    for when a dry run samples them (models/tile_loops.py: 1 everywhere else)."""
     if stats is not None:
-        stats.count_sent(nbytes, backward)
+        sampler = active_sampler()
+        stats.count_sent(nbytes * (sampler.weight if sampler is not None else 1), backward)
 
 
 def nbytes(tensor: torch.Tensor) -> int:

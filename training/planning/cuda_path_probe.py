@@ -30,6 +30,7 @@ from parallelisms.cp.plan_pieces import DocumentShards
 from parallelisms.cp.exchange_ring_sparse import sparse_backward, sparse_forward
 from parallelisms.cp.layouts import DOCUMENTS
 from training.planning.eval_memory import PeakMemTracker, tracked_bytes
+from models.tile_loops import SampledTiles
 from training.planning.fake.counter import DispatchCounter
 from training.planning.fake.world import fake_process_group
 
@@ -172,7 +173,8 @@ def layer_counts(shape: tuple, dtype, device: str, group_size: int, rank: int, s
         tracker = PeakMemTracker() if memory else contextlib.nullcontext()
         counter = counter or DispatchCounter()
         # the modelled scratch sits below the counter: allocated and tracked, not counted as ops
-        with tracker, (FlashWorkspace() if memory else contextlib.nullcontext()), counter, \
+        # head groups in three (models/tile_loops.py), entered before the counter, which weights what it counts
+        with tracker, (FlashWorkspace() if memory else contextlib.nullcontext()), SampledTiles(), counter, \
                 (ExpandGqa() if expand_gqa else contextlib.nullcontext()):
             run_layer(*passes, q, k, v, spec)
         peak = tracked_bytes(tracker.get_tracker_snapshot("peak"))["Total"] if memory else 0.0

@@ -148,7 +148,7 @@ class DispatchCounter(TorchDispatchMode):
         self.host_to_device = 0
         self._paused = 0
         self._tiles = None
-        """The SampledTiles entered below this counter, if any (models/tile_loops.py): its weight scales counts."""
+        """The SampledTiles entered below this counter, if any (models/tile_loops.py): its weight scales every count."""
         self._host_reads = _HostReadCounter(self) if strict else None
 
     def __enter__(self):
@@ -173,9 +173,14 @@ class DispatchCounter(TorchDispatchMode):
             self._paused -= 1
 
     def count_sync(self, kind: str) -> None:
-        self.counts[kind] += 1
+        weight = self._weight()
+        self.counts[kind] += weight
         if self.places is not None:
-            self.places[f"{kind} at {_where()}"] += 1
+            self.places[f"{kind} at {_where()}"] += weight
+
+    def _weight(self) -> int:
+        """How many tiles or head groups the op now running stands for (models/tile_loops.py); 1 outside them."""
+        return self._tiles.weight if self._tiles is not None else 1
 
     def _on_device(self, device: torch.device | None) -> bool:
         return device is not None and (self.strict or device.type != "cpu")
@@ -189,19 +194,19 @@ class DispatchCounter(TorchDispatchMode):
             if source is not None and target is not None and source.type != "cpu" and target.type == "cpu":
                 self.count_sync("device_to_host")
             elif source is not None and target is not None and source.type == "cpu" and target.type != "cpu":
-                self.host_to_device += 1
+                self.host_to_device += self._weight()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self._paused:
             return func(*args, **kwargs)
         self._count_transfers(func, args, kwargs)
-        weight = self._tiles.weight if self._tiles is not None else 1  # a sampled tile stands for `weight`
+        weight = self._weight()  # a sampled tile or head group stands for `weight`
         self.calls[func] += weight
         out = func(*args, **kwargs)
         self.bytes[func] += weight * (_tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out))
         if func in KERNEL_OF_OP:
-            self.by_kernel[KERNEL_OF_OP[func]] = self.by_kernel.get(KERNEL_OF_OP[func], 0) + 1
+            self.by_kernel[KERNEL_OF_OP[func]] = self.by_kernel.get(KERNEL_OF_OP[func], 0) + weight
             if self.record:
                 self.attention_calls.append((func, args, kwargs, out))
         return out
