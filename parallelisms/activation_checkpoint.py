@@ -3,8 +3,10 @@
 - full: every block keeps only its input; backward re-runs the whole block (attention included).
 - selective: the same for every `every`-th block (by block id, so pipeline stages agree with the full model).
 - op: inside every block, the outputs of the attention kernels (CPU and CUDA SDPA ops, and the registered CP
-  attention op a compiled block calls, parallelisms/cp/op.py) and of every other matmul are saved, the rest (norms, RoPE, activations, the other matmuls) is recomputed. No attention call ever runs twice,
-  and a tensor-parallel reduce-scatter is saved rather than repeated.
+  attention op, parallelisms/cp/op.py) and of every other matmul are saved, the rest (norms, RoPE, activations, the
+  other matmuls) is recomputed. Under context parallelism attention goes through that op eagerly too, so no
+  attention call and no exchange of it ever runs twice, and a tensor-parallel reduce-scatter is saved rather than
+  repeated.
 
 Recompute runs inside backward, where torch-function modes are not active (autograd does not carry them over).
 Context parallelism routes attention to the ring through such a mode, so every mode re-enters, during recompute,
@@ -29,7 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from config import Refusal, choices
 from config.schema import ActivationCheckpointMode
 from parallelisms.activation_offload import ActivationOffloader
-from parallelisms.cp.op import ATTENTION_OP as CP_ATTENTION_OP
+from parallelisms.cp.op import ACTIVE as CP_ACTIVE, ATTENTION_OP as CP_ATTENTION_OP
 
 _aten = torch.ops.aten
 ATTENTION_OPS = frozenset({
@@ -79,8 +81,11 @@ def _full_context():
 
 
 def _op_context():
+    """(forward, recompute) contexts of the `op` policy; in both, CP attention goes through its registered op, eager
+    too (cp/op.py ActiveRuns.through_op), which the policy saves whole: the recompute runs no exchange again."""
     forward, recompute = create_selective_checkpoint_contexts(_op_policy())
-    return forward, _entered([*_get_current_function_mode_stack(), recompute])
+    return (_entered([forward, CP_ACTIVE.routed_through_op()]),
+            _entered([*_get_current_function_mode_stack(), recompute, CP_ACTIVE.routed_through_op()]))
 
 
 def _offloaded_checkpoint(offloader: ActivationOffloader, layer: int, fn, hidden, *args, **kwargs):

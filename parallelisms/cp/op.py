@@ -19,11 +19,13 @@ this one is written for this package's exchanges and layouts.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from config.errors import Refusal
@@ -51,6 +53,20 @@ class ActiveRuns:
 
     def __init__(self):
         self._by_group: dict[str, list] = {}
+        self.through_op = 0
+        """While > 0, eager SDPA calls under a `context_parallel` block go through the registered op as compiled ones
+        do: the `op` activation checkpoint sets it for its forward and recompute (parallelisms/
+        activation_checkpoint.py), whose policy saves the op's outputs whole. On the Python path it saves the
+        attention kernels' outputs but runs every other op of the call again in the recompute, the ring's sends and
+        receives among them. Fake tensors (the dry run) keep the Python path, whose exchanges the probe measures."""
+
+    @contextlib.contextmanager
+    def routed_through_op(self):
+        self.through_op += 1
+        try:
+            yield
+        finally:
+            self.through_op -= 1
 
     def push(self, group_name: str, run: SdpaToContextParallel) -> None:
         self._by_group.setdefault(group_name, []).append(run)
@@ -180,6 +196,8 @@ class SdpaToContextParallel(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             if torch.compiler.is_compiling():
+                return self._route_op(*args, **kwargs)
+            if ACTIVE.through_op and not isinstance(args[0] if args else kwargs.get("query"), FakeTensor):
                 return self._route_op(*args, **kwargs)
             return self._route(*args, **kwargs)
         return func(*args, **kwargs)

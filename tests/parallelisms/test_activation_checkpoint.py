@@ -89,3 +89,34 @@ def test_selective_wraps_every_kth_block_by_id():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="activation checkpoint mode"):
         apply_activation_checkpointing(Llama(LlamaConfig(**TINY)), "sometimes")
+
+
+def _cp_ring_stats(mode: str, head_groups: int):
+    """One forward and backward of TINY (4 blocks) under the CP ring as rank 0 of a fake process group of 2 (the
+    exchanges run; their data is not real): the ring's counters (calls, bytes sent in forward and in backward)."""
+    from parallelisms.cp.counters import CommStats
+    from parallelisms.cp.op import SdpaToContextParallel
+    from training.planning.fake.world import fake_process_group
+    model = Llama(LlamaConfig(**TINY))
+    apply_activation_checkpointing(model, mode, 1)
+    model.init_weights(0)
+    tokens = torch.randint(0, TINY["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(5))
+    stats = CommStats()
+    with fake_process_group(2, 0) as group, \
+            SdpaToContextParallel(group, "zigzag", {32}, None, stats, head_groups=head_groups):
+        model(tokens).float().sum().backward()  # backward inside the block, as the trainer runs it
+    return stats
+
+
+@pytest.mark.parametrize("head_groups", [1, 2])
+def test_op_mode_under_cp_runs_each_layer_s_attention_and_exchanges_once(head_groups):
+    """Issue 57 item 2: the `op` policy saves the attention kernels' outputs, but on the eager Python path of the CP
+    ring it recomputed every other op of the call, the ring's sends and receives among them (twice the calls, the
+    forward's bytes twice; calls are counted per layer and head group). Attention now goes through the registered
+    CP op in op mode, eager too, whose outputs the policy saves whole: the calls and bytes of no checkpointing.
+    Full checkpointing recomputes the ring, as it must."""
+    plain, op, full = (_cp_ring_stats(mode, head_groups) for mode in ("none", "op", "full"))
+    assert plain.calls == 4 * head_groups and plain.forward_bytes_sent > 0 and plain.backward_bytes_sent > 0
+    assert (op.calls, op.forward_bytes_sent, op.backward_bytes_sent) == \
+        (plain.calls, plain.forward_bytes_sent, plain.backward_bytes_sent)
+    assert (full.calls, full.forward_bytes_sent) == (2 * plain.calls, 2 * plain.forward_bytes_sent)
