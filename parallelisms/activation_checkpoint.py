@@ -40,6 +40,8 @@ ATTENTION_OPS = frozenset({
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_attention_math.default,
+    _aten._flash_attention_forward.default,  # the varlen and packed-document calls (cp/kernel_varlen.py) on CUDA
+    _aten._efficient_attention_forward.default,
 })
 ALWAYS_SAVED_OPS = ATTENTION_OPS | {torch.ops._c10d_functional.reduce_scatter_tensor.default, CP_ATTENTION_OP}
 MATMUL_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default})

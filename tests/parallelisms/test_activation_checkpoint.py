@@ -120,3 +120,18 @@ def test_op_mode_under_cp_runs_each_layer_s_attention_and_exchanges_once(head_gr
     assert (op.calls, op.forward_bytes_sent, op.backward_bytes_sent) == \
         (plain.calls, plain.forward_bytes_sent, plain.backward_bytes_sent)
     assert (full.calls, full.forward_bytes_sent) == (2 * plain.calls, 2 * plain.forward_bytes_sent)
+
+
+def test_op_policy_saves_every_attention_kernel_the_cuda_path_calls():
+    """The varlen and packed-document calls run `aten._flash_attention_forward` (cp/kernel_varlen.py); outside the
+    registered CP op the policy must save them as it saves SDPA's kernels, or the recompute runs them again."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from parallelisms.activation_checkpoint import _op_policy
+    policy, aten = _op_policy(), torch.ops.aten
+    for op in (aten._flash_attention_forward.default, aten._efficient_attention_forward.default,
+               aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_cudnn_attention.default):
+        assert policy(SimpleNamespace(is_recompute=False), op) == CheckpointPolicy.MUST_SAVE, op
+    assert policy(SimpleNamespace(is_recompute=False), aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
