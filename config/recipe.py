@@ -253,6 +253,9 @@ def validate(cfg: Config) -> None:
     for section, key in positive:
         if getattr(getattr(cfg, section), key) < 1:
             raise RecipeError(f"{where}: {section}.{key} must be >= 1, got {getattr(getattr(cfg, section), key)}.")
+    if cfg.job.flight_recorder_entries < 0:
+        raise RecipeError(f"{where}: job.flight_recorder_entries must be >= 0 (0 = off), got "
+                          f"{cfg.job.flight_recorder_entries}.")
     if cfg.job.step_timeout_s < 0:
         raise RecipeError(f"{where}: job.step_timeout_s must be >= 0 (0 = measured: 5x a stage's second step, at "
                           f"least 60 s), got {cfg.job.step_timeout_s}.")

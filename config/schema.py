@@ -98,6 +98,10 @@ class JobConfig:
     step_timeout_s: int = 0
     """Seconds a collective may wait in a training step once its stage's first two steps ran (a dead or stuck rank
     ends the job this much later); 0 = 5x the stage's second step, at least 60 s."""
+    flight_recorder_entries: int = 20000
+    """NCCL's flight recorder: the last this many collectives of each rank kept in memory and, when one times out,
+    written to <dump_folder>/flight_recorder/rank_<R>, which the hang line names with the command that reads them
+    (`python -m torch.distributed.flight_recorder.fr_trace`); 0 = off. GPU runs only (gloo has no recorder)."""
 
 
 @dataclass

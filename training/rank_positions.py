@@ -113,10 +113,11 @@ def newest_checkpoint(folder: str) -> str | None:
     return None
 
 
-def hang_line(rank: int, seen: dict, now: float, timeout_s: float, resume: str | None, details: str) -> str:
+def hang_line(rank: int, seen: dict, now: float, timeout_s: float, resume: str | None, details: str,
+              recorder: str | None = None) -> str:
     """The one line a rank whose collective timed out leaves: where it waited, who never arrived (behind it, or
-    silent: no heartbeat for STALE_S), who waited with it, the timeout, the checkpoint to resume from and the file
-    with the tracebacks."""
+    silent: no heartbeat for STALE_S), who waited with it, the timeout, the checkpoint to resume from, the file
+    with the tracebacks, and on NCCL the flight recorder's folder with the command that reads it."""
     mine = seen[rank][0]
     missing, waited = [], []
     for r, (post, beat) in sorted(seen.items()):
@@ -135,8 +136,10 @@ def hang_line(rank: int, seen: dict, now: float, timeout_s: float, resume: str |
     else:
         who = ("every rank is at the same place with a live heartbeat (a collective some ranks did not call, or "
                "a rank stuck inside one)")
+    fr = (f"; NCCL flight recorder dumps in {recorder} (python -m torch.distributed.flight_recorder.fr_trace "
+          f"{recorder})") if recorder else ""
     return (f"error: hang at {at}: {who}; rank(s) {_ranges(waited)} waited {timeout_s:.0f}s (the collective "
-            f"timeout) and stopped the run; {resume_at}; tracebacks in {details}")
+            f"timeout) and stopped the run; {resume_at}; tracebacks in {details}{fr}")
 
 
 def _ranges(ranks: list[int]) -> str:

@@ -24,7 +24,7 @@ from parallelisms.cp.kernel_cudnn_thd import documents_kernel_name
 from training import step
 from training.batch_plans import stage_step_loader
 from training.build import (build_model, build_optimizer, build_run_meshes, build_shared_tokenizer, build_stage_data,
-                            build_stores, init_distributed)
+                            build_stores, flight_recorder_folder, init_distributed)
 from training.checkpoint import Checkpointer
 from training.hf_export import export_extras
 from training.evaluation.passkey import run_long_doc_eval, run_passkey_eval
@@ -366,7 +366,8 @@ class Trainer:
         line naming who never arrived (training/rank_positions.py)."""
         folder = write_details(self.cfg.job.dump_folder, self.rank, details)
         return hang_line(self.rank, self.positions.read(), time.time(), self.timeouts.current_s,
-                         newest_checkpoint(self.checkpointer.folder) if self.cfg.checkpoint.enable else None, folder)
+                         newest_checkpoint(self.checkpointer.folder) if self.cfg.checkpoint.enable else None, folder,
+                         flight_recorder_folder(self.cfg, self.device.backend))
 
     def close(self, hung: bool = False) -> None:
         """`hung`: a collective timed out; the barrier and an async save in flight would wait for the rank that

@@ -108,3 +108,41 @@ def test_the_launcher_prints_the_lowest_rank_s_line_and_shortens_the_grace(tmp_p
 @pytest.mark.parametrize("phase", ["set-up", "evaluation"])
 def test_phases_order_within_a_step(phase):
     assert _at(5, phase).order() < _at(6, "set-up" if phase == "evaluation" else "data").order()
+
+
+def test_on_nccl_the_line_names_the_flight_recorder_and_the_command_that_reads_it(tmp_path):
+    """Issue 58 item 2: NCCL's flight recorder on (job.flight_recorder_entries), its dumps under the run's outputs,
+    and the hang line naming them with torch's analyzer; gloo has no recorder and its line says nothing of one."""
+    import importlib.util
+    import os
+
+    from config.recipe import load_config
+    from tests.trainer_runs import ROOT
+    from training.build import flight_recorder_env, flight_recorder_folder
+    cfg = load_config(os.path.join(ROOT, "recipes", "debug.toml"), ["--job.dump_folder", str(tmp_path / "run")])
+    folder = str(tmp_path / "run" / "flight_recorder")
+    env = flight_recorder_env(cfg, "nccl")
+    assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_FR_DUMP_TEMP_FILE": folder + "/rank_", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": folder + "/rank_"}
+    assert flight_recorder_env(cfg, "gloo") == {} and flight_recorder_folder(cfg, "gloo") is None
+    off = load_config(os.path.join(ROOT, "recipes", "debug.toml"), ["--job.flight_recorder_entries", "0"])
+    assert flight_recorder_env(off, "nccl") == {}
+    seen = {0: (_at(8, "forward/backward"), NOW - 1), 1: (_at(8, "data"), NOW - 1)}
+    line = hang_line(0, seen, NOW, 60, None, "out/hang", flight_recorder_folder(cfg, "nccl"))
+    assert line.endswith(f"; NCCL flight recorder dumps in {folder} (python -m "
+                         f"torch.distributed.flight_recorder.fr_trace {folder})") and "\n" not in line, line
+    assert "flight recorder" not in hang_line(0, seen, NOW, 60, None, "out/hang", None)
+    assert importlib.util.find_spec("torch.distributed.flight_recorder.fr_trace") is not None  # the command exists
+
+
+def test_a_negative_flight_recorder_size_is_refused_in_one_line():
+    import os
+
+    from config import RecipeError
+    from config.recipe import load_config
+    from tests.trainer_runs import ROOT
+    recipe = os.path.join(ROOT, "recipes", "debug.toml")
+    with pytest.raises(RecipeError) as err:
+        load_config(recipe, ["--job.flight_recorder_entries", "-1"])
+    message = str(err.value)
+    assert "job.flight_recorder_entries must be >= 0" in message and recipe in message and "\n" not in message
