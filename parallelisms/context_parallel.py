@@ -88,17 +88,19 @@ def _document_shards(document_ids, cp_size: int, cp_rank: int, load_balancer: st
     return None, None
 
 
-def _packed_documents(document_ids, cp_size: int, plan) -> PackedDocuments | None:
+def _packed_documents(document_ids, cp_size: int, plan, device: torch.device) -> PackedDocuments | None:
     """CP 1 with documents: the batch's packed sequences (moved with the batch by the data workers, or made here from
-    the ids: one host read), or None where the documents layout runs (CP > 1, or a document in two runs of a row)."""
+    the ids: one host read), or None where the documents layout runs (CP > 1, or a document in two runs of a row).
+    Its cu_seqlens go where the attention runs (`device`, the buffers'): ids or a plan left on the host beside CUDA
+    queries would hand the kernel host offsets."""
     if cp_size != 1 or document_ids is None:
         return None
     if isinstance(plan, PackedDocuments):
-        return plan
+        return plan if plan.cu_seqlens.device == device else plan.to(device)
     if plan is not None:  # the data workers found no packed form and planned the documents layout
         return None
     packed = PackedDocuments.from_ids(document_ids.detach().cpu().numpy())
-    return None if packed is None else packed.to(document_ids.device)
+    return None if packed is None else packed.to(device)
 
 
 def _shard_in_place(buffers, buffer_seq_dims, no_restore_buffers, shard) -> list:
@@ -154,7 +156,8 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
         check_sequence_length(buf.size(dim), cp_size, load_balancer)
     if load_balancer == DOCUMENTS:
         cp_impl = _documents_impl(cp_impl, document_ids)
-    packed = _packed_documents(document_ids, cp_size, plan)
+    run_device = buffers[0].device if buffers else getattr(document_ids, "device", None)
+    packed = _packed_documents(document_ids, cp_size, plan, run_device)
     if packed is not None:  # nothing to shard or exchange: every layout is the identity at P = 1
         with SdpaToContextParallel(group, load_balancer, set(), None, stats, kernel=attention_kernel, packed=packed):
             yield

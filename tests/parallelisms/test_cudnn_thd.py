@@ -264,3 +264,20 @@ def test_documents_take_thd_where_the_run_takes_cudnn_and_the_frontend_serves_th
 def test_thd_is_refused_where_it_cannot_run():
     assert "runs on CUDA" in thd.thd_problem(torch.device("cpu"), lambda module: True)
     assert "nvidia-cudnn-frontend" in thd.thd_problem(torch.device("cuda", 0), lambda module: False)
+
+
+def test_cp1_packed_offsets_go_where_the_queries_are():
+    """Issue 57: document ids (or a packed plan) left on the host beside CUDA buffers gave the packed kernel host
+    cu_seqlens (a device-mismatch error inside it); context_parallel moves them once to the buffers' device. The
+    meta device stands for CUDA here (any device that is not the ids')."""
+    from parallelisms.context_parallel import _packed_documents
+    from parallelisms.cp.packed_documents import PackedDocuments
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
+    elsewhere = torch.device("meta")
+    assert _packed_documents(ids, 1, None, elsewhere).cu_seqlens.device == elsewhere
+    host_plan = PackedDocuments.from_ids(ids.numpy())
+    assert host_plan.cu_seqlens.device.type == "cpu"
+    assert _packed_documents(ids, 1, host_plan, elsewhere).cu_seqlens.device == elsewhere
+    assert _packed_documents(ids, 1, host_plan, ids.device) is host_plan  # already there: not copied
+    assert _packed_documents(ids, 1, None, ids.device).cu_seqlens.device.type == "cpu"  # CPU runs: unchanged
+    assert _packed_documents(ids, 2, None, ids.device) is None  # CP > 1: the documents layout, no packed form
