@@ -62,6 +62,10 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> "TrainingMesh":
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
+        if self.tp > 1 and self.dp_shard * self.cp > 1:
+            # FSDP2 over TP gives parameters and gradients the 2-D mesh (dp_shard_cp, tp): with this flattened group
+            # DTensor reduces the gradient norm's partials over both in one all-reduce instead of two in sequence
+            mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
         return TrainingMesh(
             dims=self,
             world=mesh,
