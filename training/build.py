@@ -33,34 +33,35 @@ class Distributed:
     comm: Collectives
 
 
-def flight_recorder_folder(cfg: Config, backend: str) -> str | None:
-    """Where NCCL's flight recorder writes each rank's last collectives when one times out, or None (gloo, or off)."""
-    if backend != "nccl" or cfg.job.flight_recorder_entries == 0:
-        return None
-    return os.path.join(os.path.abspath(cfg.job.dump_folder), "flight_recorder")
-
-
 def flight_recorder_env(cfg: Config, backend: str) -> dict[str, str]:
-    """The environment NCCL's process groups read when they are made (a variable already set wins): the buffer size,
-    the dump on a collective timeout, and the file prefix (<folder>/rank_, the rank appended), under both names
-    torch has read it by (TORCH_FR_DUMP_TEMP_FILE; TORCH_NCCL_DEBUG_INFO_TEMP_FILE before it)."""
-    folder = flight_recorder_folder(cfg, backend)
-    if folder is None:
+    """The environment NCCL's process groups read when they are made: the buffer size, the dump on a collective
+    timeout, and the file prefix (<dump_folder>/flight_recorder/rank_, the rank appended), under both names torch has
+    read it by (TORCH_FR_DUMP_TEMP_FILE; TORCH_NCCL_DEBUG_INFO_TEMP_FILE before it). {} for gloo or when off."""
+    if backend != "nccl" or cfg.job.flight_recorder_entries == 0:
         return {}
-    prefix = os.path.join(folder, "rank_")
+    prefix = os.path.join(os.path.abspath(cfg.job.dump_folder), "flight_recorder", "rank_")
     return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(cfg.job.flight_recorder_entries), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+
+
+def flight_recorder_folder(cfg: Config, backend: str) -> str | None:
+    """Where the flight recorder writes each rank's last collectives when one times out, or None (gloo, or off): the
+    recipe's folder, or the one a TORCH_FR_DUMP_TEMP_FILE already in the environment names (it wins)."""
+    env = flight_recorder_env(cfg, backend)
+    if not env:
+        return None
+    return os.path.dirname(os.environ.get("TORCH_FR_DUMP_TEMP_FILE", env["TORCH_FR_DUMP_TEMP_FILE"]))
 
 
 def init_distributed(cfg: Config) -> Distributed:
     """Picks the device from torchrun's environment and joins the process group (NCCL on GPUs, gloo on CPUs), with
     NCCL's flight recorder on as the recipe says."""
     device = pick_device(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    recorder = flight_recorder_env(cfg, device.backend)
-    if recorder:
-        os.makedirs(flight_recorder_folder(cfg, device.backend), exist_ok=True)
-        for name, value in recorder.items():
-            os.environ.setdefault(name, value)
+    for name, value in flight_recorder_env(cfg, device.backend).items():
+        os.environ.setdefault(name, value)  # a variable already set wins
+    recorder = flight_recorder_folder(cfg, device.backend)
+    if recorder is not None:
+        os.makedirs(recorder, exist_ok=True)
     timeout = datetime.timedelta(seconds=cfg.job.init_timeout_s)  # the step timeout comes later
     # NCCL binds the communicator to this rank's GPU up front (and barriers use it); gloo needs no device.
     dist.init_process_group(device.backend, timeout=timeout,

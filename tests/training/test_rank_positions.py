@@ -135,6 +135,17 @@ def test_on_nccl_the_line_names_the_flight_recorder_and_the_command_that_reads_i
     assert importlib.util.find_spec("torch.distributed.flight_recorder.fr_trace") is not None  # the command exists
 
 
+def test_a_flight_recorder_prefix_already_set_wins_and_the_line_names_its_folder(tmp_path, monkeypatch):
+    import os
+
+    from config.recipe import load_config
+    from tests.trainer_runs import ROOT
+    from training.build import flight_recorder_folder
+    cfg = load_config(os.path.join(ROOT, "recipes", "debug.toml"), ["--job.dump_folder", str(tmp_path / "run")])
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "site_dumps" / "fr_"))
+    assert flight_recorder_folder(cfg, "nccl") == str(tmp_path / "site_dumps")
+
+
 def test_a_negative_flight_recorder_size_is_refused_in_one_line():
     import os
 
