@@ -88,7 +88,10 @@ class EvalConfig:
     end)."""
     passkey_stop_at: float = 0.0
     """With passkey_interval: end the run (its checkpoint saved, as at the last step) at the first of those
-    evaluations where every (length, depth) cell reaches this accuracy; 0 = train to training.steps."""
+    evaluations where every (length, depth) cell reaches this accuracy; 0 = no floor per cell."""
+    passkey_stop_mean: float = 0.0
+    """With passkey_interval: the mean over the cells that ends the run, together with passkey_stop_at's floor per
+    cell (both must hold; 0 = no condition on the mean). Both 0 = train to training.steps."""
     long_doc_loss: bool = False
     """Loss by position bucket (0-1K, 1K-4K, ... up to seq_len) on held-out documents of the data stores, on the
     training mesh: whether longer context is being used (metrics.jsonl and TensorBoard: long_doc_loss)."""

@@ -27,7 +27,7 @@ from training.build import (build_model, build_optimizer, build_run_meshes, buil
                             build_stores, flight_recorder_folder, init_distributed)
 from training.checkpoint import Checkpointer
 from training.hf_export import export_extras
-from training.evaluation.passkey import run_long_doc_eval, run_passkey_eval
+from training.evaluation.passkey import passkey_stop_reached, passkey_stop_rule, run_long_doc_eval, run_passkey_eval
 from training.hardware import peak_flops
 from training.evaluation.niah import run_niah_eval
 from training.loss import global_label_tokens
@@ -272,14 +272,14 @@ class Trainer:
 
     def _passkey_eval(self) -> tuple[dict, bool]:
         """The passkey table now ({"passkey_accuracy": mean} for the step's record) and whether it ends the run: every
-        cell at eval.passkey_stop_at or better (the accuracies are reduced over ranks, so every rank agrees)."""
+        cell at eval.passkey_stop_at or better and the mean at eval.passkey_stop_mean or better, where set (the
+        accuracies are reduced over ranks, so every rank agrees)."""
         results = run_passkey_eval(self.cfg, self.setup, self.tokenizer, self.device.torch_device, self.rank == 0,
                                    self.dist.comm)
-        stop_at = self.cfg.eval.passkey_stop_at
-        reached = stop_at > 0 and min(results.values()) >= stop_at
+        reached = passkey_stop_reached(self.cfg.eval, results)
         if reached and self.rank == 0:
-            print(f"passkey accuracy >= {stop_at:g} in every cell at step {self.step}: the run ends here "
-                  f"(eval.passkey_stop_at), its checkpoint saved as at the last step", flush=True)
+            print(f"passkey accuracy {passkey_stop_rule(self.cfg.eval)} at step {self.step}: the run ends here "
+                  f"(eval.passkey_stop_at/_mean), its checkpoint saved as at the last step", flush=True)
         return {"passkey_accuracy": sum(results.values()) / len(results)}, reached
 
     def _save_and_stop(self, name: str) -> None:

@@ -1,8 +1,12 @@
 """Passkey retrieval learned by the real trainer under zigzag CP=2 (recipes/passkey_cp2.toml): proves that attention
 crosses shards during training, not only in parity tests. The evaluation keys at middle depths sit in rank 1's zigzag
 chunks while the question is on rank 0. The recipe evaluates every 100 steps of its last stage and ends at the first
-evaluation with every depth at 95% or better (eval.passkey_stop_at): a learning run that stops once its criterion
-holds, not at a fixed step."""
+evaluation with a mean of 95% or better and every depth at 85% or better (eval.passkey_stop_mean and passkey_stop_at,
+this test's own criterion): a learning run that stops once its criterion holds, not at a fixed step.
+
+Its last stage is 128 tokens, not 256 as before issue 56: the key at depths 0.5 and 0.75 is in rank 1's chunks and the
+question in rank 0's at 128 as at 256 (checked below), so retrieval still has to cross ranks, and the run is 1,300
+steps instead of 2,000 (243 s alone on the Intel box of 2026-12-03 instead of 414 s)."""
 import json
 import os
 
@@ -12,12 +16,13 @@ import pytest
 from config import RecipeError
 from config.recipe import load_config
 from tests.trainer_runs import ROOT, read_metrics, run_train
+from training.evaluation.passkey import passkey_stop_reached
 from training.launch_checks.preflight import preflight_stages
 
 RECIPE = os.path.join(ROOT, "recipes", "passkey_cp2.toml")
 
 
-def _key_and_question_ranks(depth: float, seq_len: int = 256) -> tuple[set[int], set[int]]:
+def _key_and_question_ranks(depth: float, seq_len: int = 128) -> tuple[set[int], set[int]]:
     """CP ranks (zigzag over 2) holding the key's tokens and the answer positions of evaluation row 0."""
     from data.corpus import load_documents
     from data.passkey import KEY_INTRO, PasskeyRows
@@ -37,10 +42,12 @@ def _key_and_question_ranks(depth: float, seq_len: int = 256) -> tuple[set[int],
 
 
 @pytest.mark.parametrize("overrides, expect", [
-    (["--eval.passkey_stop_at", "1.5"], "passkey_stop_at in [0, 1] (got 100, 1.5)"),
+    (["--eval.passkey_stop_at", "1.5"], "passkey_stop_at, passkey_stop_mean in [0, 1] (got 100, 1.5, 0.95)"),
+    (["--eval.passkey_stop_mean", "-0.1"], "passkey_stop_at, passkey_stop_mean in [0, 1] (got 100, 0.85, -0.1)"),
     (["--eval.passkey_interval", "-1"], "eval.passkey_interval must be >= 0"),
     (["--eval.passkey_interval", "0"], "set eval.passkey = true and eval.passkey_interval > 0"),
     (["--eval.passkey", "false"], "set eval.passkey = true and eval.passkey_interval > 0"),
+    (["--eval.passkey", "false", "--eval.passkey_stop_at", "0"], "set eval.passkey = true"),
 ])
 def test_a_passkey_stop_without_its_evaluations_is_refused_in_one_line(overrides, expect):
     with pytest.raises(RecipeError) as err:
@@ -49,9 +56,21 @@ def test_a_passkey_stop_without_its_evaluations_is_refused_in_one_line(overrides
     assert expect in message and RECIPE in message and "\n" not in message, message
 
 
+@pytest.mark.parametrize("stop_at, stop_mean, cells, stops", [
+    (0.95, 0.0, [0.95, 1.0, 0.96], True), (0.95, 0.0, [0.94, 1.0, 1.0], False),  # every cell at the floor
+    (0.0, 0.95, [0.90, 1.0, 0.96], True), (0.0, 0.95, [0.90, 1.0, 0.90], False),  # the mean alone
+    (0.85, 0.95, [0.86, 1.0, 1.0], True), (0.85, 0.95, [0.84, 1.0, 1.0], False),  # both: a cell under the floor
+    (0.85, 0.95, [0.90, 0.95, 0.95], False), (0.0, 0.0, [1.0, 1.0, 1.0], False),  # the mean short; no stop set
+])
+def test_the_stop_needs_the_mean_and_every_cell(stop_at, stop_mean, cells, stops):
+    e = load_config(RECIPE, ["--eval.passkey_stop_at", str(stop_at), "--eval.passkey_stop_mean", str(stop_mean)]).eval
+    results = {(128, depth / 2): accuracy for depth, accuracy in enumerate(cells)}
+    assert passkey_stop_reached(e, results) is stops
+
+
 @pytest.mark.slow
-# A hang guard, not a speed target: 414 s alone on the Intel box of 2026-12-03 (ends at step 2,000), 1,032 s in
-# 944dbb1's clean-clone CI; 1,961 s in a clean-clone CI of a slower AMD box (float32 GEMM at 53 GFLOP/s).
+# A hang guard, not a speed target: 243 s alone on the Intel box of 2026-12-03 (ends at step 1,300 of 1,600; 414 s
+# for the 256-token recipe before); 1,961 s for the old recipe in a clean-clone CI of a slower AMD box.
 @pytest.mark.timeout(3100)
 def test_passkey_is_learned_under_zigzag_cp2(tmp_path):
     out = str(tmp_path / "passkey")
@@ -59,19 +78,21 @@ def test_passkey_is_learned_under_zigzag_cp2(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     records = read_metrics(out)
     stages = {(r["seq_len"], r["cp"]) for r in records}
-    assert stages == {(48, 1), (128, 2), (256, 2)}
-    # an evaluation every 100 steps of the 256-token stage (steps 1000-2500), none before it
+    assert stages == {(48, 1), (128, 2)}
+    # an evaluation every 100 steps of the 128-token stage (steps 500-1600), none before it
     evaluated = [r["step"] for r in records if "passkey_accuracy" in r]
     last = records[-1]["step"]
-    assert evaluated == list(range(1100, min(last, 2499) + 1, 100)), (evaluated, last)
-    if last < 2500:  # ended early: its last evaluation had every depth at 95% or better, and it said so
-        assert f"passkey accuracy >= 0.95 in every cell at step {last}: the run ends here" in result.stdout
+    assert evaluated == list(range(600, min(last, 1599) + 1, 100)), (evaluated, last)
+    if last < 1600:  # ended early: its last evaluation met both stops, and it said so
+        assert (f"passkey accuracy mean >= 0.95 with >= 0.85 in every cell at step {last}: the run ends here"
+                in result.stdout)
     with open(os.path.join(out, "passkey_eval.json")) as f:
         table = json.load(f)
-    assert {t["context_length"] for t in table} == {256} and len(table) == 5
+    assert {t["context_length"] for t in table} == {128} and len(table) == 5
     accuracies = {t["depth"]: t["accuracy"] for t in table}
     assert sum(accuracies.values()) / len(accuracies) >= 0.95, accuracies
     assert min(accuracies.values()) >= 0.85, accuracies
     assert "passkey accuracy" in result.stdout
-    key_ranks, question_ranks = _key_and_question_ranks(0.5)
-    assert key_ranks == {1} and question_ranks == {0}  # retrieval at depth 0.5 had to cross to the other rank
+    for depth in (0.5, 0.75):  # retrieval at these depths had to cross to the other rank
+        key_ranks, question_ranks = _key_and_question_ranks(depth)
+        assert key_ranks == {1} and question_ranks == {0}, (depth, key_ranks, question_ranks)

@@ -143,6 +143,24 @@ def long_document_loss(model, sources: list, rows: int, *, device: torch.device,
     return {bucket_name(lo, hi): float(s / c) for (lo, hi), s, c in zip(buckets, sums, counts) if c > 0}
 
 
+def passkey_stop_reached(e, results: dict) -> bool:
+    """Whether an evaluation's {(length, depth): accuracy} ends the run: every cell at eval.passkey_stop_at or better
+    and the mean at eval.passkey_stop_mean or better (a 0 leaves its condition out; both 0 never stop)."""
+    if not (e.passkey_stop_at > 0 or e.passkey_stop_mean > 0):
+        return False
+    return min(results.values()) >= e.passkey_stop_at and sum(results.values()) / len(results) >= e.passkey_stop_mean
+
+
+def passkey_stop_rule(e) -> str:
+    """What eval.passkey_stop_at (a floor per cell) and passkey_stop_mean (the mean over cells) ask, in words."""
+    parts = []
+    if e.passkey_stop_mean > 0:
+        parts.append(f"mean >= {e.passkey_stop_mean:g}")
+    if e.passkey_stop_at > 0:
+        parts.append(f">= {e.passkey_stop_at:g} in every cell")
+    return " with ".join(parts)
+
+
 def run_passkey_eval(cfg: Config, setup: StepSetup, tokenizer, device: torch.device, is_writer: bool,
                      comm=None) -> dict[tuple[int, float], float]:
     """Passkey retrieval by depth x context length on the training mesh, sharded by the training step's own CP

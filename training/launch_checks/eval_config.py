@@ -22,8 +22,9 @@ def stage_eval_config(stage, last: bool) -> Config:
     e = stage.cfg.eval
     long_doc = e.long_doc_loss and (last or _due_inside(e.long_doc_interval, stage.start_step, stage.end_step))
     niah = e.niah and (last or _due_inside(e.niah_interval, stage.start_step, stage.end_step))
-    passkey = e.passkey and last  # and its evaluations during training (passkey_interval, passkey_stop_at)
+    passkey = e.passkey and last  # and its evaluations during training (passkey_interval, passkey_stop_at/_mean)
     runs = dataclasses.replace(e, passkey=passkey, passkey_interval=e.passkey_interval if passkey else 0,
-                               passkey_stop_at=e.passkey_stop_at if passkey else 0.0, long_doc_loss=long_doc,
+                               passkey_stop_at=e.passkey_stop_at if passkey else 0.0,
+                               passkey_stop_mean=e.passkey_stop_mean if passkey else 0.0, long_doc_loss=long_doc,
                                niah=niah)
     return dataclasses.replace(stage.cfg, eval=runs)

@@ -126,11 +126,14 @@ def check_sequence_split(cfg: Config, seq_len: int | None = None, key: str = "tr
 
 
 def check_passkey_stop(cfg: Config) -> None:
-    """eval.passkey_interval and passkey_stop_at: in range, and a stop only with the evaluations that decide it."""
+    """eval.passkey_interval, passkey_stop_at and passkey_stop_mean: in range, and a stop only with the evaluations
+    that decide it."""
     e = cfg.eval
-    if e.passkey_interval < 0 or not 0 <= e.passkey_stop_at <= 1:
-        raise RecipeError(f"{cfg.recipe_path}: eval.passkey_interval must be >= 0 and passkey_stop_at in [0, 1] "
-                          f"(got {e.passkey_interval}, {e.passkey_stop_at}).")
-    if e.passkey_stop_at and not (e.passkey and e.passkey_interval):
-        raise RecipeError(f"{cfg.recipe_path}: eval.passkey_stop_at ends the run at a passkey evaluation during "
-                          f"training; set eval.passkey = true and eval.passkey_interval > 0, or passkey_stop_at = 0.")
+    if e.passkey_interval < 0 or not 0 <= e.passkey_stop_at <= 1 or not 0 <= e.passkey_stop_mean <= 1:
+        raise RecipeError(f"{cfg.recipe_path}: eval.passkey_interval must be >= 0 and passkey_stop_at, "
+                          f"passkey_stop_mean in [0, 1] (got {e.passkey_interval}, {e.passkey_stop_at}, "
+                          f"{e.passkey_stop_mean}).")
+    if (e.passkey_stop_at or e.passkey_stop_mean) and not (e.passkey and e.passkey_interval):
+        raise RecipeError(f"{cfg.recipe_path}: eval.passkey_stop_at and passkey_stop_mean end the run at a passkey "
+                          f"evaluation during training; set eval.passkey = true and eval.passkey_interval > 0, or "
+                          f"both to 0.")
