@@ -11,6 +11,11 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/bootstrap.sh" requirements.txt requirements-test.txt
+# glibc's malloc hands every freed block above 128 KiB back to the kernel (munmap, or a trimmed heap top), so each
+# training step of the tests' small models faulted the same pages in again and the kernel zeroed them: ~540,000
+# page faults and 1.0-1.2 s of system time per 50 forward/backward passes of the passkey model, 12-15% of its CPU.
+# Blocks up to 32 MiB now come from the heap and up to 1 GiB of it stays with the process (docs/testing.md).
+export GLIBC_TUNABLES="${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
 
 marker=(-m "not slow and not gpu")
 args=()
