@@ -184,7 +184,7 @@ def _run_train(*args, nproc=None):
                           timeout=120, cwd=ROOT)
 
 
-@pytest.mark.parametrize("args, nproc, expect", [
+IMPOSSIBLE_MESHES = [
     (["--parallelism.tp", "3", "--parallelism.dp_shard", "1"], None, "n_heads 16 is not divisible by parallelism.tp 3"),
     (["--model.n_kv_heads", "2", "--parallelism.tp", "4", "--parallelism.dp_shard", "1"], None,
      "n_kv_heads 2 is not divisible by parallelism.tp 4"),
@@ -198,11 +198,35 @@ def _run_train(*args, nproc=None):
       "--parallelism.pp_microbatches", "2"], None, "local_batch_size 3 cannot be split into"),
     (["--parallelism.cp", "2", "--parallelism.tp", "2", "--parallelism.dp_shard", "1"], 8,
      "= 4, but 8 ranks were launched"),
-])
+]
+
+
+@pytest.mark.parametrize("args, nproc, expect", IMPOSSIBLE_MESHES[-1:])
 def test_impossible_mesh_fails_in_one_line(args, nproc, expect):
+    """Through run_train.sh, as a user launches: NPROC, the launcher's check, no torchrun."""
     result = _run_train(*args, "--job.dump_folder", os.devnull, nproc=nproc)
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and expect in lines[0], lines[0]
     assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("args, nproc, expect", IMPOSSIBLE_MESHES[:-1])
+def test_impossible_mesh_fails_in_one_line_in_the_launchers_check(args, nproc, expect, monkeypatch, capfd):
+    """The other meshes through the launcher's own check (training/launcher.check_then_size, what run_train.sh's
+    launcher runs before torchrun), in this process: the launch through run_train.sh is the test above's and
+    tests/test_run_train.py's; each of these paid a process that imported torch for one line (~15 s of a contended
+    CI each, issue 56)."""
+    from training.launcher import CHECK_WORLD_ENV, check_then_size
+
+    monkeypatch.setenv(CHECK_WORLD_ENV, str(nproc or ""))
+    monkeypatch.setenv("WORLD_SIZE", "")  # restored after: the check sets and restores it too
+    code = check_then_size(["--standalone", "--nproc-per-node", "auto", os.path.join(ROOT, "train.py"), *args,
+                            "--job.dump_folder", os.devnull])
+    out, err = capfd.readouterr()
+    assert isinstance(code, int) and code != 0, code
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and expect in lines[0], lines[0]
+    assert "Traceback" not in out + err
