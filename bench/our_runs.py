@@ -4,6 +4,7 @@ prediction for the same overrides (the accelerator a CUDA device's name maps to:
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -50,15 +51,54 @@ def run_in_session(cmd: list[str], timeout: float, env: dict | None = None) -> s
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+DRY_RUN_PRELOAD = ("train", "training.planning.dry_run")
+"""What the dry runs' server process imports once (~4.5 CPU-s of torch, DTensor and the trainer, more than half of a
+bench-shape dry run): each dry run is a fresh child forked from it, as the tests' ranks are (tests/distributed.py)."""
+
+
+def _dry_run_child(argv: list[str], env: dict, log_path: str) -> None:
+    """`train.py *argv` in a child of the dry-run server, its output (stdout and stderr) in `log_path`."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    code = 1
+    try:
+        import train
+
+        code = train.main(argv)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # as train.py exits: no interpreter teardown
+
+
 def dry_run_stage(overrides, accelerator: str, timeout: float) -> dict:
     """dry_run.json's first stage for train.py with `overrides(dump_folder)` (the recipe and its overrides) on
     `accelerator`; RuntimeError with the dry run's last error line when it fails. The runs it predicts are GPU runs
-    (hardware.device = "cuda"), planned as such wherever it runs: their host memory is a GPU node's, not this box's."""
+    (hardware.device = "cuda"), planned as such wherever it runs: their host memory is a GPU node's, not this box's.
+    Each dry run is a child of a server process that imported the trainer once (a forkserver: it never touched the
+    caller's CUDA context, so a bench on a GPU may call this after its own GPU runs)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(DRY_RUN_PRELOAD))  # read when the server starts: the first call
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *overrides(out), "--dry-run", "--hardware.accelerator",
-               accelerator, "--hardware.device", "cuda"]
-        done = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        if done.returncode:
-            raise RuntimeError(last_error(done.stderr or done.stdout))
+        argv = [*overrides(out), "--dry-run", "--hardware.accelerator", accelerator, "--hardware.device", "cuda"]
+        log_path = os.path.join(out, "dry_run.log")
+        child = ctx.Process(target=_dry_run_child, args=(argv, child_env(), log_path))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join(5)
+            raise subprocess.TimeoutExpired(["train.py", *argv], timeout)
+        if child.exitcode:
+            with open(log_path) as f:
+                raise RuntimeError(last_error(f.read()))
         with open(os.path.join(out, "dry_run.json")) as f:
             return json.load(f)["stages"][0]
