@@ -141,10 +141,16 @@ def _launch_entry(nproc: int, train_args: list, environ: dict, cwd: str, out_pat
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
         os.close(target)
-    from harness import forked_launch
-
     try:
-        code = forked_launch.launch(nproc, train_args)
+        if nproc:
+            from harness import forked_launch
+
+            code = forked_launch.launch(nproc, train_args)
+        else:  # `python train.py *train_args` in this process: one process, no rank (a dry run, a check)
+            sys.argv = [os.path.join(cwd, "train.py"), *train_args]
+            import train
+
+            code = train.main(train_args)
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -158,7 +164,8 @@ def forked_train(nproc: int, train_args: list[str], env: dict, cwd: str,
     """`python harness/forked_launch.py NPROC train.py *train_args` as subprocess.run(capture_output=True, text=True)
     would run it, but started from the forkserver (fresh_process_context): the launcher does not import torch and the
     trainer again. Imports that read the environment ran in the server, so an `env` that differs from the test
-    process' in more than the thread count needs the real subprocess (forked_launch.command)."""
+    process' in more than the thread count needs the real subprocess (forked_launch.command). `nproc` 0: `python
+    train.py *train_args` itself, one process and no rank (the dry runs: ~4.5 CPU-s of imports each before)."""
     ctx = fresh_process_context()
     with tempfile.TemporaryDirectory() as folder:
         out_path, err_path = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
@@ -171,7 +178,7 @@ def forked_train(nproc: int, train_args: list[str], env: dict, cwd: str,
             proc.join(5)
         with open(out_path) as f_out, open(err_path) as f_err:
             stdout, stderr = f_out.read(), f_err.read()
-    args = ["forked_launch", str(nproc), "train.py", *train_args]
+    args = ["forked_launch", str(nproc), "train.py", *train_args] if nproc else ["train.py", *train_args]
     if timed_out:
         raise subprocess.TimeoutExpired(args, timeout, output=stdout, stderr=stderr)
     code = proc.exitcode if proc.exitcode >= 0 else 128 - proc.exitcode
