@@ -122,3 +122,13 @@ def test_a_rank_killed_like_the_oom_killer_leaves_one_line(tmp_path):
     assert last.startswith("error: rank ") and "signal 9 (SIGKILL) from outside the run" in last, last
     assert "OOM killer" in last, last
     assert "./run_train.sh recipes/debug.toml --dry-run" in last, last
+
+
+def test_the_tests_fork_exactly_the_modes_run_train_sh_execs_in_one_process():
+    """tests/trainer_runs.run_train forks ONE_PROCESS_FLAGS' runs from the forkserver instead of running run_train.sh:
+    right only while they are the flags for which run_train.sh execs `train.py "$@"` as it is."""
+    from tests.trainer_runs import ONE_PROCESS_FLAGS, ROOT
+
+    with open(os.path.join(ROOT, "run_train.sh")) as f:
+        (line,) = [line for line in f if line.strip().startswith("case \"$arg\" in --help")]
+    assert set(line.split(" in ", 1)[1].split(")", 1)[0].strip().split("|")) == ONE_PROCESS_FLAGS, line

@@ -15,12 +15,17 @@ from training.metrics import read_metrics  # noqa: F401  (the one metrics.jsonl 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+ONE_PROCESS_FLAGS = {"--help", "-h", "--print-config", "--dry-run", "--prepare-data", "--show-rows", "--plan-ramp"}
+"""The arguments for which run_train.sh execs `train.py "$@"` in one process (no launcher, no torchrun)."""
+
+
 def run_train(*args, nproc: int | None = None, timeout: float = 180, env: dict | None = None, forked: bool = False):
     """Runs ./run_train.sh with this interpreter (no bootstrap) and returns the CompletedProcess. `forked`: the same
     train.py arguments on `nproc` ranks forked from one interpreter (harness/forked_launch.py) instead, for tests whose
     subject is what the trainer computes or saves, not the launch: no preflight process, one import for all ranks.
-    A dry run (`--dry-run`, with no `env` or `nproc` of its own) is forked from the forkserver too: run_train.sh runs
-    it as `train.py --dry-run` in one process, so only the imports, done once there, are saved."""
+    A one-process mode (ONE_PROCESS_FLAGS: a dry run, --plan-ramp, --show-rows, ...; with no `env` or `nproc` of its
+    own) is forked from the forkserver too: run_train.sh execs `train.py` for those as they are, so only the imports,
+    done once there, are saved."""
     full_env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
     full_env.pop("NPROC", None)
     if forked and env is None:  # the launcher forked from the test process' forkserver: no imports again
@@ -29,7 +34,7 @@ def run_train(*args, nproc: int | None = None, timeout: float = 180, env: dict |
         return subprocess.run(forked_launch.command(nproc, list(args)), capture_output=True, text=True,
                               env=child_env(base=full_env),
                               timeout=timeout, cwd=ROOT)
-    if "--dry-run" in args and env is None and not nproc:  # run_train.sh would exec `train.py --dry-run` as it is
+    if ONE_PROCESS_FLAGS.intersection(args) and env is None and not nproc:  # run_train.sh execs `train.py ...`
         return forked_train(0, list(args), child_env(base=full_env), ROOT, timeout)
     if nproc:
         full_env["NPROC"] = str(nproc)
