@@ -9,7 +9,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402  (after the path set-up above)
 
+from tests.cpu_accounting import CpuAccounting  # noqa: E402
 from tests.pinned_requirements import as_failure  # noqa: E402
+
+
+def pytest_configure(config):
+    """Each test's CPU seconds in the junit XML and the terminal summary (tests/cpu_accounting.py)."""
+    config.pluginmanager.register(CpuAccounting(), "cpu_accounting")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -26,7 +32,6 @@ def pytest_runtest_makereport(item, call):
     report = yield
     as_failure(report)
     return report
-
 
 
 LEARNING_RUNS_FIRST = ("tests/training/test_passkey_training.py", "tests/training/test_chat_sft.py",
