@@ -7,9 +7,9 @@ import json
 import multiprocessing as mp
 import os
 import subprocess
-import sys
 import tempfile
 
+from harness import forked_launch
 from harness.launch_env import ROOT, child_env
 from harness.process_tree import end_process_group
 
@@ -51,32 +51,9 @@ def run_in_session(cmd: list[str], timeout: float, env: dict | None = None) -> s
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-DRY_RUN_PRELOAD = ("train", "training.planning.dry_run")
+DRY_RUN_PRELOAD = ("train", "training.planning.dry_run", "harness.forked_launch")
 """What the dry runs' server process imports once (~4.5 CPU-s of torch, DTensor and the trainer, more than half of a
 bench-shape dry run): each dry run is a fresh child forked from it, as the tests' ranks are (tests/distributed.py)."""
-
-
-def _dry_run_child(argv: list[str], env: dict, log_path: str) -> None:
-    """`train.py *argv` in a child of the dry-run server, its output (stdout and stderr) in `log_path`."""
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(ROOT)
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    code = 1
-    try:
-        import train
-
-        code = train.main(argv)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # as train.py exits: no interpreter teardown
 
 
 def dry_run_stage(overrides, accelerator: str, timeout: float) -> dict:
@@ -90,7 +67,7 @@ def dry_run_stage(overrides, accelerator: str, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as out:
         argv = [*overrides(out), "--dry-run", "--hardware.accelerator", accelerator, "--hardware.device", "cuda"]
         log_path = os.path.join(out, "dry_run.log")
-        child = ctx.Process(target=_dry_run_child, args=(argv, child_env(), log_path))
+        child = ctx.Process(target=forked_launch.run_as_child, args=(0, argv, child_env(), ROOT, log_path, log_path))
         child.start()
         child.join(timeout)
         if child.exitcode is None:

@@ -82,6 +82,38 @@ def launch(nproc: int, argv: list[str]) -> int:
     return exit_code
 
 
+def run_as_child(nproc: int, train_args: list[str], environ: dict, cwd: str, out_path: str, err_path: str) -> None:
+    """The body of a process forked from a server that imported the trainer (the tests' forkserver, the bench's dry
+    runs): `train_args` on `nproc` forked ranks, or with `nproc` 0 `python train.py *train_args` in this very process
+    (a dry run, a check), with the environment and working directory a subprocess would have had, stdout and stderr
+    in the files a subprocess' pipes would have captured (one file for both when the paths are equal). Exits with the
+    run's code, as train.py does: no interpreter teardown with gloo threads alive."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    targets = {path: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) for path in {out_path, err_path}}
+    os.dup2(targets[out_path], 1)
+    os.dup2(targets[err_path], 2)
+    for fd in targets.values():
+        os.close(fd)
+    code = 1
+    try:
+        if nproc:
+            code = launch(nproc, train_args)
+        else:
+            sys.path.insert(0, ROOT)
+            sys.argv = [os.path.join(ROOT, "train.py"), *train_args]
+            import train
+
+            code = train.main(train_args)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 3 or not sys.argv[1].isdigit() or os.path.basename(sys.argv[2]) != "train.py":
         sys.exit("usage: python harness/forked_launch.py NPROC train.py [RECIPE] [--section.key value ...]")

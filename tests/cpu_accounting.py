@@ -73,7 +73,9 @@ class CpuAccounting:
     def pytest_terminal_summary(self, terminalreporter):
         if not self.cpu_s or hasattr(terminalreporter.config, "workerinput"):
             return
-        shown = sorted(self.cpu_s.items(), key=lambda kv: -kv[1])[:SHOWN]
+        shown = [kv for kv in sorted(self.cpu_s.items(), key=lambda kv: -kv[1])[:SHOWN] if kv[1] >= 0.5]
+        if not shown:
+            return
         terminalreporter.section(f"CPU seconds: {sum(self.cpu_s.values()):,.0f} in all over {len(self.cpu_s)} "
                                  f"tests; the {len(shown)} that used most")
         for nodeid, cpu in shown:

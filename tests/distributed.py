@@ -20,6 +20,8 @@ import sys
 import tempfile
 import traceback
 
+from harness import forked_launch
+
 
 # What every rank and probe process imports first (~6 s of one core each on a 2-core CI box, more than most tests'
 # own work): imported once by the forkserver of each test process, which then forks every child from that state.
@@ -133,32 +135,6 @@ def _run_ranks_once(fn, world_size: int, args: tuple, timeout: float, threads: i
     return [results[r] for r in range(world_size)]
 
 
-def _launch_entry(nproc: int, train_args: list, environ: dict, cwd: str, out_path: str, err_path: str) -> None:
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(environ)
-    for fd, path in ((1, out_path), (2, err_path)):  # what a subprocess' pipes would have captured
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, fd)
-        os.close(target)
-    try:
-        if nproc:
-            from harness import forked_launch
-
-            code = forked_launch.launch(nproc, train_args)
-        else:  # `python train.py *train_args` in this process: one process, no rank (a dry run, a check)
-            sys.argv = [os.path.join(cwd, "train.py"), *train_args]
-            import train
-
-            code = train.main(train_args)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as train.py does
-
-
 def forked_train(nproc: int, train_args: list[str], env: dict, cwd: str,
                  timeout: float) -> subprocess.CompletedProcess:
     """`python harness/forked_launch.py NPROC train.py *train_args` as subprocess.run(capture_output=True, text=True)
@@ -169,7 +145,7 @@ def forked_train(nproc: int, train_args: list[str], env: dict, cwd: str,
     ctx = fresh_process_context()
     with tempfile.TemporaryDirectory() as folder:
         out_path, err_path = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        proc = ctx.Process(target=_launch_entry, args=(nproc, list(train_args), dict(env), cwd, out_path, err_path))
+        proc = ctx.Process(target=forked_launch.run_as_child, args=(nproc, list(train_args), dict(env), cwd, out_path, err_path))
         proc.start()
         proc.join(timeout)
         timed_out = proc.exitcode is None
