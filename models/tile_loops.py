@@ -13,12 +13,15 @@ the last tile (full or short) follows a full tile either way. The dispatch count
 counter.py) counts tile 1's ops `weight` = n - 2 times, so the op, kernel and byte counts the step price reads are
 the whole loop's. The CP attention's head groups (parallelisms/cp/autograd.py: a ring per group, each writing its
 slice of preallocated outputs) are walked the same way, and the ring's byte counter (cp/counters.py) scales what
-the middle group sends by its weight. Fake tensors hold no values, so the tiles not run change no number. Real
+the middle group sends by its weight; so are the ring's steps where every step after the first computes the same
+pieces (parallelisms/cp/exchange_ring.py, with copies of the kernels' saved state for the steps not run, made under
+`uncounted_ballast`). Fake tensors hold no values, so the tiles not run change no number. Real
 tensors, compiled graphs (whose inputs are functional wrappers, never bare fake tensors) and loops of three tiles or
 fewer run every tile.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -36,6 +39,18 @@ class SampledTiles(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def uncounted_ballast(sampler: SampledTiles):
+    """Tensors made inside stand for what the iterations not run would hold (their memory counts, as the memory
+    tracker sees them), not for work: weight 0, so the dispatch counter and the byte counters add nothing."""
+    outer = sampler.weight
+    sampler.weight = 0
+    try:
+        yield
+    finally:
+        sampler.weight = outer
 
 
 def active_sampler() -> SampledTiles | None:

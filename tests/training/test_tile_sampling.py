@@ -107,3 +107,59 @@ def test_three_head_groups_give_every_group_s_peak_counts_and_ring_bytes():
     sampled, full = _ring_layer(True, "cpu"), _ring_layer(False, "cpu")
     assert sampled[:5] == full[:5] and full[0] > 0 and full[4] > 0 and sum(full[3].values()) > 0
     assert sampled[5] < full[5]  # the walk ran: fewer dispatches
+
+
+def _ring_layer_cp8(sampled: bool, rank: int) -> tuple:
+    """(peak bytes, {op: calls}, {op: bytes}, attention calls by kernel, ring bytes sent, raw dispatches) of one
+    layer's ring attention, forward and backward, `rank` of a fake zigzag CP group of 8, one head group."""
+    from parallelisms.cp.autograd import grouped_backward, grouped_forward
+    from parallelisms.cp.block_spec import BlockSpec
+    from parallelisms.cp.counters import CommStats
+    from parallelisms.cp.exchange_ring import ring_backward, ring_forward
+    from training.planning.fake.world import fake_process_group
+    stats = CommStats()
+    with fake_process_group(8, rank) as group, FakeTensorMode(allow_non_fake_inputs=True), \
+            (SampledTiles() if sampled else _RawDispatches()):
+        make = lambda h: torch.empty(1, 32, h, 8).transpose(1, 2)  # noqa: E731
+        q, k, v = make(4), make(2), make(2)
+        spec = BlockSpec(group, True, None, "zigzag", None, stats, head_groups=1)
+        with PeakMemTracker() as tracker, DispatchCounter() as counter, _RawDispatches() as raw:
+            out, lse, auxes = grouped_forward(ring_forward, q, k, v, spec)
+            grads = grouped_backward(ring_backward, torch.empty_like(out), q, k, v, out, lse, auxes, spec)
+            del out, lse, auxes, grads
+        peak = tracked_bytes(tracker.get_tracker_snapshot("peak"))["Total"]
+    return peak, dict(counter.calls), dict(counter.bytes), dict(counter.by_kernel), stats.bytes_sent, raw.n
+
+
+def _with_kernel_state(monkeypatch):
+    """The CPU block kernels made to keep state from each call's forward to its backward, as CUDA's do (flash's
+    philox seed and offset, cuDNN's stats): a 4 KiB tensor per call, handed back to the backward."""
+    from parallelisms.cp import kernel_calls
+
+    forward, backward = kernel_calls.block_forward, kernel_calls.block_backward
+
+    def forward_with_state(*args, **kwargs):
+        out, lse, aux = forward(*args, **kwargs)
+        return out, lse, (aux, torch.empty(1024))
+
+    def backward_with_state(dout, q, k_blk, v_blk, out, lse, aux, *args, **kwargs):
+        return backward(dout, q, k_blk, v_blk, out, lse, aux[0], *args, **kwargs)
+
+    monkeypatch.setattr(kernel_calls, "block_forward", forward_with_state)
+    monkeypatch.setattr(kernel_calls, "block_backward", backward_with_state)
+
+
+@pytest.mark.parametrize("kernel_state", [False, True], ids=["cpu kernels", "kernel state kept as on CUDA"])
+def test_three_ring_steps_give_every_step_s_peak_counts_and_ring_bytes(monkeypatch, kernel_state):
+    """The ring's steps walked in three where every step after the first computes the same pieces
+    (parallelisms/cp/exchange_ring.py): rank 0 of zigzag CP 8, whose seven sources all come after it, gives all
+    eight steps' peak (also with kernels that keep state until the backward, as CUDA's do: the five steps not run
+    hold copies of the second's), op counts and bytes, attention calls and ring bytes. Rank 1, whose first source
+    (rank 0) comes before it and the others after, computes different pieces per source and runs every step.
+    Eight ranks: the walk needs more than three steps to skip any."""
+    if kernel_state:
+        _with_kernel_state(monkeypatch)
+    sampled, full = _ring_layer_cp8(True, 0), _ring_layer_cp8(False, 0)
+    assert sampled[:5] == full[:5] and full[0] > 0 and full[4] > 0 and sum(full[3].values()) > 0
+    assert sampled[5] < full[5]  # the walk ran: fewer dispatches
+    assert _ring_layer_cp8(True, 1) == _ring_layer_cp8(False, 1)  # every step ran

@@ -198,10 +198,10 @@ class DispatchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self._paused:
+        weight = self._weight()  # a sampled tile or head group stands for `weight`; 0: a dry run's ballast
+        if self._paused or weight == 0:
             return func(*args, **kwargs)
         self._count_transfers(func, args, kwargs)
-        weight = self._weight()  # a sampled tile or head group stands for `weight`
         self.calls[func] += weight
         out = func(*args, **kwargs)
         self.bytes[func] += weight * (_tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out))
