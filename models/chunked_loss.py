@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from models.autocast import to_autocast_dtype
+from models.tile_loops import tile_starts
 
 IGNORE_INDEX = -100  # what `F.cross_entropy` ignores by default, and what the data marks unlabelled tokens with
 
@@ -70,7 +71,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if with_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
         masks = _label_masks(labels, vocab_start, weight.size(0))
-        for start in range(0, n, chunk_tokens):
+        for start in tile_starts(n, chunk_tokens, hidden):  # a dry run's fake tensors: three (models/tile_loops.py)
             h, rows = hidden[start:start + chunk_tokens], slice(start, start + chunk_tokens)
             chunk_loss, grad_logits = _chunk_loss_and_grad(h, weight, [m[rows] for m in masks], group, with_grad)
             loss += chunk_loss

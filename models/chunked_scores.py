@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from models.chunked_loss import IGNORE_INDEX, flat_operands
+from models.tile_loops import active_sampler, is_sampled, tile_starts, uncounted_ballast
 
 
 def _chunk_scores(h, weight, labels, vocab_start: int, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +62,14 @@ def chunked_token_scores(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if scored is not None:  # TP ranks hold the same labels, so they select the same rows and their collectives match
         flat_hidden, flat_labels = flat_hidden.index_select(0, scored), flat_labels.index_select(0, scored)
     losses, predictions = [], []
-    for start in range(0, flat_hidden.size(0), chunk_tokens):
+    n = flat_hidden.size(0)
+    sampled = is_sampled(n, chunk_tokens, flat_hidden)  # a dry run's fake tensors: three chunks (models/tile_loops.py)
+    for start in tile_starts(n, chunk_tokens, flat_hidden):
+        if sampled and len(losses) == 1:  # the middle chunk runs on the results of all full chunks before the last
+            with uncounted_ballast(active_sampler()):
+                for _ in range(len(range(0, n, chunk_tokens)) - 3):
+                    losses.append(torch.empty_like(losses[0]))
+                    predictions.append(torch.empty_like(predictions[0]))
         chunk_loss, chunk_prediction = _chunk_scores(flat_hidden[start:start + chunk_tokens], weight,
                                                      flat_labels[start:start + chunk_tokens], vocab_start, group)
         losses.append(chunk_loss)

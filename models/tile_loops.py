@@ -58,11 +58,16 @@ def active_sampler() -> SampledTiles | None:
     return next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, SampledTiles)), None)
 
 
+def is_sampled(length: int, tile: int, like: torch.Tensor) -> bool:
+    """Whether `tile_starts(length, tile, like)` runs three tiles (then the second stands for all but two)."""
+    return isinstance(like, FakeTensor) and len(range(0, length, tile)) > 3 and active_sampler() is not None
+
+
 def tile_starts(length: int, tile: int, like: torch.Tensor) -> Iterator[int]:
     """The first index of each tile of `tile` along a dimension of `length`: all of them, or under `SampledTiles`
     with a fake `like`, the first, second (standing for n - 2 tiles while the loop body runs) and last."""
     starts = range(0, length, tile)
-    sampler = active_sampler() if isinstance(like, FakeTensor) and len(starts) > 3 else None
+    sampler = active_sampler() if is_sampled(length, tile, like) else None
     if sampler is None:
         yield from starts
         return

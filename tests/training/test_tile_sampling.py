@@ -8,6 +8,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from models.chunked_loss import chunked_linear_cross_entropy
+from models.chunked_scores import chunked_token_scores
 from models.rope import apply_rotary
 from models.tile_loops import SampledTiles, tile_starts
 from models.tiled_mlp import tiled_swiglu
@@ -46,17 +48,32 @@ def _swiglu(x):
     return tiled_swiglu(x, w1, w3, torch.ones(DIM, 3 * DIM, requires_grad=True), TILE)
 
 
+def _loss(x):
+    """The output projection fused with the loss, ten chunks of TILE tokens (models/chunked_loss.py)."""
+    labels = torch.zeros(TOKENS, dtype=torch.long)
+    return chunked_linear_cross_entropy(x, torch.ones(3 * DIM, DIM, requires_grad=True), labels, TILE)
+
+
+def _scores(x):
+    """The evaluations' per-token loss and argmax, ten chunks (models/chunked_scores.py): no backward."""
+    loss, prediction = chunked_token_scores(x, torch.ones(3 * DIM, DIM), torch.zeros(TOKENS, dtype=torch.long), TILE)
+    return loss + prediction
+
+
 def _measure(op, sampled: bool) -> tuple:
     """(peak bytes, {op: calls}, {op: bytes}, raw dispatches) of op's forward and backward on fake tensors."""
     with FakeTensorMode(), (SampledTiles() if sampled else _RawDispatches()):
         x = torch.empty(TOKENS, DIM, requires_grad=True)
         with PeakMemTracker() as tracker, DispatchCounter() as counter, _RawDispatches() as raw:
-            op(x).sum().backward()
+            y = op(x).sum()
+            if y.requires_grad:
+                y.backward()
         peak = tracked_bytes(tracker.get_tracker_snapshot("peak"))["Total"]
     return peak, dict(counter.calls), dict(counter.bytes), raw.n
 
 
-@pytest.mark.parametrize("op", [_rotary, _norm, _swiglu], ids=["rope", "rms_norm", "swiglu"])
+@pytest.mark.parametrize("op", [_rotary, _norm, _swiglu, _loss, _scores],
+                         ids=["rope", "rms_norm", "swiglu", "chunked loss", "chunked scores"])
 def test_three_tiles_give_every_tile_s_peak_and_counts(op):
     peak, calls, moved, dispatches = _measure(op, sampled=True)
     full_peak, full_calls, full_moved, full_dispatches = _measure(op, sampled=False)
