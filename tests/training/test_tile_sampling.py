@@ -93,20 +93,22 @@ def test_real_tensors_and_short_loops_run_every_tile():
         assert list(tile_starts(10, 1, torch.empty(10))) == list(range(10))  # not in a dry run's probe
 
 
-def _ring_layer(sampled: bool, device: str) -> tuple:
+def _ring_layer(sampled: bool, world: int = 4, rank: int = 1, heads: int = 16, kv_heads: int = 8,
+                head_groups: int = 8) -> tuple:
     """(peak bytes, {op: calls}, {op: bytes}, attention calls by kernel, ring bytes sent, raw dispatches) of one
-    layer's ring attention, forward and backward, rank 1 of a fake CP group of 4, in 8 K/V head groups (GQA 2:1)."""
+    layer's ring attention, forward and backward, `rank` of a fake zigzag CP group of `world`, in `head_groups`
+    K/V head groups."""
     from parallelisms.cp.autograd import grouped_backward, grouped_forward
     from parallelisms.cp.block_spec import BlockSpec
     from parallelisms.cp.counters import CommStats
     from parallelisms.cp.exchange_ring import ring_backward, ring_forward
     from training.planning.fake.world import fake_process_group
     stats = CommStats()
-    with fake_process_group(4, 1) as group, FakeTensorMode(allow_non_fake_inputs=True), \
+    with fake_process_group(world, rank) as group, FakeTensorMode(allow_non_fake_inputs=True), \
             (SampledTiles() if sampled else _RawDispatches()):
-        make = lambda h: torch.empty(1, 32, h, 8, device=device).transpose(1, 2)  # noqa: E731
-        q, k, v = make(16), make(8), make(8)
-        spec = BlockSpec(group, True, None, "zigzag", None, stats, head_groups=8)
+        make = lambda h: torch.empty(1, 32, h, 8).transpose(1, 2)  # noqa: E731
+        q, k, v = make(heads), make(kv_heads), make(kv_heads)
+        spec = BlockSpec(group, True, None, "zigzag", None, stats, head_groups=head_groups)
         with PeakMemTracker() as tracker, DispatchCounter() as counter, _RawDispatches() as raw:
             out, lse, auxes = grouped_forward(ring_forward, q, k, v, spec)
             grads = grouped_backward(ring_backward, torch.empty_like(out), q, k, v, out, lse, auxes, spec)
@@ -121,31 +123,14 @@ def test_three_head_groups_give_every_group_s_peak_counts_and_ring_bytes():
     ring bytes (weighted by cp/counters.py). On the CPU kernels, whose forward keeps no kernel state between groups;
     the CUDA path's kernels keep a philox seed and offset per call, which the groups not run do not hold (the CUDA
     path's 4M-token peak 46 KB lower of 69.5 GiB, docs/design.md)."""
-    sampled, full = _ring_layer(True, "cpu"), _ring_layer(False, "cpu")
+    sampled, full = _ring_layer(True), _ring_layer(False)
     assert sampled[:5] == full[:5] and full[0] > 0 and full[4] > 0 and sum(full[3].values()) > 0
     assert sampled[5] < full[5]  # the walk ran: fewer dispatches
 
 
 def _ring_layer_cp8(sampled: bool, rank: int) -> tuple:
-    """(peak bytes, {op: calls}, {op: bytes}, attention calls by kernel, ring bytes sent, raw dispatches) of one
-    layer's ring attention, forward and backward, `rank` of a fake zigzag CP group of 8, one head group."""
-    from parallelisms.cp.autograd import grouped_backward, grouped_forward
-    from parallelisms.cp.block_spec import BlockSpec
-    from parallelisms.cp.counters import CommStats
-    from parallelisms.cp.exchange_ring import ring_backward, ring_forward
-    from training.planning.fake.world import fake_process_group
-    stats = CommStats()
-    with fake_process_group(8, rank) as group, FakeTensorMode(allow_non_fake_inputs=True), \
-            (SampledTiles() if sampled else _RawDispatches()):
-        make = lambda h: torch.empty(1, 32, h, 8).transpose(1, 2)  # noqa: E731
-        q, k, v = make(4), make(2), make(2)
-        spec = BlockSpec(group, True, None, "zigzag", None, stats, head_groups=1)
-        with PeakMemTracker() as tracker, DispatchCounter() as counter, _RawDispatches() as raw:
-            out, lse, auxes = grouped_forward(ring_forward, q, k, v, spec)
-            grads = grouped_backward(ring_backward, torch.empty_like(out), q, k, v, out, lse, auxes, spec)
-            del out, lse, auxes, grads
-        peak = tracked_bytes(tracker.get_tracker_snapshot("peak"))["Total"]
-    return peak, dict(counter.calls), dict(counter.bytes), dict(counter.by_kernel), stats.bytes_sent, raw.n
+    """`_ring_layer` on `rank` of CP 8, one head group (GQA 2:1)."""
+    return _ring_layer(sampled, world=8, rank=rank, heads=4, kv_heads=2, head_groups=1)
 
 
 def _with_kernel_state(monkeypatch):
