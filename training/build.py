@@ -134,13 +134,17 @@ def build_optimizer(cfg: Config, parts: list[nn.Module], device_type: str | None
     `device_type` is the run's device (the dry run's fake rank stands for a GPU rank on fake CPU tensors; None =
     where the parameters are). On CUDA with `training.cpu_offload` the parameters are on the host and the same flag
     picks torch's fused CPU kernel: 1.9 G parameters/s on one core against 0.3-0.6 G for foreach (16-32M fp32
-    parameters, torch 2.13). Foreach on CPU runs: the CPU's fused kernel differs from foreach by an ulp, and the CPU
-    tests' loss references were made with foreach (a CPU run's offload keeps it: nothing moves there)."""
+    parameters, torch 2.13). CPU runs take torch's per-parameter loop: the CPU's fused kernel differs from foreach by
+    an ulp, and the CPU tests' loss references were made with foreach, which the loop equals bit for bit (4 steps of
+    dp_shard 2 x cp 2: every loss and grad norm). The loop, not foreach, because on DTensor parameters each foreach
+    op has its sharding propagated over the whole parameter list, every step: an 8-rank pp 2 x cp 2 x tp 2 debug run
+    took 10-12% more CPU with foreach (31.7-33.7 CPU-s against 27.5-30.0) and 4 ranks 11% (a CPU run's step profile
+    then files the update under elementwise, not optimizer; a CPU run's offload keeps it: nothing moves there)."""
     o, s = cfg.optimizer, cfg.lr_scheduler
     params = [p for part in parts for p in part.parameters()]
     fused = all(p.device.type == "cuda" for p in params) if device_type is None else device_type == "cuda"
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay, **({"fused": True} if fused else {"foreach": True}))
+                                  weight_decay=o.weight_decay, **({"fused": True} if fused else {"foreach": False}))
     return optimizer, build_lr_scheduler(optimizer, s.warmup_steps, cfg.training.steps, s.decay_type, s.min_lr_ratio)
 
 
