@@ -8,10 +8,14 @@ plus the same four of the multiprocessing forkserver that forks the tests' ranks
 whose children it waits for itself. A process still running when the test ends (none should) is not counted.
 
 Each test's figure goes into the junit XML as the property `cpu_s`, and the terminal summary lists the slowest by it.
+Beside it, `started` (Unix time at the test's setup) and `worker` (the xdist worker that ran it): with them a CI's
+timeline can be rebuilt and laid against what the whole box did meanwhile (/proc/stat, process accounting), which
+is how the CPU time that no test's own processes account for is found.
 """
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -50,6 +54,7 @@ class CpuAccounting:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         item.stash[_START] = _cpu_now()
+        item.stash[_STARTED] = time.time()
         return (yield)
 
     @pytest.hookimpl(wrapper=True)
@@ -60,6 +65,8 @@ class CpuAccounting:
             own1, server1, served1 = _cpu_now()
             served = served1 - (served0 if server1 == server0 else 0.0)  # a server started in this test: all of it
             report.user_properties.append(("cpu_s", round(own1 - own0 + served, 2)))
+            report.user_properties.append(("started", round(item.stash.get(_STARTED, 0.0), 1)))
+            report.user_properties.append(("worker", os.environ.get("PYTEST_XDIST_WORKER", "main")))
         return report
 
     def pytest_runtest_logreport(self, report):
@@ -83,3 +90,4 @@ class CpuAccounting:
 
 
 _START = pytest.StashKey[tuple]()
+_STARTED = pytest.StashKey[float]()
