@@ -150,5 +150,7 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
         all_reduce_(squared, group=pp_group)
     norm = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float(), foreach=True)
+        # torch's default: foreach on CUDA; on CPU the per-tensor loop, the same products, without DTensor's
+        # propagation of a foreach op over every gradient (as build_optimizer's AdamW)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float())
     return norm
