@@ -59,6 +59,16 @@ def sdpa_output_layout(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def grad_out_layout(dout: torch.Tensor) -> torch.Tensor:
+    """The attention output's gradient as the device's backward kernels read it without a copy of their own. On CUDA
+    `sdpa_output_layout`: flash, cuDNN and the efficient kernel read dout in out's layout, and the model's gradient
+    arrives so already (the output's transpose back to (B, L, H, D) makes it a view of (B, L, H, D) memory): no copy
+    for a whole-row dout or a row slice at batch 1. A contiguous (B, H, L, D) dout, as the CP op made before, cost
+    one copy there and a second in each kernel call, back to this layout. On CPU contiguous (B, H, L, D), as the
+    CPU flash kernel has always been given."""
+    return sdpa_output_layout(dout) if dout.device.type == "cuda" else dout.contiguous()
+
+
 def _expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     groups = n_heads // x.size(1)
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -86,8 +96,8 @@ class CudaFlashBlock:
         cum_q, cum_k, max_q, max_k, rng_state, unused = aux or (None, None, q.size(2), k.size(2),
                                                                  *philox_placeholders(q))
         return aten._scaled_dot_product_flash_attention_backward.default(
-            dout.contiguous(), q, k, v, sdpa_output_layout(out), lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0,
-            is_causal, rng_state, unused, scale=scale)
+            sdpa_output_layout(dout), q, k, v, sdpa_output_layout(out), lse.contiguous(), cum_q, cum_k, max_q, max_k,
+            0.0, is_causal, rng_state, unused, scale=scale)
 
 
 class CudaEfficientBlock:
@@ -117,8 +127,9 @@ class CudaEfficientBlock:
         padded_rows = math.ceil(lq / self.LSE_ROW_ALIGN) * self.LSE_ROW_ALIGN
         lse = F.pad(lse, (0, padded_rows - lq)).contiguous()
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
-            dout.contiguous(), q, _expand_heads(k, n_heads), _expand_heads(v, n_heads), self._bias(mask, n_heads),
-            sdpa_output_layout(out), lse, seed, offset, 0.0, [True, True, True, False], is_causal, scale=scale)
+            sdpa_output_layout(dout), q, _expand_heads(k, n_heads), _expand_heads(v, n_heads),
+            self._bias(mask, n_heads), sdpa_output_layout(out), lse, seed, offset, 0.0, [True, True, True, False],
+            is_causal, scale=scale)
         return dq, _fold_heads(dk, n_kv), _fold_heads(dv, n_kv)
 
 

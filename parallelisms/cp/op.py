@@ -32,7 +32,7 @@ from config.errors import Refusal
 from parallelisms.cp.attention import ring_attention
 from parallelisms.cp.counters import CommStats, UnsupportedAttentionError
 from parallelisms.cp.groups import group_name
-from parallelisms.cp.kernel_blocks import kernel_family
+from parallelisms.cp.kernel_blocks import grad_out_layout, kernel_family
 from parallelisms.cp.kernel_cudnn_thd import packed_kernel
 from parallelisms.cp.layouts import RING
 from parallelisms.cp.op_variants import PACKED, backward as variant_backward, forward as variant_forward
@@ -158,7 +158,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.titan_cp.attention_backward(dout.contiguous(), q, k, v, out, lse, *ctx.constants)
+    dq, dk, dv = torch.ops.titan_cp.attention_backward(grad_out_layout(dout), q, k, v, out, lse, *ctx.constants)
     return dq, dk, dv, None, None, None, None
 
 
