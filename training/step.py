@@ -150,7 +150,9 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
         all_reduce_(squared, group=pp_group)
     norm = squared.sqrt()
     if max_norm > 0:
-        # torch's default: foreach on CUDA; on CPU the per-tensor loop, the same products, without DTensor's
-        # propagation of a foreach op over every gradient (as build_optimizer's AdamW)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float())
+        # foreach on CUDA (one launch per chunk of gradients); on host gradients the per-tensor loop, the same
+        # products, without DTensor's propagation of a foreach op over every gradient (as build_optimizer's AdamW).
+        # Said here, not left to torch's default, which takes the loop for DTensor gradients on CUDA too.
+        on_cuda = bool(params) and params[0].grad.device.type == "cuda"
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float(), foreach=on_cuda)
     return norm
