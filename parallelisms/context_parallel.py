@@ -28,6 +28,7 @@ from parallelisms.cp.op import SdpaToContextParallel
 from parallelisms.cp.layouts import (AUTO, DOCUMENTS, LOAD_BALANCERS, RING, ZIGZAG, check_load_balancer,
                                      check_sequence_length)
 from parallelisms.cp.packed_documents import PackedDocuments
+from parallelisms.cp.plan_host import HostDocumentIds
 from parallelisms.cp.plan_layout import DocumentLayout
 from parallelisms.cp.plan_pieces import DocumentShards
 from parallelisms.cp.plan_sharding import local_positions, shard_sequence, unshard_sequence
@@ -84,8 +85,19 @@ def _document_shards(document_ids, cp_size: int, cp_rank: int, load_balancer: st
         layout = DocumentLayout.plan(document_ids, cp_size)
         return DocumentShards.from_layout(document_ids.detach(), layout), layout
     if document_ids is not None:
-        return DocumentShards.from_full(document_ids.detach(), cp_size, load_balancer), None
+        return DocumentShards.from_full(_fixed_layout_ids(document_ids, plan), cp_size, load_balancer), None
     return None, None
+
+
+def _fixed_layout_ids(document_ids: torch.Tensor, plan) -> torch.Tensor:
+    """The full ids a fixed layout cuts its pieces from: the batch plan's host copy when the data workers made one
+    (plan_host.HostDocumentIds: no device read in the step), else the buffer's own (one read, where they are)."""
+    if isinstance(plan, HostDocumentIds):
+        if tuple(plan.ids.shape) != tuple(document_ids.shape):
+            raise Refusal(f"context_parallel: the batch plan's document ids are {tuple(plan.ids.shape)}, the "
+                          f"document_ids buffer {tuple(document_ids.shape)}: the plan belongs to another batch")
+        return plan.ids
+    return document_ids.detach()
 
 
 def _packed_documents(document_ids, cp_size: int, plan, device: torch.device) -> PackedDocuments | None:
@@ -140,7 +152,9 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     `head_groups`: each attention call runs its K/V heads in at most this many groups, one after another, so its
     float32 accumulators and K/V in flight span one group (0 = by size: cp/autograd.py; the result is the same).
     With a CP group of one and `document_ids`, nothing is sharded: each layer makes one packed-sequence call over the
-    batch's documents (cp/packed_documents.py); `plan` may then be that batch's PackedDocuments, moved with it.
+    batch's documents (cp/packed_documents.py); `plan` may then be that batch's PackedDocuments, moved with it. With
+    a fixed load balancer `plan` may be the batch's ids on the host (cp/plan_host.HostDocumentIds), which the pieces
+    are then cut from instead of reading `document_ids` back from the device.
     `attention_kernel`: the attention kernels' family, one of ATTENTION_KERNELS: "auto" (cuDNN's fused attention on
     CUDA SM 9.0+, FlashAttention-2 on older GPUs, the flash-CPU op on CPU), "cudnn", "flash", "fa3" / "fa4" (torch's
     flash ops once `torch.nn.attention.activate_flash_attention_impl` switched them; cp/kernel_blocks.py).
@@ -165,7 +179,10 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     documents, layout = _document_shards(document_ids, cp_size, cp_rank, load_balancer, plan)
     variant = None
     if cp_impl != RING:
-        full_ids = None if document_ids is None else document_ids.detach().clone()
+        full_ids = None
+        if document_ids is not None:  # a copy of the buffer, which is sharded in place below (a host plan's is not)
+            full_ids = _fixed_layout_ids(document_ids, plan)
+            full_ids = full_ids if isinstance(plan, HostDocumentIds) else full_ids.clone()
         variant = CPAttention(cp_impl, group, load_balancer, full_ids, documents, stats, ulysses_degree, cp_subgroups,
                               head_groups, attention_kernel)
     def shard(buf: torch.Tensor, dim: int) -> torch.Tensor:

@@ -5,7 +5,8 @@ What a worker does per step (`StepPlanner`, the loader's collate_fn): stacks the
 attention work over the data-parallel ranks and micro-steps when placement is on (data/placement.py, the same
 `place_step` the training thread ran before), keeps this dp rank's micro-batches, and for the documents CP layout
 makes each micro-batch's `BatchPlan` (parallelisms/cp/plan_host.py: positions, this CP rank's pieces and exchange rows,
-in integer work units, so every rank makes the same plan); at CP 1 the batch's packed sequences instead
+in integer work units, so every rank makes the same plan); for the fixed layouts the batch's document ids kept on
+the host (`HostDocumentIds`); at CP 1 the batch's packed sequences instead
 (parallelisms/cp/packed_documents.py: cu_seqlens for one attention call per layer). The DataLoader pins it (pin_memory on CUDA); the step
 moves it with non_blocking copies (`training/step.move_batch`) and hands it to context_parallel, so nothing in the
 step plans or reads a device tensor back.
@@ -25,7 +26,7 @@ from data.loader import PackedRowLoader
 from data.placement import StepSlots, place_step
 from parallelisms.cp.layouts import DOCUMENTS
 from parallelisms.cp.packed_documents import PackedDocuments
-from parallelisms.cp.plan_host import BatchPlan
+from parallelisms.cp.plan_host import BatchPlan, HostDocumentIds
 
 
 class StepBatchSampler:
@@ -60,14 +61,14 @@ class CpPlanning:
 
     def plan(self, document_ids: np.ndarray):
         """CP 1: the batch's packed sequences (cp/packed_documents.py: one attention call per layer) where the ids
-        have that form; else the documents layout's BatchPlan (None for the fixed load balancers, which plan
-        nothing ahead)."""
+        have that form; else the documents layout's BatchPlan, or for the fixed load balancers the ids themselves on
+        the host (plan_host.HostDocumentIds: the step cuts its pieces from them without reading the device)."""
         if self.cp_size == 1:
             packed = PackedDocuments.from_ids(document_ids)
             if packed is not None:
                 return packed
         if not self.documents_layout:
-            return None
+            return HostDocumentIds(torch.from_numpy(np.ascontiguousarray(document_ids)))
         return BatchPlan.build(document_ids, self.cp_size, self.cp_rank, self.cp_impl, varlen=self.varlen)
 
 
@@ -115,12 +116,12 @@ def stage_step_loader(cfg, setup, micro_loader: PackedRowLoader, micro_steps: in
                       pin_memory: bool, worker_init_fn=None) -> PackedRowLoader:
     """The loader of a stage's whole steps as the trainer runs it (`setup`: the stage's StepSetup): placed by work
     when the recipe places, each micro-batch with its documents plan when the step shards the sequence with document
-    masking (the documents layout's, or at CP 1 the packed form). One function for the trainer and the step-sync
+    masking (the documents layout's, the fixed layouts' host ids, or at CP 1 the packed form). One function for the trainer and the step-sync
     probe (training/planning/step_sync_probe.py), so the probe counts the loader the trainer runs."""
     p, t, mesh = cfg.parallelism, cfg.training, setup.mesh
     slots = StepSlots(micro_steps, mesh.dims.dp, t.local_batch_size, t.seq_len) if cfg.data.places_by_work() else None
     cp, documents_layout = None, p.cp_load_balancer == DOCUMENTS
-    if setup.shards_sequence and setup.document_masking and (documents_layout or p.cp == 1):
+    if setup.shards_sequence and setup.document_masking:
         cp = CpPlanning(p.cp, mesh.cp_mesh.get_local_rank(), p.cp_impl, varlen=device_type == "cuda",
                         documents_layout=documents_layout)
     return step_loader(micro_loader, micro_steps, slots, mesh.dp_rank, cp, num_workers=max(1, cfg.data.num_workers),

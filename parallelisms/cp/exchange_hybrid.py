@@ -21,6 +21,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from parallelisms.cp.attention import ring_attention
 from parallelisms.cp.counters import CommStats, UnsupportedAttentionError
@@ -66,10 +67,11 @@ def hybrid_plan(ulysses_group: dist.ProcessGroup, seq_len: int, cp_rank: int, cp
                 load_balancer: str) -> ExchangePlan:
     """The Ulysses exchange that lays the group's tokens out as ring rank rho's local sequence."""
     ring_rank = cp_rank // ulysses_degree
-    members = [local_positions(seq_len, ring_rank * ulysses_degree + u, cp_size, load_balancer)
-               for u in range(ulysses_degree)]
-    target = local_positions(seq_len, ring_rank, cp_size // ulysses_degree, load_balancer)
-    return ExchangePlan.build(ulysses_group, members, target)
+    with unset_fake_temporarily():  # host integers, so real tensors even inside the dry run's fake mode
+        members = [local_positions(seq_len, ring_rank * ulysses_degree + u, cp_size, load_balancer)
+                   for u in range(ulysses_degree)]
+        target = local_positions(seq_len, ring_rank, cp_size // ulysses_degree, load_balancer)
+        return ExchangePlan.build(ulysses_group, members, target)
 
 
 def ring_documents(full_ids: torch.Tensor, cp_size: int, ulysses_degree: int, load_balancer: str) -> DocumentShards:

@@ -247,3 +247,19 @@ class BatchPlan:
                           self.ulysses.to(device, non_blocking) if self.ulysses is not None else None)
         moved.rank_positions = self.positions[self.cp_rank].to(device, non_blocking=non_blocking)
         return moved
+
+
+@dataclass(frozen=True)
+class HostDocumentIds:
+    """A fixed layout's batch plan (zigzag, contiguous, striped with document masking, any CP variant): the batch's
+    full (B, S) document ids, kept on the host. Those layouts place tokens by position alone, so there is nothing
+    else to plan ahead; but every rank cuts its attention pieces from the ids of every rank, and read from the
+    device that was one device-to-host copy per micro-step (a GPU idling). Made by the data workers from the numpy
+    ids (training/batch_plans.py); moving the batch leaves it on the host, where the step reads it."""
+    ids: torch.Tensor
+
+    def pin_memory(self) -> "HostDocumentIds":
+        return self  # read on the host only: never copied to the device
+
+    def to(self, device, non_blocking: bool = False) -> "HostDocumentIds":
+        return self

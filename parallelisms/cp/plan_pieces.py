@@ -24,8 +24,11 @@ that a rank's pieces read: all the sparse ring (exchange_ring_sparse.py) sends.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from config.errors import Refusal
 from parallelisms.cp.layouts import CONTIGUOUS, STRIPED, ZIGZAG, fixed_positions
@@ -52,6 +55,11 @@ def block_tasks(rank: int, src: int, cp_size: int, local_len: int, load_balancer
 
 
 Run = tuple[int, int, int]  # (document id, first local row, end local row)
+
+
+def _real_host(ids: torch.Tensor) -> bool:
+    """Ids in host memory that hold values (not the dry run's fake tensors)."""
+    return ids.device.type == "cpu" and not isinstance(ids, FakeTensor)
 
 
 def document_runs(ids: torch.Tensor) -> list[list[Run]]:
@@ -240,15 +248,23 @@ class DocumentShards:
 
     @classmethod
     def from_full(cls, full_ids: torch.Tensor, cp_size: int, load_balancer: str) -> "DocumentShards":
+        """Every rank's ids under a fixed layout. Ids on the host (the batch plan's, plan_host.HostDocumentIds, or a
+        CPU run's) are cut as real tensors even inside the dry run's fake mode (host integers, as exchange_alltoall's
+        plans), so that `runs` reads them without a device."""
         seq_len = full_ids.size(1)
-        return cls([full_ids.index_select(1, fixed_positions(seq_len, r, cp_size, load_balancer,
-                                                              device=full_ids.device))
-                    for r in range(cp_size)])
+        with unset_fake_temporarily() if _real_host(full_ids) else contextlib.nullcontext():
+            return cls([full_ids.index_select(1, fixed_positions(seq_len, r, cp_size, load_balancer,
+                                                                  device=full_ids.device))
+                        for r in range(cp_size)])
 
     def runs(self, rank: int) -> list[list[Run]]:
         if self._runs is None:
-            host = torch.stack(self.per_rank).cpu()  # one transfer for every rank
-            self._runs = [document_runs(ids) for ids in host]
+            if all(_real_host(ids) for ids in self.per_rank):  # a plan's host ids: no device read at all
+                with unset_fake_temporarily():
+                    self._runs = [document_runs(ids) for ids in self.per_rank]
+            else:
+                host = torch.stack(self.per_rank).cpu()  # one transfer for every rank
+                self._runs = [document_runs(ids) for ids in host]
         return self._runs[rank]
 
     def pieces(self, rank: int, src: int, tasks: list[BlockTask], local_len: int) -> list[Piece]:

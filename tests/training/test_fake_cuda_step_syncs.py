@@ -96,6 +96,42 @@ def test_at_cp1_the_probe_runs_the_trainers_packed_plan_whatever_the_load_balanc
                                              "aten._flash_attention_backward.default": 6}, record
 
 
+FIXED_LAYOUT_MESHES = {  # name: the probe's overrides (documents on, zigzag instead of the documents layout)
+    "ring cp2 x dp2": ["--parallelism.cp_impl", "ring"],
+    "ulysses cp2 x dp2": ["--parallelism.cp_impl", "ulysses"],
+    "hybrid cp4": ["--parallelism.cp", "4", "--parallelism.dp_shard", "1", "--parallelism.cp_impl", "hybrid"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FIXED_LAYOUT_MESHES))
+def test_a_fixed_layout_with_documents_reads_no_device_tensor_back(name):
+    """Issue 57, item 5: with document masking on a fixed layout (zigzag here) the data workers hand the batch its
+    ids on the host (cp/plan_host.HostDocumentIds) and the step cuts every rank's pieces from them. Before, the
+    first layer read the ids back from the device (`torch.stack(...).cpu()` in plan_pieces.py): one
+    device-to-host copy per micro-step (measured on this probe: {"device_to_host": 1} on every rank for ring and
+    Ulysses; hybrid also stopped at its exchange plan's host integers, computed on fake tensors). Now none, and the
+    step runs to its end through the CUDA varlen kernels. Slow tier (a 4-rank probe on fake CUDA, ~20 s each)."""
+    from training.planning.fake.cuda import fake_cuda_env
+
+    try:
+        env = fake_cuda_env(child_env())
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"cannot build the fake CUDA runtime ({type(e).__name__})")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fake_cuda_step_ranks.py"),
+                             "--training.dtype", "bfloat16", "--parallelism.cp_load_balancer", "zigzag",
+                             *FIXED_LAYOUT_MESHES[name]],
+                            capture_output=True, text=True, timeout=270, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    per_rank = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sorted(per_rank) == ["0", "1", "2", "3"]
+    for record in per_rank.values():
+        assert record["counts"] == {} and record["stopped"] is None, record
+        calls = record["attention_calls"]
+        assert calls.get("aten._flash_attention_forward.default", 0) > 0, calls
+        assert calls.get("aten._flash_attention_backward.default", 0) > 0, calls
+
+
 def test_fake_cuda_libraries_are_cached_per_torch_installation(tmp_path, monkeypatch):
     """The fake CUDA libraries link to one torch by rpath: a cache keyed by torch's version alone handed a second
     checkout (another .venv, same version) a library pointing at the first's torch, and after that checkout was
