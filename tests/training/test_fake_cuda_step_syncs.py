@@ -40,10 +40,9 @@ def test_counter_on_a_device_run_ignores_scalar_reads_of_host_tensors():
     assert syncs.counts == {"_local_scalar_dense": 1}
 
 
-@pytest.mark.slow
-def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement_makes_no_host_sync():
-    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): a 4-rank trainer micro-step on fake CUDA,
-    41 s."""
+def _probe_ranks(*overrides: str) -> dict:
+    """tests/training/fake_cuda_step_ranks.py (the trainer's micro-steps on 4 fake-CUDA ranks, bf16) with
+    `overrides`: its per-rank record, keyed "0".."3"; skipped where the fake CUDA runtime cannot be built."""
     from training.planning.fake.cuda import fake_cuda_env
 
     try:
@@ -51,12 +50,20 @@ def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement
     except (OSError, subprocess.SubprocessError) as e:
         pytest.skip(f"cannot build the fake CUDA runtime ({type(e).__name__})")
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fake_cuda_step_ranks.py"),
-                             "--training.dtype", "bfloat16"],
+                             "--training.dtype", "bfloat16", *overrides],
                             capture_output=True, text=True, timeout=270, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     per_rank = json.loads(result.stdout.strip().splitlines()[-1])
-    print({rank: (r["counts"], r["micro_steps"]) for rank, r in per_rank.items()})
     assert sorted(per_rank) == ["0", "1", "2", "3"]
+    return per_rank
+
+
+@pytest.mark.slow
+def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement_makes_no_host_sync():
+    """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): a 4-rank trainer micro-step on fake CUDA,
+    41 s."""
+    per_rank = _probe_ranks()
+    print({rank: (r["counts"], r["micro_steps"]) for rank, r in per_rank.items()})
     for record in per_rank.values():
         assert record["counts"] == {}, record["places"]
         assert record["stopped"] is None, record
@@ -77,19 +84,8 @@ def test_at_cp1_the_probe_runs_the_trainers_packed_plan_whatever_the_load_balanc
     copy that the trainer, whose loader makes that plan on the host, never makes. Now: no sync, and one packed
     varlen call per layer forward and backward (the debug model's 6 layers) on every rank. Slow tier since issue 56 (the
     fast tier runs in minutes; CI runs both): the probe's packed plans on fake CUDA ranks, 22 s."""
-    from training.planning.fake.cuda import fake_cuda_env
-
-    try:
-        env = fake_cuda_env(child_env())
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"cannot build the fake CUDA runtime ({type(e).__name__})")
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fake_cuda_step_ranks.py"),
-                             "--training.dtype", "bfloat16", "--parallelism.cp", "1", "--parallelism.dp_shard", "4",
-                             "--parallelism.cp_load_balancer", "zigzag"],
-                            capture_output=True, text=True, timeout=270, cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    per_rank = json.loads(result.stdout.strip().splitlines()[-1])
-    assert sorted(per_rank) == ["0", "1", "2", "3"]
+    per_rank = _probe_ranks("--parallelism.cp", "1", "--parallelism.dp_shard", "4",
+                            "--parallelism.cp_load_balancer", "zigzag")
     for record in per_rank.values():
         assert record["counts"] == {} and record["stopped"] is None, record
         assert record["attention_calls"] == {"aten._flash_attention_forward.default": 6,
@@ -112,19 +108,7 @@ def test_a_fixed_layout_with_documents_reads_no_device_tensor_back(name):
     device-to-host copy per micro-step (measured on this probe: {"device_to_host": 1} on every rank for ring and
     Ulysses; hybrid also stopped at its exchange plan's host integers, computed on fake tensors). Now none, and the
     step runs to its end through the CUDA varlen kernels. Slow tier (a 4-rank probe on fake CUDA, ~20 s each)."""
-    from training.planning.fake.cuda import fake_cuda_env
-
-    try:
-        env = fake_cuda_env(child_env())
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"cannot build the fake CUDA runtime ({type(e).__name__})")
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fake_cuda_step_ranks.py"),
-                             "--training.dtype", "bfloat16", "--parallelism.cp_load_balancer", "zigzag",
-                             *FIXED_LAYOUT_MESHES[name]],
-                            capture_output=True, text=True, timeout=270, cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    per_rank = json.loads(result.stdout.strip().splitlines()[-1])
-    assert sorted(per_rank) == ["0", "1", "2", "3"]
+    per_rank = _probe_ranks("--parallelism.cp_load_balancer", "zigzag", *FIXED_LAYOUT_MESHES[name])
     for record in per_rank.values():
         assert record["counts"] == {} and record["stopped"] is None, record
         calls = record["attention_calls"]
