@@ -179,10 +179,9 @@ def context_parallel(cp_mesh, buffers: Sequence[torch.Tensor], buffer_seq_dims: 
     documents, layout = _document_shards(document_ids, cp_size, cp_rank, load_balancer, plan)
     variant = None
     if cp_impl != RING:
-        full_ids = None
-        if document_ids is not None:  # a copy of the buffer, which is sharded in place below (a host plan's is not)
-            full_ids = _fixed_layout_ids(document_ids, plan)
-            full_ids = full_ids if isinstance(plan, HostDocumentIds) else full_ids.clone()
+        full_ids = None  # a host plan's ids (checked above), or a copy of the buffer, which is sharded in place below
+        if document_ids is not None:
+            full_ids = plan.ids if isinstance(plan, HostDocumentIds) else document_ids.detach().clone()
         variant = CPAttention(cp_impl, group, load_balancer, full_ids, documents, stats, ulysses_degree, cp_subgroups,
                               head_groups, attention_kernel)
     def shard(buf: torch.Tensor, dim: int) -> torch.Tensor:

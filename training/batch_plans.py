@@ -116,8 +116,9 @@ def stage_step_loader(cfg, setup, micro_loader: PackedRowLoader, micro_steps: in
                       pin_memory: bool, worker_init_fn=None) -> PackedRowLoader:
     """The loader of a stage's whole steps as the trainer runs it (`setup`: the stage's StepSetup): placed by work
     when the recipe places, each micro-batch with its documents plan when the step shards the sequence with document
-    masking (the documents layout's, the fixed layouts' host ids, or at CP 1 the packed form). One function for the trainer and the step-sync
-    probe (training/planning/step_sync_probe.py), so the probe counts the loader the trainer runs."""
+    masking (the documents layout's, the fixed layouts' host ids, or at CP 1 the packed form). One function for the
+    trainer and the step-sync probe (training/planning/step_sync_probe.py), so the probe counts the loader the
+    trainer runs."""
     p, t, mesh = cfg.parallelism, cfg.training, setup.mesh
     slots = StepSlots(micro_steps, mesh.dims.dp, t.local_batch_size, t.seq_len) if cfg.data.places_by_work() else None
     cp, documents_layout = None, p.cp_load_balancer == DOCUMENTS
