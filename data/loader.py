@@ -21,6 +21,8 @@ Counting happens in the main process when a batch is handed to the caller, so it
 """
 from __future__ import annotations
 
+import multiprocessing
+import sys
 import warnings
 
 import numpy as np
@@ -89,6 +91,16 @@ class DataParallelBatchSampler:
             first += self.global_batch_rows
 
 
+def worker_start_method() -> str | None:
+    """How a rank starts its data workers: forked on Linux, whatever started the rank (torchrun, a test's forkserver,
+    a Python whose default is forkserver, as 3.14's is). A forked worker has the rank's imports already; one started
+    by a forkserver or spawn imports torch and the trainer again first, ~1.5 s of one core per worker and loader
+    (a 4-rank debug run starts 4, again on every stage and resume). The workers only read the corpus and build host
+    plans, never the device, so forking a rank that has started CUDA is safe here, as for torch's own default on
+    Linux. Elsewhere (macOS, Windows) the platform's default stays."""
+    return "fork" if sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods() else None
+
+
 class PackedRowLoader(StatefulDataLoader):
     """A StatefulDataLoader whose checkpoint state is the global number of rows consumed (see module docstring)."""
 
@@ -100,7 +112,8 @@ class PackedRowLoader(StatefulDataLoader):
         with warnings.catch_warnings():  # torchdata 0.11 calls a torch API that torch 2.13 deprecates; not ours
             warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
             super().__init__(dataset, batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
-                             pin_memory=pin_memory, worker_init_fn=worker_init_fn)
+                             pin_memory=pin_memory, worker_init_fn=worker_init_fn,
+                             multiprocessing_context=worker_start_method() if num_workers else None)
         self.packed = dataset.packed
         self.global_rows_consumed = 0
 
