@@ -15,7 +15,8 @@ records which ranks were still running when torchrun began to close them (RankSt
 rank that failed first and the ones torchrun stopped, never the OOM killer. A rank whose collective timed out leaves
 its line naming the ranks that never arrived (training/rank_positions.py) in a file this launcher makes
 (HANG_FILE_ENV); the ranks still running then get HANG_GRACE_S instead of the save-on-signal grace, and that line
-comes last.
+comes last. With MAX_RESTARTS, an attempt that torchrun restarts after a hang prints its line when it is closed (the
+restart resumes from the newest intact checkpoint, as after a dead rank).
 
 Before torchrun starts, the launch check (train.py --check: bad input in one line, before any rank) runs here, in
 this process (check_then_size): run_train.sh once ran it as a process of its own, which imported torch and the
@@ -136,13 +137,16 @@ class RankStops:
     or the end): a rank that then dies of SIGTERM or SIGKILL was stopped by torchrun, not by the kernel. And, from
     `hang_file`, the line of a rank whose collective timed out in the attempt being closed (`hang`; the file is
     emptied for a restart's next attempt, and a later attempt's close forgets it): then the ranks still running get
-    HANG_GRACE_S. Installed by wrapping PContext.close in this process only (it exists to run torchrun once)."""
+    HANG_GRACE_S, and when torchrun will restart (attempts closed <= `max_restarts`) the line is printed at once.
+    Installed by wrapping PContext.close in this process only (it exists to run torchrun once)."""
 
-    def __init__(self, hang_file: str | None = None):
+    def __init__(self, hang_file: str | None = None, max_restarts: int = 0):
         self.pids: set[int] = set()
         self.hang_file = hang_file
+        self.max_restarts = max_restarts
         self._hang: tuple[object, str] | None = None  # (the attempt's process context, the line)
         self._closed: object | None = None
+        self._attempts: list[object] = []  # each attempt's process context, in the order torchrun closed them
 
     @property
     def hang(self) -> str | None:
@@ -157,10 +161,16 @@ class RankStops:
             handlers = getattr(pcontext, "subprocess_handlers", {}) or {}
             stops.pids.update(h.proc.pid for h in handlers.values() if h.proc.poll() is None)
             stops._closed = pcontext  # torchrun may close one attempt twice (on failure, then in a finally)
+            if not any(a is pcontext for a in stops._attempts):
+                stops._attempts.append(pcontext)
             line = reported_hang(stops.hang_file) if stops.hang_file else None
             if line is not None:
                 stops._hang = (pcontext, line)
                 open(stops.hang_file, "w").close()
+                restart = len(stops._attempts)
+                if restart <= stops.max_restarts:  # torchrun restarts after this close: say why now
+                    print(f"{line}; torchrun restarts the job (restart {restart} of {stops.max_restarts}: "
+                          f"MAX_RESTARTS)", file=sys.stderr, flush=True)
             if stops.hang is not None:
                 return _TORCH_CLOSE(pcontext, death_sig, min(timeout, HANG_GRACE_S))
             return close(pcontext, death_sig, timeout)
@@ -200,7 +210,7 @@ def main(argv: list[str]) -> int:
     fd, hang_path = tempfile.mkstemp(prefix="train-hang-")
     os.close(fd)
     os.environ[HANG_FILE_ENV] = hang_path  # the ranks inherit it
-    stops = RankStops(hang_path)
+    stops = RankStops(hang_path, max_restarts(argv))
     stops.install()
     fd, path = tempfile.mkstemp(prefix="train-stop-")
     os.close(fd)
@@ -233,6 +243,17 @@ def main(argv: list[str]) -> int:
         print(f"error: torchrun got {signalled.name} before the ranks saved a checkpoint (they were starting, or "
               f"save_on_signal is off); resume with the same command from the last checkpoint.", file=sys.stderr)
         return 128 + int(signalled)
+    return 0
+
+
+def max_restarts(argv: list[str]) -> int:
+    """torchrun's --max-restarts (either spelling, `--flag N` or `--flag=N`) before the script, else its default 0."""
+    for i, arg in enumerate(argv):
+        if arg.endswith("train.py"):
+            break
+        name, _, value = arg.partition("=")
+        if name in ("--max-restarts", "--max_restarts"):
+            return int(value or argv[i + 1])
     return 0
 
 

@@ -72,13 +72,13 @@ class CollectiveTimeouts:
 
     @contextlib.contextmanager
     def phase(self):
-        """A checkpoint save, an evaluation: the long timeout inside, the step timeout (if set) after."""
+        """A checkpoint save, an evaluation: the long timeout inside, the step timeout (if set) after. After an error
+        inside (a collective that timed out, say) the long one stays: the run is ending, and its hang line names the
+        timeout that expired (current_s), not the step's."""
         before = self.current_s
         self._set(self.long_s)
-        try:
-            yield
-        finally:
-            self._set(before)
+        yield
+        self._set(before)
 
     def _set(self, seconds: float) -> None:
         timeout = datetime.timedelta(seconds=seconds)

@@ -56,12 +56,66 @@ that value, e.g. the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT
 (SLURM_RESTART_COUNT=0)."""
 
 
-def paced_hook(folder) -> str:
-    """Writes PACED_STEPS as `folder`/sitecustomize.py; returns the folder to put first on PYTHONPATH."""
+FREEZE_ITSELF = """
+import importlib.util, os, signal, sys
+
+_RANK = os.environ.get("FREEZE_RANK")
+_WHERE, _, _NTH = os.environ.get("FREEZE_AT", "").partition(":")
+_KEY, _, _WANT = os.environ.get("FREEZE_WHILE", "").partition("=")
+_TARGETS = {"micro_step": ("training.step", None, "micro_step"),
+            "save": ("training.checkpoint", "Checkpointer", "save"),
+            "data": ("training.batch_plans", "StepPlanner", "__call__")}
+
+
+class _FreezeAt:
+    def find_spec(self, name, path=None, target=None):
+        module_name, owner, attr = _TARGETS[_WHERE]
+        if name != module_name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            holder = getattr(module, owner) if owner else module
+            original, calls = getattr(holder, attr), [0]
+
+            def freezing(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == int(_NTH):
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                return original(*args, **kwargs)
+            setattr(holder, attr, freezing)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if (_RANK is not None and os.environ.get("RANK") == _RANK and _WHERE in _TARGETS
+        and (not _KEY or os.environ.get(_KEY, "0") == _WANT)):
+    sys.meta_path.insert(0, _FreezeAt())
+"""
+"""sitecustomize.py for every Python process of a run: the process of rank FREEZE_RANK stops itself (SIGSTOP, as a
+process the kernel or a debugger stopped: no thread of it runs, its heartbeat included) at the Nth call of
+FREEZE_AT=WHERE:N, WHERE one of `micro_step` (training/step.py: the Nth micro-step's forward), `save`
+(Checkpointer.save, before its first collective) or `data` (the step planner in the rank's data-loader worker, which
+is forked with the rank's environment: the worker stops, the rank waits for its batch); with FREEZE_WHILE=NAME=VALUE
+only while that variable has that value (as PACED_WHILE). Nothing continues it: the launcher kills the stuck rank
+(torchrun signals each rank's process group, the worker included)."""
+
+
+def hook_folder(folder, *sources: str) -> str:
+    """Writes `sources` (PACED_STEPS, FREEZE_ITSELF) as `folder`/sitecustomize.py; returns the folder to put first on
+    PYTHONPATH."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
-        f.write(PACED_STEPS)
+        f.write("\n".join(sources))
     return str(folder)
+
+
+def paced_hook(folder) -> str:
+    """Writes PACED_STEPS as `folder`/sitecustomize.py; returns the folder to put first on PYTHONPATH."""
+    return hook_folder(folder, PACED_STEPS)
 
 
 def uninterrupted_losses(args: tuple, nproc: int = 2) -> dict[int, float]:

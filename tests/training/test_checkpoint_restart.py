@@ -16,7 +16,7 @@ import pytest
 
 from harness.launch_env import python_path
 from tests.trainer_runs import ROOT
-from tests.training.paced_runs import TINY, paced_hook, uninterrupted_losses
+from tests.training.paced_runs import FREEZE_ITSELF, TINY, hook_folder, paced_hook, uninterrupted_losses
 from tests.training.test_checkpoint_runs import losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the module's uninterrupted run + a job allowed 400 s
@@ -48,10 +48,11 @@ KILL_DURING_SAVE = textwrap.dedent("""
 """)
 
 
-def launch(folder: str, env_extra: dict | None = None) -> subprocess.Popen:
+def launch(folder: str, env_extra: dict | None = None, args: tuple = ()) -> subprocess.Popen:
+    """ARGS (+ `args`, which must not change a number: timeouts, say) on 2 ranks with MAX_RESTARTS=1."""
     env = dict(os.environ, PYTHON=sys.executable, NPROC="2", MAX_RESTARTS="1", **(env_extra or {}))
-    return subprocess.Popen([os.path.join(ROOT, "run_train.sh"), *ARGS, "--job.dump_folder", folder], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([os.path.join(ROOT, "run_train.sh"), *ARGS, *args, "--job.dump_folder", folder],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finish(process: subprocess.Popen, timeout: float = 400) -> tuple[str, str]:
@@ -136,3 +137,23 @@ def test_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, unint
     assert "(step 5)" in out.split("resumed from")[1].splitlines()[0]
     assert losses(folder) == uninterrupted
     assert sorted(os.listdir(os.path.join(folder, "checkpoints"))) == ["step-15", "step-20"]
+
+
+def test_a_hung_rank_ends_the_attempt_and_the_restart_matches_the_uninterrupted_run(tmp_path, uninterrupted):
+    """Issue 58 item 5: rank 1 of the first attempt stops itself (SIGSTOP) before step 8's forward; rank 0's step
+    collective times out (job.step_timeout_s 20), its hang line names rank 1 and says torchrun restarts, and the
+    restart resumes from step 5's checkpoint and ends bit for bit as the uninterrupted run."""
+    folder = str(tmp_path / "run")
+    hook = hook_folder(tmp_path / "hook", FREEZE_ITSELF)
+    start = time.perf_counter()
+    process = launch(folder, {"PYTHONPATH": python_path(hook), "FREEZE_RANK": "1", "FREEZE_AT": "micro_step:8",
+                              "FREEZE_WHILE": "TORCHELASTIC_RESTART_COUNT=0"},
+                     args=("--job.init_timeout_s", "150", "--job.step_timeout_s", "20"))
+    out, err = finish(process)
+    print(f"rank 1 frozen at step 8: job finished in {time.perf_counter() - start:.1f} s")
+    hang = [line for line in err.splitlines() if line.startswith("error: hang at step 8")]
+    assert len(hang) == 1 and "rank 1 on " in hang[0] and "never arrived" in hang[0], err[-3000:]
+    assert hang[0].endswith("; torchrun restarts the job (restart 1 of 1: MAX_RESTARTS)"), hang[0]
+    assert "resume from " in hang[0] and "step-5" in hang[0], hang[0]
+    assert "(step 5)" in out.split("resumed from")[1].splitlines()[0]
+    assert losses(folder) == uninterrupted  # steps 1-7 of the first attempt, 6-20 of the restart: every one equal

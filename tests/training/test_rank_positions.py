@@ -105,6 +105,33 @@ def test_the_launcher_prints_the_lowest_rank_s_line_and_shortens_the_grace(tmp_p
     assert closes == [HANG_GRACE_S, HANG_GRACE_S, 600] and stops.hang is None
 
 
+def test_with_restarts_left_an_attempts_hang_line_is_printed_when_torchrun_closes_it(tmp_path, monkeypatch, capsys):
+    """MAX_RESTARTS=1: the first attempt's hang is said at its close (torchrun restarts next); the second attempt's
+    is left for the launcher's last line, once."""
+    path = tmp_path / "hang"
+
+    class FakeContext:
+        subprocess_handlers = {}
+
+        def close(self, death_sig=None, timeout=30):
+            pass
+
+    import training.launcher as launcher
+    monkeypatch.setattr(launcher, "PContext", FakeContext)
+    monkeypatch.setattr(launcher, "_TORCH_CLOSE", FakeContext.close)
+    stops = RankStops(str(path), max_restarts=1)
+    stops.install()
+    for attempt in (FakeContext(), FakeContext()):
+        path.write_text('{"rank": 1, "line": "error: hang at step 8"}\n')
+        attempt.close(None, 600)
+        attempt.close(None, 600)
+    printed = capsys.readouterr().err.splitlines()
+    assert printed == ["error: hang at step 8; torchrun restarts the job (restart 1 of 1: MAX_RESTARTS)"]
+    assert stops.hang == "error: hang at step 8"
+    assert [launcher.max_restarts(a) for a in (["--max-restarts", "2", "train.py"], ["--max_restarts=3", "x/train.py"],
+                                               ["train.py", "--max-restarts", "5"], [])] == [2, 3, 0, 0]
+
+
 @pytest.mark.parametrize("phase", ["set-up", "evaluation"])
 def test_phases_order_within_a_step(phase):
     assert _at(5, phase).order() < _at(6, "set-up" if phase == "evaluation" else "data").order()

@@ -16,6 +16,7 @@ from config import RecipeError
 from config.recipe import load_config
 from harness.launch_env import child_env
 from tests.trainer_runs import ROOT, read_metrics, run_train
+from tests.training.paced_runs import FREEZE_ITSELF, TINY, hook_folder
 from training.timeouts import CollectiveTimeouts, auto_step_timeout
 
 
@@ -73,6 +74,9 @@ def test_a_set_step_timeout_wins_and_phases_inside_the_warmup_stay_long(recorded
     t.step_done(1000.0)
     t.step_done(1000.0)
     assert t.current_s == 45
+    with pytest.raises(RuntimeError), t.phase():  # a save's collective timed out: the hang line's timeout is 900
+        raise RuntimeError("Timed out waiting 900000ms")
+    assert t.current_s == 900
 
 
 def test_the_old_key_and_bad_values_are_refused_in_one_line():
@@ -177,3 +181,43 @@ def test_a_frozen_rank_is_named_in_one_line_within_the_step_timeout(tmp_path):
         assert "Timed out" in f.read()
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
     assert ended - os.path.getmtime(os.path.join(out, "metrics.jsonl")) <= 20 + 30  # step timeout + 30 s
+
+
+HANG_LINE = (r"error: hang at step {step} \({phase}.*\): rank {rank} on \S+ \(last at step {step} \({where}.*\); "
+             r"heartbeat \d+s old\) never arrived; rank\(s\) {waited} waited {timeout}s \(the collective timeout\) "
+             r"and stopped the run; (no checkpoint to resume from yet|resume from \S+); tracebacks in .+")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("nproc, rank, at, step, phase, where, waited, timeout", [
+    (4, 2, "micro_step:5", 5, "forward/backward", "forward/backward", "0-1, 3", 20),
+    (2, 1, "data:6", "[56]", "forward/backward", "data", "0", 20),
+    (2, 1, "save:2", 6, "checkpoint", "checkpoint", "0", 60),
+], ids=["1 of 4 ranks mid-step", "in its data-loader worker", "in a checkpoint save"])
+def test_a_rank_that_stops_itself_is_named_in_one_line(tmp_path, nproc, rank, at, step, phase, where, waited,
+                                                       timeout):
+    """Issue 58: one rank stops itself (SIGSTOP; tests/training/paced_runs.FREEZE_ITSELF) at a known place: rank 2 of
+    4 before step 5's forward; rank 1's data-loader worker at step 6's plan (the rank waits for a batch, its
+    heartbeat alive: named for being behind, at step 6's data, or step 5's when the worker stopped before its queue's
+    feeder thread had sent batch 5); rank 1 in step 6's checkpoint save (checkpoint every
+    3 steps), which runs under the long timeout (job.init_timeout_s, 60 s here). Each run ends within that timeout +
+    30 s with the one line naming the stopped rank, its step and phase, never the OOM killer. The model is tiny
+    (paced_runs.TINY): where a rank stopped shows at any size."""
+    out = tmp_path / "run"
+    env = {"FREEZE_RANK": str(rank), "FREEZE_AT": at, "STOP_GRACE_S": "600"}
+    result = run_train(os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", str(out),
+                       "--job.init_timeout_s", "60", "--job.step_timeout_s", "20", "--training.steps", "12",
+                       "--training.seq_len", "128", "--training.local_batch_size", "2", "--checkpoint.enable", "true",
+                       "--checkpoint.interval", "3", "--metrics.enable_tensorboard", "false",
+                       "--parallelism.dp_shard", str(nproc), *TINY, nproc=nproc, timeout=300,
+                       env=child_env(hook_folder(tmp_path / "hook", FREEZE_ITSELF), **env))
+    ended = time.time()
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(HANG_LINE.format(step=step, phase=phase, rank=rank, where=where, waited=waited,
+                                         timeout=timeout), last), last
+    assert "OOM" not in result.stderr and f"tracebacks in {out}/hang" in last, last
+    hung_at = int(last.split("hang at step ")[1].split()[0])
+    assert [r["step"] for r in read_metrics(str(out))] == list(range(1, hung_at))
+    assert ended - os.path.getmtime(os.path.join(out, "metrics.jsonl")) <= timeout + 30
