@@ -40,11 +40,13 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _run_rank(train, rank: int, nproc: int, port: int, argv: list[str]) -> int:
+def _run_rank(train, rank: int, nproc: int, port: int, argv: list[str], before_rank=None) -> int:
     _die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
+        if before_rank is not None:
+            before_rank()
         return train.main(argv)
     except BaseException as e:  # a rank's own error line first, as torchrun's children print it
         print(f"[rank{rank}]: {type(e).__name__}: {e}", file=sys.stderr)
@@ -52,8 +54,9 @@ def _run_rank(train, rank: int, nproc: int, port: int, argv: list[str]) -> int:
         return 1
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """Forks `nproc` ranks of train.main(argv); returns the first failing rank's exit code, or 0."""
+def launch(nproc: int, argv: list[str], before_rank=None) -> int:
+    """Forks `nproc` ranks of train.main(argv); returns the first failing rank's exit code, or 0. `before_rank()`
+    runs first in each rank, its environment set (a test double that wraps the rank's process, say)."""
     sys.path.insert(0, ROOT)
     import train  # the expensive imports, once for every rank
 
@@ -64,7 +67,7 @@ def launch(nproc: int, argv: list[str]) -> int:
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            code = _run_rank(train, rank, nproc, port, argv)
+            code = _run_rank(train, rank, nproc, port, argv, before_rank)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)  # as train.py does: no interpreter teardown with gloo threads alive
@@ -82,11 +85,13 @@ def launch(nproc: int, argv: list[str]) -> int:
     return exit_code
 
 
-def run_as_child(nproc: int, train_args: list[str], environ: dict, cwd: str, out_path: str, err_path: str) -> None:
+def run_as_child(nproc: int, train_args: list[str], environ: dict, cwd: str, out_path: str, err_path: str,
+                 before_rank=None) -> None:
     """The body of a process forked from a server that imported the trainer (the tests' forkserver, the bench's dry
     runs): `train_args` on `nproc` forked ranks, or with `nproc` 0 `python train.py *train_args` in this very process
     (a dry run, a check), with the environment and working directory a subprocess would have had, stdout and stderr
-    in the files a subprocess' pipes would have captured (one file for both when the paths are equal). Exits with the
+    in the files a subprocess' pipes would have captured (one file for both when the paths are equal); `before_rank`
+    as for launch. Exits with the
     run's code, as train.py does: no interpreter teardown with gloo threads alive."""
     os.chdir(cwd)
     os.environ.clear()
@@ -99,7 +104,7 @@ def run_as_child(nproc: int, train_args: list[str], environ: dict, cwd: str, out
     code = 1
     try:
         if nproc:
-            code = launch(nproc, train_args)
+            code = launch(nproc, train_args, before_rank)
         else:
             sys.path.insert(0, ROOT)
             sys.argv = [os.path.join(ROOT, "train.py"), *train_args]

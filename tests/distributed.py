@@ -136,16 +136,18 @@ def _run_ranks_once(fn, world_size: int, args: tuple, timeout: float, threads: i
 
 
 def forked_train(nproc: int, train_args: list[str], env: dict, cwd: str,
-                 timeout: float) -> subprocess.CompletedProcess:
+                 timeout: float, before_rank=None) -> subprocess.CompletedProcess:
     """`python harness/forked_launch.py NPROC train.py *train_args` as subprocess.run(capture_output=True, text=True)
     would run it, but started from the forkserver (fresh_process_context): the launcher does not import torch and the
     trainer again. Imports that read the environment ran in the server, so an `env` that differs from the test
     process' in more than the thread count needs the real subprocess (forked_launch.command). `nproc` 0: `python
-    train.py *train_args` itself, one process and no rank (the dry runs: ~4.5 CPU-s of imports each before)."""
+    train.py *train_args` itself, one process and no rank (the dry runs: ~4.5 CPU-s of imports each before).
+    `before_rank`: a module-level function each rank runs first (forked_launch.launch)."""
     ctx = fresh_process_context()
     with tempfile.TemporaryDirectory() as folder:
         out_path, err_path = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        proc = ctx.Process(target=forked_launch.run_as_child, args=(nproc, list(train_args), dict(env), cwd, out_path, err_path))
+        proc = ctx.Process(target=forked_launch.run_as_child,
+                           args=(nproc, list(train_args), dict(env), cwd, out_path, err_path, before_rank))
         proc.start()
         proc.join(timeout)
         timed_out = proc.exitcode is None

@@ -268,13 +268,19 @@ def _report(rules: CollectiveRules, folder: str) -> None:
                    "buffers_delivered_at_wait": rules.data.delivered if rules.data else 0}, f)
 
 
-if __name__ == "__main__":
+def install_with_report() -> None:
+    """install(), and with NCCL_DOUBLE_REPORT set the report written as the rank leaves: train.py (and a forked rank,
+    harness/forked_launch.py) leaves through os._exit, past atexit, so the report is made on the way."""
     handles = install()
-    if os.environ.get("NCCL_DOUBLE_REPORT"):  # train.py leaves through os._exit, past atexit: report on the way
+    if os.environ.get("NCCL_DOUBLE_REPORT"):
         def _exit_after_report(code, _real_exit=os._exit):
             _report(handles[1], os.environ["NCCL_DOUBLE_REPORT"])
             _real_exit(code)
         os._exit = _exit_after_report
+
+
+if __name__ == "__main__":
+    install_with_report()
     script, sys.argv = sys.argv[1], sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

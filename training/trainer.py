@@ -215,9 +215,6 @@ class Trainer:
             if self._passkey_due(last):  # may make this step the run's last (eval.passkey_stop_at)
                 with self._long_phase("evaluation"):
                     evaluation, last = self._passkey_eval()
-            if self.checkpointer.due(self.step, last):
-                with self._long_phase("checkpoint"):
-                    self.checkpointer.maybe_save(self.step, last=last)
             if self._long_doc_eval_due(last):
                 with self._long_phase("evaluation"):
                     evaluation.update(self._long_doc_eval())
@@ -247,6 +244,11 @@ class Trainer:
                     for offloader in self.offloaders:
                         offloader.reset_peak()
                 self.logger.log(self.step, {**record, **evaluation})
+            # The step's record is written before its checkpoint: a run killed between the two resumes from the
+            # checkpoint before and logs the step again, where the other order lost the step's record for good.
+            if self.checkpointer.due(self.step, last):
+                with self._long_phase("checkpoint"):
+                    self.checkpointer.maybe_save(self.step, last=last)
             stop = self.stop_signals.agreed(self.dist.comm, self.device.torch_device)
             if stop and not last:  # at the last step the run ends as usual, its checkpoint saved above
                 self._save_and_stop(stop)

@@ -102,7 +102,7 @@ def test_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(tmp_path, uni
     start = time.perf_counter()
     process = launch(folder, {"CHECKPOINT_TEST_TAG": tag, "PYTHONPATH": python_path(hook), "PACED_STEP_S": "0.5",
                               "PACED_WHILE": "TORCHELASTIC_RESTART_COUNT=0"})
-    while latest_step(folder) < 7:  # step 5's checkpoint is published before step 5 is logged
+    while latest_step(folder) < 7:  # step 5's checkpoint is published before step 6 is logged
         assert process.poll() is None, "the job ended before the kill"
         time.sleep(0.05)
     pid = worker_pid(tag, 1)

@@ -79,7 +79,7 @@ def test_trainer_long_doc_loss_at_cp2_equals_cp1(tmp_path):
     for cp, nproc in ((1, 1), (2, 2)):
         out = str(tmp_path / f"cp{cp}")
         result = run_train(*common, "--job.dump_folder", out, "--parallelism.dp_shard", "1", "--parallelism.cp",
-                           str(cp), nproc=nproc, timeout=400)
+                           str(cp), nproc=nproc, timeout=400, forked=True)  # numbers, not the launch
         assert result.returncode == 0, result.stderr[-3000:]
         results[cp] = read_metrics(out)[-1]["long_doc_loss"]
     assert list(results[1]) == ["0-64", "64-256", "256-1K"]

@@ -58,7 +58,9 @@ enable_tensorboard = false
 def test_mixture_ramp_reports_tokens_per_source_and_resumes_exactly_inside_the_new_mix(tmp_path):
     recipe = write_mixture_recipe(tmp_path)
     straight = str(tmp_path / "straight")
-    result = run_train(recipe, "--job.dump_folder", straight, "--parallelism.dp_shard", "2", nproc=2, timeout=400)
+    # forked ranks (tests/trainer_runs.run_train(forked=True)): the mix and the resume are the subject, not the launch
+    result = run_train(recipe, "--job.dump_folder", straight, "--parallelism.dp_shard", "2", nproc=2, timeout=400,
+                       forked=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 source(s)" in result.stdout
     records = read_metrics(straight)
@@ -74,7 +76,7 @@ def test_mixture_ramp_reports_tokens_per_source_and_resumes_exactly_inside_the_n
         shutil.copytree(os.path.join(straight, "checkpoints", "step-4"),
                         os.path.join(resumed, "checkpoints", "step-4"))
         result = run_train(recipe, "--job.dump_folder", resumed, "--parallelism.dp_shard", mesh, nproc=nproc,
-                           timeout=400)
+                           timeout=400, forked=True)
         assert result.returncode == 0, result.stderr[-3000:]
         after = {r["step"]: r for r in read_metrics(resumed)}
         assert sorted(after) == [5, 6]

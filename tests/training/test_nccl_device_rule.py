@@ -3,12 +3,12 @@ collective must live on the run's device, as an NCCL group (CUDA only) requires;
 reduce ops agree. Each run must train (and evaluate) as usual."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from harness.launch_env import child_env
+from tests.distributed import forked_train
+from tests.nccl_device_rule import install_with_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,12 +57,13 @@ enable_tensorboard = false
 
 
 def _train_under_rule(recipe: str, out: str, *overrides: str, nproc: int = 4, timeout: int = 240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "tests", "nccl_device_rule.py"), os.path.join(ROOT, "train.py"), recipe,
-           "--job.dump_folder", out, *overrides]
-    env = child_env(OMP_NUM_THREADS="1", NCCL_DOUBLE_REPORT=os.path.join(out, "nccl_double"),
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    """train.py on `nproc` ranks, each under the double from its start (tests/nccl_device_rule.install_with_report),
+    forked from the test process' forkserver (tests/distributed.forked_train): the subject is the collectives, not
+    the launch, and torchrun's agent and a torch import per rank were most of these runs' cost (a 12-rank run
+    imported torch 13 times)."""
+    env = child_env(OMP_NUM_THREADS="1", NCCL_DOUBLE_REPORT=os.path.join(out, "nccl_double"))
+    return forked_train(nproc, [recipe, "--job.dump_folder", out, *overrides], env, ROOT, timeout,
+                        before_rank=install_with_report)
 
 
 def _check(tmp_path, recipe_text: str, *overrides: str, nproc: int = 4, steps: int = 2, timeout: int = 240,
