@@ -13,12 +13,16 @@ def covers_all_rows(piece: Piece) -> bool:
 
 
 def unwritten_runs(written: np.ndarray) -> list[tuple[int, int, int]]:
-    """(batch row, start, end) of the runs of False in a host (B, L) bool array."""
-    runs = []
-    for b, row in enumerate(written):
-        edges = np.flatnonzero(np.diff(row.astype(np.int8), prepend=1, append=1)).tolist()
-        runs += [(b, edges[i], edges[i + 1]) for i in range(0, len(edges), 2)]
-    return runs
+    """(batch row, start, end) of the runs of False in a host (B, L) bool array, row by row in order. One pass over
+    the whole array (a loop over rows cost ~4 ms per call at 48 rows: 9% of a 2-rank CP passkey run's CPU)."""
+    if written.all():
+        return []
+    padded = np.ones((written.shape[0], written.shape[1] + 2), dtype=np.int8)  # written on both sides of each row
+    padded[:, 1:-1] = written
+    steps = np.diff(padded, axis=1)  # -1 where a run of False starts, +1 just past its end
+    rows, starts = np.nonzero(steps == -1)
+    _, ends = np.nonzero(steps == 1)
+    return list(zip(rows.tolist(), starts.tolist(), ends.tolist()))
 
 
 def float32_rows(like: torch.Tensor, shape: tuple) -> torch.Tensor:

@@ -154,3 +154,29 @@ def test_document_masked_attention_asks_for_no_mask_so_cuda_flash_serves_it_in_b
     local_segment_attention(q, q, q, DocumentShards([docs]), is_causal=True).sum().backward()
     assert asked and not any(asked)
     assert isinstance(kernel_for("cuda", torch.bfloat16, 8, False), CudaFlashBlock)
+
+
+def test_unwritten_runs_are_every_run_of_false_row_by_row():
+    """The rows a buffer must still fill (parallelisms/cp/accumulators.unwritten_runs, one numpy pass over the whole
+    (B, L) array) against a plain scan of each row, on 2,000 random masks and their column slices."""
+    import numpy as np
+
+    from parallelisms.cp.accumulators import unwritten_runs
+
+    def scanned(written):
+        runs = []
+        for b, row in enumerate(written.tolist()):
+            start = None
+            for i, w in enumerate(row + [True]):
+                if not w and start is None:
+                    start = i
+                elif w and start is not None:
+                    runs.append((b, start, i))
+                    start = None
+        return runs
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        written = rng.random((int(rng.integers(1, 6)), int(rng.integers(1, 20)))) < rng.random()
+        assert unwritten_runs(written) == scanned(written)
+        assert unwritten_runs(written[:, 1:5]) == scanned(written[:, 1:5])
