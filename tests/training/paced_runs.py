@@ -13,22 +13,23 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+import textwrap
 
 TINY_SHAPE = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2)
 TINY = tuple(item for key, value in TINY_SHAPE.items() for item in (f"--model.{key}", str(value)))
 """Two blocks (several blocks' shards in each checkpoint), grouped-query attention (4 query, 2 key/value heads):
 ~0.4M parameters, a 5 MB checkpoint on 2 ranks. The vocabulary stays the debug recipe's (its cached tokenizer)."""
 
-PACED_STEPS = """
-import importlib.util, os, sys, time
-
-_SECONDS = float(os.environ.get("PACED_STEP_S", "0"))
-_KEY, _, _WANT = os.environ.get("PACED_WHILE", "").partition("=")
+_WRAP_ON_IMPORT = """
+import importlib.util, os, signal, sys, time
 
 
-class _PacedSteps:
+class _WrapOnImport:
+    def __init__(self, module, attr, wrap):
+        self.module, self.attr, self.wrap = module, attr, wrap
+
     def find_spec(self, name, path=None, target=None):
-        if name != "training.preemption":
+        if name != self.module:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -36,72 +37,68 @@ class _PacedSteps:
 
         def exec_module(module):
             run(module)
-            agreed = module.StopSignals.agreed
-
-            def paced(self, *args, **kwargs):
-                time.sleep(_SECONDS)
-                return agreed(self, *args, **kwargs)
-            module.StopSignals.agreed = paced
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if _SECONDS > 0 and (not _KEY or os.environ.get(_KEY, "0") == _WANT):
-    sys.meta_path.insert(0, _PacedSteps())
-"""
-"""sitecustomize.py for every Python process of a run (through PYTHONPATH): each step sleeps PACED_STEP_S seconds
-after it is logged and before the ranks agree on a signal (training/preemption.py's StopSignals.agreed), which a
-signal during the sleep only notes; with PACED_WHILE=NAME=VALUE only while that variable (unset counts as "0") has
-that value, e.g. the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0) or of a Slurm job
-(SLURM_RESTART_COUNT=0)."""
-
-
-FREEZE_ITSELF = """
-import importlib.util, os, signal, sys
-
-_RANK = os.environ.get("FREEZE_RANK")
-_WHERE, _, _NTH = os.environ.get("FREEZE_AT", "").partition(":")
-_KEY, _, _WANT = os.environ.get("FREEZE_WHILE", "").partition("=")
-_TARGETS = {"micro_step": ("training.step", None, "micro_step"),
-            "save": ("training.checkpoint", "Checkpointer", "save"),
-            "data": ("training.batch_plans", "StepPlanner", "__call__")}
-
-
-class _FreezeAt:
-    def find_spec(self, name, path=None, target=None):
-        module_name, owner, attr = _TARGETS[_WHERE]
-        if name != module_name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
+            owner, _, attr = self.attr.rpartition(".")
             holder = getattr(module, owner) if owner else module
-            original, calls = getattr(holder, attr), [0]
-
-            def freezing(*args, **kwargs):
-                calls[0] += 1
-                if calls[0] == int(_NTH):
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                return original(*args, **kwargs)
-            setattr(holder, attr, freezing)
+            setattr(holder, attr, self.wrap(getattr(holder, attr)))
         spec.loader.exec_module = exec_module
         return spec
 
-
-if (_RANK is not None and os.environ.get("RANK") == _RANK and _WHERE in _TARGETS
-        and (not _KEY or os.environ.get(_KEY, "0") == _WANT)):
-    sys.meta_path.insert(0, _FreezeAt())
 """
-"""sitecustomize.py for every Python process of a run: the process of rank FREEZE_RANK stops itself (SIGSTOP, as a
-process the kernel or a debugger stopped: no thread of it runs, its heartbeat included) at the Nth call of
-FREEZE_AT=WHERE:N, WHERE one of `micro_step` (training/step.py: the Nth micro-step's forward), `save`
-(Checkpointer.save, before its first collective) or `data` (the step planner in the rank's data-loader worker, which
-is forked with the rank's environment: the worker stops, the rank waits for its batch); with FREEZE_WHILE=NAME=VALUE
-only while that variable has that value (as PACED_WHILE). Nothing continues it: the launcher kills the stuck rank
-(torchrun signals each rank's process group, the worker included)."""
+
+
+def wrap_on_import(module: str, attr: str, wrapper: str, when: str) -> str:
+    """sitecustomize.py source (for every Python process of a run, through PYTHONPATH) that replaces `attr` of
+    `module` ("function" or "Class.method") by `wrap(original)` when the module is first imported. `wrapper` is
+    source defining `wrap` (and what it reads; names with a prefix of their own, as several hooks may share one
+    file), run at start-up; `when`, a Python expression evaluated then, says whether to hook at all."""
+    return (_WRAP_ON_IMPORT + textwrap.dedent(wrapper)
+            + f"\nif {when}:\n    sys.meta_path.insert(0, _WrapOnImport({module!r}, {attr!r}, wrap))\n")
+
+
+PACED_STEPS = wrap_on_import("training.preemption", "StopSignals.agreed", """
+    _PACED_S = float(os.environ.get("PACED_STEP_S", "0"))
+    _PACED_KEY, _, _PACED_WANT = os.environ.get("PACED_WHILE", "").partition("=")
+
+
+    def wrap(agreed):
+        def paced(self, *args, **kwargs):
+            time.sleep(_PACED_S)
+            return agreed(self, *args, **kwargs)
+        return paced
+""", when='_PACED_S > 0 and (not _PACED_KEY or os.environ.get(_PACED_KEY, "0") == _PACED_WANT)')
+"""Each step sleeps PACED_STEP_S seconds after it is logged and before the ranks agree on a signal
+(training/preemption.py's StopSignals.agreed), which a signal during the sleep only notes; with
+PACED_WHILE=NAME=VALUE only while that variable (unset counts as "0") has that value, e.g. the first attempt of a
+torchrun job (TORCHELASTIC_RESTART_COUNT=0) or of a Slurm job (SLURM_RESTART_COUNT=0)."""
+
+_FREEZE_AT = """
+    _FREEZE_WHERE, _, _FREEZE_NTH = os.environ.get("FREEZE_AT", "").partition(":")
+    _FREEZE_KEY, _, _FREEZE_WANT = os.environ.get("FREEZE_WHILE", "").partition("=")
+    _FREEZE = (os.environ.get("FREEZE_RANK") is not None and os.environ.get("RANK") == os.environ.get("FREEZE_RANK")
+               and (not _FREEZE_KEY or os.environ.get(_FREEZE_KEY, "0") == _FREEZE_WANT))
+
+
+    def wrap(original):
+        calls = [0]
+
+        def freezing(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == int(_FREEZE_NTH):
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return original(*args, **kwargs)
+        return freezing
+"""
+FREEZE_ITSELF = "".join(
+    wrap_on_import(module, attr, _FREEZE_AT, when=f"_FREEZE and _FREEZE_WHERE == {where!r}")
+    for where, (module, attr) in {"micro_step": ("training.step", "micro_step"),
+                                  "save": ("training.checkpoint", "Checkpointer.save"),
+                                  "data": ("training.batch_plans", "StepPlanner.__call__")}.items())
+"""The process of rank FREEZE_RANK stops itself (SIGSTOP, as a process the kernel or a debugger stopped: no thread of
+it runs, its heartbeat included) at the Nth call of FREEZE_AT=WHERE:N, WHERE one of `micro_step` (training/step.py:
+the Nth micro-step's forward), `save` (Checkpointer.save, before its first collective) or `data` (the step planner in
+the rank's data-loader worker, which is forked with the rank's environment: the worker stops, the rank waits for its
+batch); with FREEZE_WHILE=NAME=VALUE only while that variable has that value (as PACED_WHILE). Nothing continues it:
+the launcher kills the stuck rank (torchrun signals each rank's process group, the worker included)."""
 
 
 def hook_folder(folder, *sources: str) -> str:

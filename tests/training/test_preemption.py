@@ -25,7 +25,7 @@ from harness.launch_env import child_env
 from harness.process_tree import group_processes
 from harness import forked_launch
 from tests.trainer_runs import ROOT, read_metrics, short_documents_recipe
-from tests.training.paced_runs import TINY, paced_hook, uninterrupted_losses
+from tests.training.paced_runs import TINY, hook_folder, paced_hook, uninterrupted_losses, wrap_on_import
 from tests.training.test_checkpoint_runs import losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -335,34 +335,14 @@ def test_a_run_sigkilled_at_random_instants_resumes_every_time_and_matches(tmp_p
     assert losses(folder) == reference
 
 
-KILL_AFTER_SAVE = """
-import importlib.util, os, signal, sys
-
-
-class _KillAfterSave:
-    def find_spec(self, name, path=None, target=None):
-        if name != "training.checkpoint":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            save = module.Checkpointer.save
-
-            def save_then_die(self, step):
-                save(self, step)
-                if step == int(os.environ["KILL_AFTER_SAVE_STEP"]) and os.environ.get("RANK") == "0":
-                    os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole run, as a node dies
-            module.Checkpointer.save = save_then_die
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if os.environ.get("KILL_AFTER_SAVE_STEP"):
-    sys.meta_path.insert(0, _KillAfterSave())
-"""
+KILL_AFTER_SAVE = wrap_on_import("training.checkpoint", "Checkpointer.save", """
+    def wrap(save):
+        def save_then_die(self, step):
+            save(self, step)
+            if step == int(os.environ["KILL_AFTER_SAVE_STEP"]) and os.environ.get("RANK") == "0":
+                os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole run, as a node dies
+        return save_then_die
+""", when='bool(os.environ.get("KILL_AFTER_SAVE_STEP"))')
 
 
 def test_a_run_killed_right_after_a_save_is_published_keeps_that_steps_record(tmp_path):
@@ -371,12 +351,10 @@ def test_a_run_killed_right_after_a_save_is_published_keeps_that_steps_record(tm
     bit for bit the uninterrupted run's. The step's record is written before its checkpoint (training/trainer.py):
     the other order lost step 6's record for good, which the random-instant test above met once in a CI."""
     reference = uninterrupted()
-    folder, hook_dir = str(tmp_path / "run"), tmp_path / "hook"
-    hook_dir.mkdir()
-    (hook_dir / "sitecustomize.py").write_text(KILL_AFTER_SAVE)
+    folder, hook_dir = str(tmp_path / "run"), hook_folder(tmp_path / "hook", KILL_AFTER_SAVE)
     every_step = ("--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2")
     killed = subprocess.Popen(forked_launch.command(2, [*ARGS, *every_step, "--job.dump_folder", folder]), cwd=ROOT,
-                              env=child_env(str(hook_dir), KILL_AFTER_SAVE_STEP="6"), stdout=subprocess.PIPE,
+                              env=child_env(hook_dir, KILL_AFTER_SAVE_STEP="6"), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     code, _, err = finish(killed)
     assert code == -signal.SIGKILL, err[-3000:]

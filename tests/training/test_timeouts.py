@@ -16,7 +16,7 @@ from config import RecipeError
 from config.recipe import load_config
 from harness.launch_env import child_env
 from tests.trainer_runs import ROOT, read_metrics, run_train
-from tests.training.paced_runs import FREEZE_ITSELF, TINY, hook_folder
+from tests.training.paced_runs import FREEZE_ITSELF, TINY, hook_folder, wrap_on_import
 from training.timeouts import CollectiveTimeouts, auto_step_timeout
 
 
@@ -95,9 +95,8 @@ def test_the_old_key_and_bad_values_are_refused_in_one_line():
 FREEZE_RANK_1 = textwrap.dedent("""
     # Test helper, on PYTHONPATH, for rank 1 only. FREEZE_AFTER_LINES / FREEZE_S: once FREEZE_METRICS holds that many
     # records, a helper process freezes the rank (SIGSTOP, as a process the kernel or a debugger stopped) for
-    # FREEZE_S seconds. SLEEP_AT_MICRO_STEP / SLEEP_S: the rank sleeps that long before its Nth micro-step (a slow
-    # rank that comes back: a SIGSTOPped one that is continued can find a socket call interrupted).
-    import importlib.abc, importlib.util, os, signal, sys, time
+    # FREEZE_S seconds.
+    import os, signal, time
     if os.environ.get("RANK") == "1" and os.environ.get("FREEZE_AFTER_LINES"):
         rank_pid, path = os.getpid(), os.environ["FREEZE_METRICS"]
         lines, seconds = int(os.environ["FREEZE_AFTER_LINES"]), float(os.environ["FREEZE_S"])
@@ -113,33 +112,24 @@ FREEZE_RANK_1 = textwrap.dedent("""
             time.sleep(seconds)
             os.kill(rank_pid, signal.SIGCONT)
             os._exit(0)
-    if os.environ.get("RANK") == "1" and os.environ.get("SLEEP_AT_MICRO_STEP"):
-        class _SlowStep(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path, target=None):
-                if name != "training.step":
-                    return None
-                sys.meta_path.remove(self)
-                spec = importlib.util.find_spec(name)
-                run = spec.loader.exec_module
-                def exec_module(module):
-                    run(module)
-                    micro_step, calls = module.micro_step, [0]
-                    def slow(*args, **kwargs):
-                        calls[0] += 1
-                        if calls[0] == int(os.environ["SLEEP_AT_MICRO_STEP"]):
-                            time.sleep(float(os.environ["SLEEP_S"]))
-                        return micro_step(*args, **kwargs)
-                    module.micro_step = slow
-                spec.loader.exec_module = exec_module
-                return spec
-        sys.meta_path.insert(0, _SlowStep())
 """)
+SLEEP_AT_MICRO_STEP = wrap_on_import("training.step", "micro_step", """
+    def wrap(micro_step):
+        calls = [0]
+
+        def slow(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == int(os.environ["SLEEP_AT_MICRO_STEP"]):
+                time.sleep(float(os.environ["SLEEP_S"]))
+            return micro_step(*args, **kwargs)
+        return slow
+""", when='os.environ.get("RANK") == "1" and bool(os.environ.get("SLEEP_AT_MICRO_STEP"))')
+"""Rank 1 sleeps SLEEP_S before its SLEEP_AT_MICRO_STEP-th micro-step: a slow rank that comes back (a SIGSTOPped one
+that is continued can find a socket call interrupted)."""
 
 
 def _run_with_rank_1(tmp_path, steps: int, **env):
-    helper = tmp_path / "helper"
-    helper.mkdir()
-    (helper / "sitecustomize.py").write_text(FREEZE_RANK_1)
+    helper = hook_folder(tmp_path / "helper", FREEZE_RANK_1, SLEEP_AT_MICRO_STEP)
     out = tmp_path / "run"
     result = run_train(os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", str(out),
                        "--job.init_timeout_s", "150", "--job.step_timeout_s", "20", "--training.steps", str(steps),
