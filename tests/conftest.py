@@ -35,10 +35,15 @@ def pytest_runtest_makereport(item, call):
 
 
 LEARNING_RUNS_FIRST = ("tests/training/test_passkey_training.py", "tests/training/test_chat_sft.py",
+                       "tests/test_slurm.py", "tests/training/test_timeouts.py",
                        "tests/training/test_dry_run_8gpu.py", "tests/training/test_float8_runs.py")
-"""The longest files start CI: the two learning runs (2-rank trainings of several minutes), the 8-GPU recipe's dry
-runs and float8's long runs. After them the files with the most tests first. With xdist's own order the learning runs
-started last, 26 minutes into a 34-minute CI, and the passkey run finished alone with the cores partly idle."""
+"""The longest files start CI: the two learning runs (2-rank trainings of several minutes), then the files that
+mostly wait (a real Slurm time limit and requeue, collective timeouts that must expire: minutes of wall time at a few
+CPU seconds), so that their waits overlap the learning runs' compute instead of idling the cores later (in the
+clean-clone CI of 219aaa6 the timeouts tests left 67 CPU-s idle at minute 17 and the Slurm time limit ran alone for
+the last two minutes), then the 8-GPU recipe's dry runs and float8's long runs. After them the files with the most
+tests first. With xdist's own order the learning runs started last, 26 minutes into a 34-minute CI, and the passkey
+run finished alone with the cores partly idle."""
 
 
 SPREAD_TEST_BY_TEST = ("tests/parallelisms/test_parity.py", "tests/training/test_float8.py")
