@@ -91,8 +91,7 @@ def run_as_child(nproc: int, train_args: list[str], environ: dict, cwd: str, out
     runs): `train_args` on `nproc` forked ranks, or with `nproc` 0 `python train.py *train_args` in this very process
     (a dry run, a check), with the environment and working directory a subprocess would have had, stdout and stderr
     in the files a subprocess' pipes would have captured (one file for both when the paths are equal); `before_rank`
-    as for launch. Exits with the
-    run's code, as train.py does: no interpreter teardown with gloo threads alive."""
+    as for launch. Exits with the run's code, as train.py does: no interpreter teardown with gloo threads alive."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
