@@ -34,6 +34,7 @@ from tests.distributed import run_ranks  # noqa: E402
 from tests.loss_reference import trainer_run  # noqa: E402
 from tests.trainer_runs import ROOT, read_metrics, run_train  # noqa: E402
 from tests.training.float8_reference import E4M3, one_step_against_emulation  # noqa: E402
+from tests.training.paced_runs import TINY  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "recipes", "debug.toml")
 ACCUMULATE = ["--training.local_batch_size", "2", "--training.global_batch_size", "4"]
@@ -157,8 +158,17 @@ def test_fsdp_gathers_float8_bytes_on_gloo_and_precomputes_the_scales():
 
 
 # ------------------------------------------------------------------ meshes against one process
-def _losses_and_norms(degrees, *extra, dtype="bfloat16", recipe="tensorwise", steps=4):
-    records = trainer_run(degrees, steps, 128, extra=["--training.float8", recipe, *extra], dtype=dtype,
+DEBUG_MODEL = ()
+"""The debug recipe's model (6 blocks, dim 256): where a bound must tell float8 scales taken over the wrong
+tokens from float32 summation order, which needs the activations of the larger model (at TINY, each CP rank
+scaling its own tokens moved the loss by 7.9e-6, under CP_BOUND)."""
+
+
+def _losses_and_norms(degrees, *extra, dtype="bfloat16", recipe="tensorwise", steps=4, shape=TINY):
+    """Per-step losses and grad norms of a float8 run at seq 128. `shape`: TINY (tests/training/paced_runs: two
+    blocks, dim 64) for the properties that are exact or nearly so at any size (FSDP's float8 gathers, the
+    autocast paths, resumes), DEBUG_MODEL where a bound needs the larger model's float8 roundings."""
+    records = trainer_run(degrees, steps, 128, extra=["--training.float8", recipe, *shape, *extra], dtype=dtype,
                           timeout=300)
     return [r["loss"] for r in records], [r["grad_norm"] for r in records]
 
@@ -171,9 +181,9 @@ def _max_rel(a, b):
 @pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.slow)])
 def test_dp2_trains_like_one_process(recipe):
     """dp_shard 2 (FSDP2, float32, tensorwise: the float8 all-gather) against one process over the same
-    micro-batches (each rank's rows are one micro-step there, so every activation scale is the same). Measured: 0
-    in loss, 3.1e-15 in grad norm (rowwise 0, 1.8e-15). Slow tier since issue 56 (the fast tier runs in minutes; CI runs
-    both): float8 trainer runs on 1 and 2 ranks, 44 s."""
+    micro-batches (each rank's rows are one micro-step there, so every activation scale is the same). Measured at
+    TINY: 0 in loss, 1.1e-15 in grad norm (rowwise 0, 5.7e-16; the debug model's 6 blocks: 3.1e-15 and 1.8e-15). Slow
+    tier since issue 56: float8 trainer runs on 1 and 2 ranks, 4.4 CPU-s at TINY (12.3 with the debug model)."""
     one = _losses_and_norms(dict(dp_shard=1), *ACCUMULATE, recipe=recipe, dtype="float32")
     dp2 = _losses_and_norms(dict(dp_shard=2), recipe=recipe, dtype="float32")
     assert _max_rel(dp2[0], one[0]) <= 1e-5 and _max_rel(dp2[1], one[1]) <= 1e-5, (dp2, one)
@@ -181,15 +191,16 @@ def test_dp2_trains_like_one_process(recipe):
 
 AUTOCAST_BOUND = (2e-4, 2e-3)
 """(loss, grad norm) relative, one device in bf16 (torch.autocast over float32 weights, no FSDP2) against dp 2
-(FSDP2's bf16 mixed precision): the two bf16 paths differ without float8 too (measured 2.4e-5 in loss, 2.0e-4 in
-grad norm); with float8 tensorwise 3.0e-5 / 2.0e-4 and rowwise 1.1e-4 / 8.4e-4 over 4 steps."""
+(FSDP2's bf16 mixed precision): the two bf16 paths differ without float8 too (measured at TINY 4.6e-6 in loss,
+1.1e-4 in grad norm; the debug model 2.4e-5 / 2.0e-4); with float8 tensorwise 1.5e-5 / 2.1e-4 (debug model 3.0e-5 /
+2.0e-4) and rowwise 2.5e-5 / 5.4e-4 (1.1e-4 / 8.4e-4) over 4 steps."""
 
 
 @pytest.mark.slow
 def test_one_device_float8_under_autocast_trains_like_dp2():
     """One device runs float8 under autocast (parallelisms/parallelize.uses_autocast; on one H100 FSDP2 on a mesh of
     one made float8 no faster than bf16): its losses stay within the bf16 paths' own gap of dp 2's. Slow tier since
-    issue 56 (the fast tier runs in minutes; CI runs both): float8 trainer runs on 1 and 2 ranks, 58 s."""
+    issue 56: float8 trainer runs on 1 and 2 ranks, 5.3 CPU-s at TINY (14.2 with the debug model)."""
     one = _losses_and_norms(dict(dp_shard=1), *ACCUMULATE)
     dp2 = _losses_and_norms(dict(dp_shard=2))
     assert _max_rel(dp2[0], one[0]) <= AUTOCAST_BOUND[0] and _max_rel(dp2[1], one[1]) <= AUTOCAST_BOUND[1], (dp2, one)
@@ -235,9 +246,9 @@ def test_tp_and_cp_compose():
     losses within 1e-5 of one process under CP. 8 ranks (dp2 x tp2 x cp2) is in the slow tier: 23 s on 2 cores. Slow
     tier since issue 56 (the fast tier runs in minutes; CI runs both): three float8 trainer runs over 7 ranks in all,
     131 s."""
-    one = _losses_and_norms(dict(dp_shard=1), *ACCUMULATE, dtype="float32")
-    cp2 = _losses_and_norms(dict(dp_shard=1, cp=2), *ACCUMULATE, dtype="float32")
-    tp2_cp2 = _losses_and_norms(dict(dp_shard=1, cp=2, tp=2), *ACCUMULATE, dtype="float32")
+    one = _losses_and_norms(dict(dp_shard=1), *ACCUMULATE, dtype="float32", shape=DEBUG_MODEL)
+    cp2 = _losses_and_norms(dict(dp_shard=1, cp=2), *ACCUMULATE, dtype="float32", shape=DEBUG_MODEL)
+    tp2_cp2 = _losses_and_norms(dict(dp_shard=1, cp=2, tp=2), *ACCUMULATE, dtype="float32", shape=DEBUG_MODEL)
     assert _max_rel(tp2_cp2[0], cp2[0]) <= TP_BOUND[0] and _max_rel(tp2_cp2[1], cp2[1]) <= TP_BOUND[1]
     assert _max_rel(cp2[0], one[0]) <= CP_BOUND[0] and _max_rel(cp2[1], one[1]) <= CP_BOUND[1]
 
@@ -246,10 +257,12 @@ def test_tp_and_cp_compose():
 CHECKPOINTED = ["--training.steps", "6", "--training.seq_len", "128", "--training.dtype", "bfloat16",
                 "--training.local_batch_size", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
                 "--checkpoint.keep_latest_k", "0", "--metrics.enable_tensorboard", "false",
-                "--checkpoint.hf_export_folder", "hf"]
+                "--checkpoint.hf_export_folder", "hf", *TINY]
 TOGGLE_BOUND = 2e-3
 """A step's loss after resuming with float8 toggled, against the run that kept its setting: float8 against bf16
-arithmetic for a step from the same weights (measured 4.0e-4 off to on, 7.4e-6 on to off)."""
+arithmetic for a step from the same weights (measured at TINY 8.0e-6 off to on, 4.0e-6 on to off; the debug model
+4.0e-4 and 7.4e-6). Never 0: a resume that kept the checkpoint's setting instead would repeat the source run's step
+bit for bit."""
 
 
 def _train(folder: str, float8: str, resume_from: str = "", step: int = 0) -> dict[int, float]:
@@ -294,18 +307,20 @@ def test_checkpoints_resume_exactly_toggle_and_export_plain(tmp_path):
     """bf16 run (A) -> float8 from A's step 2 (B: off to on) -> float8 from B's step 4 (C: bit-identical to B) and
     bf16 from B's step 4 (D: on to off). B's checkpoints hold no torchao object, and its export is A's folder:
     the same files, tensor names, dtypes and shapes, and config.json. Slow tier since issue 56 (the fast tier runs in
-    minutes; CI runs both): four float8/bf16 trainer runs on 2 ranks and an export, 139 s."""
+    minutes; CI runs both): four float8/bf16 trainer runs on 2 ranks and an export at TINY, 9.4 CPU-s (32.7 with the
+    debug model)."""
     a, b, c, d = (str(tmp_path / name) for name in "abcd")
     bf16 = _train(a, "off")
     float8 = _train(b, "tensorwise", resume_from=a, step=2)
     assert set(float8) == {3, 4, 5, 6} and abs(float8[3] - bf16[3]) <= TOGGLE_BOUND * bf16[3], (float8, bf16)
+    assert float8[3] != bf16[3], (float8, bf16)  # float8 is on after the resume
     assert not _holds_torchao_objects(os.path.join(b, "checkpoints", "step-4"))
     again = _train(c, "tensorwise", resume_from=b, step=4)
     assert again == {5: float8[5], 6: float8[6]}, (again, float8)  # bit-identical continuation
     off = _train(d, "off", resume_from=b, step=4)
     print(f"toggled: off->on step 3 {abs(float8[3] - bf16[3]) / bf16[3]:.2e}, on->off step 5 "
           f"{abs(off[5] - float8[5]) / float8[5]:.2e} relative")
-    assert abs(off[5] - float8[5]) <= TOGGLE_BOUND * float8[5], (off, float8)
+    assert abs(off[5] - float8[5]) <= TOGGLE_BOUND * float8[5] and off[5] != float8[5], (off, float8)
     assert _export(b) == _export(a)
 
 
