@@ -4,7 +4,7 @@
 - selective: the same for every `every`-th block (by block id, so pipeline stages agree with the full model).
 - op: inside every block, the outputs of the attention kernels (CPU and CUDA SDPA ops, and the registered CP
   attention op, parallelisms/cp/op.py) and of every other matmul are saved, the rest (norms, RoPE, activations, the
-  other matmuls) is recomputed. Under context parallelism attention goes through that op eagerly too, so no
+  other matmuls) is recomputed; the same matmuls in a compiled block as eagerly (MatmulsByValue). Under context parallelism attention goes through that op eagerly too, so no
   attention call and no exchange of it ever runs twice, and a tensor-parallel reduce-scatter is saved rather than
   repeated.
 
@@ -26,6 +26,7 @@ from collections import Counter
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from config import Refusal, choices
@@ -45,7 +46,31 @@ ATTENTION_OPS = frozenset({
 })
 ALWAYS_SAVED_OPS = ATTENTION_OPS | {torch.ops._c10d_functional.reduce_scatter_tensor.default, CP_ATTENTION_OP}
 MATMUL_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default})
+_BY_VALUE = {_aten.mm.out: _aten.mm.default, _aten.addmm.out: _aten.addmm.default, _aten.bmm.out: _aten.bmm.default}
 MODES = choices(ActivationCheckpointMode)
+
+
+class MatmulsByValue(TorchDispatchMode):
+    """Above selective checkpointing's own dispatch mode, every out= matmul becomes its by-value op and a copy into
+    the `out` buffer. A compiled block (parallelize.apply_compile) runs inductor's code, which calls each matmul as
+    `aten.mm.out` into a buffer it planned: the policy saved none of them (measured: a compiled block's 7 matmuls
+    reached it as mm.out, 0 saved, against 4 of 7 saved eagerly), so `op` under compile recomputed every matmul. An
+    out= op cannot be saved as it is: the cache would hold inductor's buffer, which inductor reuses, and the
+    recompute would hand back the cached tensor without writing the buffer the compiled code reads next. By value,
+    the policy sees what it sees eagerly and saves the same matmuls; the recompute copies each saved one into its
+    buffer (one copy of the output where the matmul would have run again)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # as torch's own checkpoint modes: dynamo compiles under it instead of running the frame eagerly
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        by_value = _BY_VALUE.get(func)
+        if by_value is None:
+            return func(*args, **kwargs)
+        out = kwargs.pop("out")
+        return out.copy_(by_value(*args, **kwargs))
 
 
 def _op_policy():
@@ -86,8 +111,9 @@ def _op_context():
     """(forward, recompute) contexts of the `op` policy; in both, CP attention goes through its registered op, eager
     too (cp/op.py ActiveRuns.through_op), which the policy saves whole: the recompute runs no exchange again."""
     forward, recompute = create_selective_checkpoint_contexts(_op_policy())
-    return (_entered([forward, CP_ACTIVE.routed_through_op()]),
-            _entered([*_get_current_function_mode_stack(), recompute, CP_ACTIVE.routed_through_op()]))
+    return (_entered([forward, MatmulsByValue(), CP_ACTIVE.routed_through_op()]),
+            _entered([*_get_current_function_mode_stack(), recompute, MatmulsByValue(),
+                      CP_ACTIVE.routed_through_op()]))
 
 
 def _offloaded_checkpoint(offloader: ActivationOffloader, layer: int, fn, hidden, *args, **kwargs):

@@ -135,3 +135,115 @@ def test_op_policy_saves_every_attention_kernel_the_cuda_path_calls():
                aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_cudnn_attention.default):
         assert policy(SimpleNamespace(is_recompute=False), op) == CheckpointPolicy.MUST_SAVE, op
     assert policy(SimpleNamespace(is_recompute=False), aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _OutMatmulLinear(torch.autograd.Function):
+    """A linear layer as inductor's compiled code runs it: the forward calls `aten.mm.out` into a buffer it made
+    (inside an autograd function, whose forward autograd does not record), the backward plain matmuls."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        out = x.new_empty(x.size(0), weight.size(0))
+        torch.mm(x, weight.t(), out=out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x
+
+
+class _OutMatmulBlocks(torch.nn.Module):
+    """One block of four out= linear layers, each followed by tanh: what the checkpoint wraps."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(2)
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(16, 16, generator=generator) / 4)
+                                              for _ in range(4))
+
+    def forward(self, h):
+        for weight in self.weights:
+            h = torch.tanh(_OutMatmulLinear.apply(h, weight))
+        return h
+
+
+class _MatmulKernelCount(TorchDispatchMode):
+    """Matmul kernels that run (below the checkpoint's modes: a matmul served from its cache never gets here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _out_matmul_run(mode: str):
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": _OutMatmulBlocks()})
+    apply_activation_checkpointing(model, mode)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    loss = model.layers["0"](x).square().sum()
+    with _MatmulKernelCount() as backward_matmuls:
+        loss.backward()
+    return loss.item(), [x.grad, *(w.grad for w in model.layers["0"].weights)], backward_matmuls.count
+
+
+def test_op_mode_saves_out_matmuls_as_it_saves_plain_ones():
+    """Issue 57 item 3: inductor calls a compiled block's matmuls as `aten.mm.out`, which the `op` policy never saved,
+    so under compile it recomputed every matmul. Here the same calls without a compiler: the backward runs 8 gradient
+    matmuls, full checkpointing recomputes the 4 forward ones, `op` saves 2 of them (every other one, as eagerly) and
+    recomputes 2 (before MatmulsByValue: 12 kernels, all 4 recomputed), and the gradients stay those of no
+    checkpointing (the saved outputs copied into the buffers the recompute hands them)."""
+    ref_loss, ref_grads, none_matmuls = _out_matmul_run("none")
+    assert none_matmuls == 8
+    for mode, matmuls in (("full", 12), ("op", 10)):
+        loss, grads, got = _out_matmul_run(mode)
+        assert got == matmuls, (mode, got)
+        assert loss == ref_loss and all(torch.equal(g, r) for g, r in zip(grads, ref_grads)), mode
+
+
+@pytest.mark.slow
+def test_a_compiled_block_saves_the_matmuls_op_saves_eagerly(monkeypatch):
+    """Under torch.compile (inductor, parallelize.apply_compile) the `op` policy is handed the same matmuls as eagerly
+    and saves the same ones (4 of a block's 7 plain matmuls, the attention kernel too), and the step's gradients are
+    no checkpointing's within float32 fusion. Before MatmulsByValue it saw 7 `aten.mm.out` and saved none of them."""
+    import parallelisms.activation_checkpoint as activation_checkpoint
+    from parallelisms.parallelize import apply_compile
+
+    decisions = []
+    make_policy = activation_checkpoint._op_policy
+
+    def recording_policy():
+        policy = make_policy()
+
+        def record(ctx, op, *args, **kwargs):
+            decision = policy(ctx, op, *args, **kwargs)
+            decisions.append((str(op), decision == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE))
+            return decision
+        return record
+
+    monkeypatch.setattr(activation_checkpoint, "_op_policy", recording_policy)
+    config = dict(TINY, n_layers=1)
+    tokens = torch.randint(0, config["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(5))
+    runs = {}
+    for name, mode, compiled in (("none", "none", False), ("op eager", "op", False), ("op compiled", "op", True)):
+        decisions.clear()
+        model = Llama(LlamaConfig(**config))
+        apply_activation_checkpointing(model, mode)
+        if compiled:
+            apply_compile(model)
+        model.init_weights(0)
+        model(tokens).float().logsumexp(-1).mean().backward()
+        matmuls = [saved for op, saved in decisions if "mm" in op]
+        runs[name] = ([op for op, _ in decisions if "mm" in op], sum(matmuls), model)
+    eager_ops, eager_saved, eager_model = runs["op eager"]
+    compiled_ops, compiled_saved, compiled_model = runs["op compiled"]
+    assert eager_ops == ["aten.mm.default"] * 7 and eager_saved == 4, runs["op eager"][:2]
+    assert compiled_ops == eager_ops and compiled_saved == eager_saved, runs["op compiled"][:2]
+    for (name, ref), got in zip(runs["none"][2].named_parameters(), compiled_model.parameters()):
+        assert torch.allclose(got.grad, ref.grad, rtol=1e-4, atol=1e-6), name
