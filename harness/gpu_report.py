@@ -5,14 +5,18 @@
 In order, each step a process group of its own under a time limit (killed at the limit, then the next step runs):
   1. with WHEELS set, `python -m pip install --no-index --no-deps WHEELS/*.whl` into this interpreter: the pure-Python
      requirements an image may lack (torchdata, and TorchTitan's for the bench) from local files, no network;
-  2. every tests/gpu/test_gpu_*.py as its own pytest process (`-m gpu`), with pytest-timeout per test (thread method,
+  2. the compiled CP op (harness/gpu_compiled_op.py): two steps at CP 1 with documents and `auto` (cuDNN THD on an
+     H100/H200) eager, compiled, and compiled under `op` activation checkpointing, against each other;
+  3. every tests/gpu/test_gpu_*.py as its own pytest process (`-m gpu`), with pytest-timeout per test (thread method,
      so a hang dumps every thread's stack into the log before the process ends), so one hung or crashed file costs
      its own limit and the others still run;
-  3. bench/bench_gpu.py --short (our trainer and a peer on the bench shape, ring at CP=1 vs SDPA);
-  4. one 64K-token step of the bench shape: `train.py --dry-run`'s predicted peak memory and step time against
+  4. bench/bench_gpu.py --short (our trainer and a peer on the bench shape, ring at CP=1 vs SDPA);
+  5. one 64K-token step of the bench shape: `train.py --dry-run`'s predicted peak memory and step time against
      train.py on this GPU.
 Each step's output goes to OUTDIR/<step>.log; OUTDIR/summary.md (harness/report_summary.py, from the logs alone) is
-printed at the end. Exit 0 when every step was ok. Without a visible GPU, run_tests.sh prints one line and exits 0
+written again after every step, so a run cut short still leaves what it measured, and printed at the end. Exit 0 when
+every step was ok. `python -m harness.gpu_report --fake OUTDIR` is the CPU twin: the same runner and summary over the
+compiled-op step at a tiny shape (tests/test_gpu_report.py runs it in the fast tier). Without a visible GPU, run_tests.sh prints one line and exits 0
 before this module runs.
 
 The limits add up to TOTAL_LIMIT_S (9 minutes on one H100: 8 until the cuDNN THD and cpu_offload files joined). They are estimates until a node has run them: the
@@ -40,9 +44,9 @@ WHEELS_LIMIT_S = 15
 """Installing the wheel folder: two wheels (torchao, torchdata) took about 1 s on an H100 node; with
 nvidia-cudnn-frontend's (11.6 MB, one per Python version in the folder) 9-10 s on an H200 (bench/measurements/
 h200_documents_2026-11-28/log.txt)."""
-FILE_LIMIT_S = {"test_gpu_trainer.py": 100, "test_gpu_memory.py": 50, "test_gpu_cp.py": 50,
-                "test_gpu_documents_layout.py": 35, "test_gpu_cudnn_thd.py": 20,
-                "test_gpu_cpu_offload.py": 60}
+FILE_LIMIT_S = {"test_gpu_trainer.py": 85, "test_gpu_memory.py": 35, "test_gpu_cp.py": 40,
+                "test_gpu_documents_layout.py": 30, "test_gpu_cudnn_thd.py": 20,
+                "test_gpu_cpu_offload.py": 50}
 """Test files with trainer launches (five and one, ~20 s each) and the threaded CP files (20 and 7 parity cases over
 simulated ranks; on the first H100 their earlier, 8x larger case lists ran past 40-150 s); every other file gets
 DEFAULT_FILE_LIMIT_S."""
@@ -52,8 +56,18 @@ H200 (pytest's start and CUDA's initialisation on top)."""
 NOT_IN_REPORT = {"test_gpu_tier_entry.py"}
 """The tier's entry checks: no cuda variants (they run in the fast tier, on machines without GPUs)."""
 PER_TEST_LIMIT_S = 60
-BENCH_LIMIT_S = 75
-STEP_LIMIT_S = 60
+BENCH_LIMIT_S = 70
+STEP_LIMIT_S = 50
+COMPILED_OP_LIMIT_S = 70
+"""Three one-rank launches of two steps at 8K tokens; the compiled two build one block graph each (the second from
+inductor's cache: the same block). 70 s of the 9 minutes were taken from the other steps' limits (no node has run
+this step yet: the table's seconds will say)."""
+COMPILED_OP_SEQ_LEN = 8192
+FAKE_SHAPE = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}
+FAKE_SEQ_LEN = 256
+FAKE_COMPILED_OP_LIMIT_S = 180
+"""The CPU twin's limit: inductor's cold C++ compile of the tiny block is most of its ~45 CPU-s, and a CI box runs
+two other test workers beside it."""
 BENCH_SHAPE = {"dim": 2048, "n_layers": 8, "n_heads": 16, "n_kv_heads": 8}
 """bench/bench_gpu.py's default Llama shape, handed to it explicitly so that the bench and the 64K step agree."""
 STEP_SEQ_LEN = 65536
@@ -64,7 +78,7 @@ STEP_STEPS = 3
 class Step:
     name: str
     kind: str
-    """pytest | wheels | bench | step: how report_summary reads its log."""
+    """pytest | wheels | compiled | bench | step: how report_summary reads its log."""
     command: list[str]
     limit_s: float
 
@@ -74,12 +88,18 @@ def gpu_test_files() -> list[str]:
     return [f for f in files if os.path.basename(f) not in NOT_IN_REPORT]
 
 
-def plan(out_dir: str, wheels: list[str]) -> list[Step]:
-    """The steps in the order they run; the wheels step only when there are wheels."""
+def plan(out_dir: str, wheels: list[str], fake: bool = False) -> list[Step]:
+    """The steps in the order they run; the wheels step only when there are wheels. `fake`: the CPU twin's one step,
+    the compiled op at a tiny shape."""
     steps = []
     if wheels:
         steps.append(Step("wheels", "wheels", [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
                                                "--disable-pip-version-check", *wheels], WHEELS_LIMIT_S))
+    steps.append(Step("compiled_op", "compiled", [sys.executable, "-m", "harness.gpu_report", "--compiled-op",
+                                                   os.path.join(out_dir, "compiled_op"), *(["--fake"] if fake else [])],
+                      FAKE_COMPILED_OP_LIMIT_S if fake else COMPILED_OP_LIMIT_S))
+    if fake:
+        return steps
     for path in gpu_test_files():
         name = os.path.basename(path)
         limit = FILE_LIMIT_S.get(name, DEFAULT_FILE_LIMIT_S)
@@ -163,11 +183,50 @@ def measure_step(out: str, seq_len: int = STEP_SEQ_LEN, shape: dict = BENCH_SHAP
     return figures
 
 
+def compiled_op_step(out: str, fake: bool) -> int:
+    """Step 2 (harness/gpu_compiled_op.py): its FIGURES line, then one line per failed bound or counter."""
+    from harness.gpu_compiled_op import measure
+
+    if fake:
+        figures, failures = measure(out, FAKE_SEQ_LEN, FAKE_SHAPE, dtype="float32")
+    else:
+        figures, failures = measure(out, COMPILED_OP_SEQ_LEN, BENCH_SHAPE)
+    print(FIGURES + json.dumps(figures), flush=True)
+    for failure in failures:
+        print(f"compiled op: {failure}", flush=True)
+    return 1 if failures else 0
+
+
+def report(out_dir: str, wheels: list[str], title: str, fake: bool = False) -> int:
+    """Runs the plan's steps, writing summary.md after each one; prints the page at the end."""
+    os.makedirs(out_dir, exist_ok=True)
+    steps = plan(out_dir, wheels, fake)
+    title += f"; logs in {out_dir}; limits {sum(s.limit_s for s in steps):.0f} s in all"
+    print(f"GPU report: {title}", flush=True)
+    logs = []
+    for index, step in enumerate(steps, 1):
+        print(f"[{index}/{len(steps)}] {step.name} (limit {step.limit_s:.0f} s) ...", end=" ", flush=True)
+        logs.append(run_step(step, os.path.join(out_dir, f"{step.name}.log")))
+        row = parse_step(logs[-1])
+        print(f"{row.result} ({row.seconds:.0f} s)", flush=True)
+        page = summarize(logs, title)
+        with open(os.path.join(out_dir, "summary.md"), "w") as f:
+            f.write(page)
+    print("\n" + page, end="")
+    return 0 if all_ok(logs) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--measure-step"] and len(argv) == 2:
         measure_step(argv[1])
         return 0
+    if argv[:1] == ["--compiled-op"] and len(argv) in (2, 3) and argv[2:] in ([], ["--fake"]):
+        return compiled_op_step(argv[1], fake=argv[2:] == ["--fake"])
+    if argv[:1] == ["--fake"] and len(argv) == 2:
+        import torch
+
+        return report(os.path.abspath(argv[1]), [], f"CPU twin (--fake), torch {torch.__version__}", fake=True)
     if len(argv) != 1 or argv[0].startswith("-"):
         print("usage: ./run_tests.sh --gpu --report OUTDIR   (WHEELS=DIR: install DIR/*.whl first)")
         return 2
@@ -176,7 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(f"GPU report: no GPU visible to torch {torch.__version__}, so nothing ran")
         return 0
-    out_dir = os.path.abspath(argv[0])
     wheels = []
     if os.environ.get("WHEELS"):
         wheels = sorted(glob.glob(os.path.join(os.path.abspath(os.environ["WHEELS"]), "*.whl")))
@@ -184,23 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"GPU report: WHEELS={os.environ['WHEELS']} holds no .whl files: point WHEELS at the folder "
                   f"`pip download` wrote, or unset it")
             return 2
-    os.makedirs(out_dir, exist_ok=True)
-    steps = plan(out_dir, wheels)
-    total = sum(s.limit_s for s in steps)
     title = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA "
-             f"{torch.version.cuda}; logs in {out_dir}; limits {total:.0f} s in all")
-    print(f"GPU report: {title}", flush=True)
-    logs = []
-    for index, step in enumerate(steps, 1):
-        print(f"[{index}/{len(steps)}] {step.name} (limit {step.limit_s:.0f} s) ...", end=" ", flush=True)
-        logs.append(run_step(step, os.path.join(out_dir, f"{step.name}.log")))
-        row = parse_step(logs[-1])
-        print(f"{row.result} ({row.seconds:.0f} s)", flush=True)
-    page = summarize(logs, title)
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
-        f.write(page)
-    print("\n" + page, end="")
-    return 0 if all_ok(logs) else 1
+             f"{torch.version.cuda}")
+    return report(os.path.abspath(argv[0]), wheels, title)
 
 
 if __name__ == "__main__":

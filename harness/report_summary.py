@@ -143,6 +143,22 @@ def prediction_table(figures: dict) -> list[str]:
     ]
 
 
+def compiled_op_table(figures: dict) -> list[str]:
+    """The compiled-op step's runs (harness/gpu_compiled_op.py): each against eager, with its compile counters."""
+    out = [f"Shape: {figures['shape']}; {figures['seq_len']:,} tokens, batch 1, {figures['dtype']}, documents "
+           f"masked at CP 1 ({figures['documents_kernel']}); {figures['steps']} steps; bound "
+           f"{figures['bound']:.0e} relative per step against eager.", "",
+           "| run | loss rel | grad norm rel | graphs | graph breaks | step 1 s | last step s | peak GiB |",
+           "|---|---|---|---|---|---|---|---|"]
+    for name, row in figures["runs"].items():
+        rel = [f"{row[k]:.1e}" if k in row else "-" for k in ("loss_rel", "grad_norm_rel")]
+        counters = [str(row.get(k, "-")) for k in ("graphs", "graph_breaks")]
+        first = f"{row['first_step_s']:.1f}" if row.get("first_step_s") is not None else "-"
+        out.append(f"| {name} | {' | '.join(rel)} | {' | '.join(counters)} | {first} | {row['step_s']:.3f} | "
+                   f"{row['peak_gib']:.2f} |")
+    return out
+
+
 def summarize(logs: list[str], title: str = "") -> str:
     """The summary page (markdown) of the logs, in the order they ran."""
     rows = [parse_step(text) for text in logs]
@@ -167,6 +183,11 @@ def summarize(logs: list[str], title: str = "") -> str:
             figures = step_figures(text)
             out += ["", f"## {r.name}: the dry run's prediction vs the GPU", ""]
             out += prediction_table(figures) if figures else [f"no figures: {r.result}"]
+        elif r.kind == "compiled":
+            figures = step_figures(text)
+            out += ["", f"## {r.name}: compiled against eager", ""]
+            out += compiled_op_table(figures) if figures else [f"no figures: {r.result}"]
+            out += [f"- {line}" for line in text.splitlines() if line.startswith("compiled op: ")]
     return "\n".join(out) + "\n"
 
 

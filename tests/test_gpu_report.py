@@ -1,7 +1,8 @@
 """`./run_tests.sh --gpu --report DIR` without a GPU: the summary page from canned logs (pytest's closing line, a
 timeout, a crash with no closing line, a wheel install refused, a bench log, the 64K step's figures), the runner on
 real processes (pytest's own closing line and pytest-timeout's stack dump, a process group killed at its limit),
-the 64K step's plumbing on the CPU with a tiny shape, and the limits adding up to the 9 minutes the report promises.
+the 64K step's plumbing on the CPU with a tiny shape, the CPU twin of the whole command (`--fake`: the runner, the
+compiled-op step and the page), and the limits adding up to the 9 minutes the report promises.
 The entry itself (one line and exit 0 without a GPU) is tested in tests/gpu/test_gpu_tier_entry.py."""
 from __future__ import annotations
 
@@ -166,7 +167,8 @@ def test_the_limits_add_up_to_9_minutes_and_every_gpu_test_file_is_in_the_report
     on_disk = {f for f in os.listdir(os.path.join(ROOT, "tests", "gpu")) if f.startswith("test_gpu_")
                and f.endswith(".py")}
     assert on_disk - NOT_IN_REPORT == {os.path.basename(f) for f in gpu_test_files()} <= names
-    assert [s.kind for s in steps][0] == "wheels" and [s.name for s in steps][-2:] == ["bench_gpu", "step_64k"]
+    assert [s.kind for s in steps][:2] == ["wheels", "compiled"]  # the compiled op settles the most: first
+    assert [s.name for s in steps][-2:] == ["bench_gpu", "step_64k"]
     assert steps[0].command[1:] == ["-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
                                     "w.whl"]  # into the interpreter itself: no --target folder to put on a path
     assert all(f"--timeout={min(60, s.limit_s - 5)}" in s.command for s in steps if s.kind == "pytest")
@@ -183,3 +185,44 @@ def test_the_64k_steps_prediction_and_measurement_on_the_cpu_with_a_tiny_shape(t
                                                                          "measured_peak_gib", "measured_step_s"))
     page = summarize([_log("step_64k", "step", capsys.readouterr().out)])
     assert "| peak memory, GiB |" in page and "| step time, s |" in page, page
+
+
+COMPILED = _log("compiled_op", "compiled", "step 2/2 ...\n" + FIGURES + json.dumps({
+    "kind": "compiled_op", "shape": "dim 2048, n_layers 8, n_heads 16, n_kv_heads 8", "seq_len": 8192,
+    "dtype": "bfloat16", "steps": 2, "documents_kernel": "cudnn_thd", "bound": 1e-3, "runs": {
+        "eager": {"loss": [7.6, 7.5], "peak_gib": 9.1, "step_s": 0.41},
+        "compiled": {"loss": [7.6, 7.5], "peak_gib": 8.0, "step_s": 0.33, "loss_rel": 2e-4, "grad_norm_rel": 3e-3,
+                     "graphs": 1, "graph_breaks": 0, "first_step_s": 41.0}}})
+                 + "\ncompiled op: compiled: loss 2.0e-04 / grad norm 3.0e-03 from eager, bound 1e-03", rc=1,
+                 limit=70, seconds=61.0)
+
+
+def test_the_compiled_op_step_reaches_the_page_with_what_failed():
+    page = summarize([COMPILED])
+    assert "| compiled_op | FAILED (exit 1): " in page, page
+    assert "## compiled_op: compiled against eager" in page and "(cudnn_thd)" in page
+    assert "| compiled | 2.0e-04 | 3.0e-03 | 1 | 0 | 41.0 | 0.330 | 8.00 |" in page, page
+    assert "| eager | - | - | - | - | - | 0.410 | 9.10 |" in page, page
+    assert "- compiled op: compiled: loss 2.0e-04 / grad norm 3.0e-03 from eager, bound 1e-03" in page, page
+
+
+@pytest.mark.timeout(300)
+def test_the_cpu_twin_runs_the_compiled_op_step_and_writes_the_page(tmp_path):
+    """`python -m harness.gpu_report --fake OUTDIR`: the report's runner, its first step (harness/gpu_compiled_op.py:
+    eager, compiled and compiled under `op` AC, on one CPU rank at a tiny shape, float32) and the summary page, so the
+    GPU command cannot rot where no GPU is. Its bounds hold on the CPU too: compiled within 1e-3 of eager, one graph,
+    no break, none built after step 1."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "harness.gpu_report", "--fake", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    page = (tmp_path / "summary.md").read_text()
+    assert "1 of 1 steps ok" in page and "## compiled_op: compiled against eager" in page, page
+    log = (tmp_path / "compiled_op.log").read_text()
+    figures = json.loads([line for line in log.splitlines() if line.startswith(FIGURES)][-1][len(FIGURES):])
+    assert set(figures["runs"]) == {"eager", "compiled", "compiled, op AC"}, figures
+    for name in ("compiled", "compiled, op AC"):
+        run = figures["runs"][name]
+        assert run["loss_rel"] <= 1e-3 and run["grad_norm_rel"] <= 1e-3 and run["graph_breaks"] == 0, figures
+        assert run["graphs"] >= 1, figures
