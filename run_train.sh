@@ -31,6 +31,8 @@ if [ -n "${NPROC:-}" ]; then world=$((nodes * NPROC)); fi
 for arg in "$@"; do  # --check alone: the ranks it would launch, printed once, and no torchrun
   if [ "$arg" = "--check" ]; then WORLD_SIZE="$world" exec "$PY" "$HERE/train.py" "$@"; fi
 done
+# A recipe that does not load stops here in one line, before anything imports torch (config/command_line.py)
+PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m config.command_line "$@" || exit $?
 # MAX_RESTARTS=N: torchrun restarts the job after a rank dies and it resumes from the newest complete checkpoint. A
 # restarted job needs a fresh rendezvous store: torch 2.13's shared one hands it the dead ranks' stale gloo addresses.
 # Signals: torchrun forwards SIGTERM and SIGUSR1 to the ranks, which finish their step, save it and exit; it waits

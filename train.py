@@ -23,7 +23,8 @@ from config.torch_support import exit_if_unsupported_torch
 exit_if_unsupported_torch()  # first: on an older torch the imports below would fail with a traceback, not one line
 
 from config import RecipeError  # noqa: E402
-from config.recipe import default_recipe, load_config, to_toml  # noqa: E402
+from config.command_line import parse_cli  # noqa: E402
+from config.recipe import load_config, to_toml  # noqa: E402
 from data.sources import build_run_tokenizer, check_sources, open_stores, prepare_data  # noqa: E402
 from models.llama import recipe_model_config  # noqa: E402
 from parallelisms.float8 import check_float8  # noqa: E402
@@ -33,16 +34,6 @@ from training.launch_checks.device_check import check_attention_kernel, check_gp
 from training.launch_checks.preflight import preflight_stages, required_ranks  # noqa: E402
 from training.rank_positions import is_collective_timeout, report_hang  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
-
-
-def parse_cli(argv: list[str]) -> tuple[str, list[str], set[str]]:
-    flags = {a for a in argv if a in ("--print-config", "--check", "--dry-run", "--prepare-data", "--json",
-                                       "--plan-ramp")}
-    rest = [a for a in argv if a not in flags]
-    recipe = default_recipe()
-    if rest and not rest[0].startswith("--"):
-        recipe, rest = rest[0], rest[1:]
-    return recipe, rest, flags
 
 
 def show_rows_count(argv: list[str]) -> tuple[int | None, list[str]]:

@@ -30,6 +30,24 @@ def test_bad_input_is_one_line(args, nproc, expect):
     assert "Traceback" not in result.stdout + result.stderr
 
 
+def test_a_recipe_that_does_not_load_is_refused_before_torch_is_imported():
+    """run_train.sh's first check (config/command_line.py): the recipe and its overrides loaded in a process that never
+    imports torch, so a typo costs ~0.1 s instead of the ~2.5 s of importing torch and the trainer for the launcher's
+    check; the line is train.py's own. Degrees against ranks, devices and data are still the launcher's check."""
+    import subprocess
+    import sys
+
+    from harness.launch_env import ROOT, child_env
+
+    code = ("import sys, config.command_line as c; code = c.main(sys.argv[1:]); print(code, 'torch' in sys.modules)")
+    for args, expect in ((["missing.toml"], "error: recipe file 'missing.toml' does not exist"),
+                         (["recipes/debug.toml", "--training.stepz", "3"], "Did you mean 'steps'")):
+        done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
+                              env=child_env(), timeout=60)
+        assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
+        assert done.stderr.startswith("error: ") and expect in done.stderr and done.stderr.count("\n") == 1
+
+
 def test_two_rank_run_writes_metrics_and_tensorboard(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the launcher sets it, so torchrun prints no banner
     out = str(tmp_path / "run")
