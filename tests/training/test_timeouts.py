@@ -128,12 +128,12 @@ SLEEP_AT_MICRO_STEP = wrap_on_import("training.step", "micro_step", """
 that is continued can find a socket call interrupted)."""
 
 
-def _run_with_rank_1(tmp_path, steps: int, **env):
+def _run_with_rank_1(tmp_path, steps: int, *shape: str, **env):
     helper = hook_folder(tmp_path / "helper", FREEZE_RANK_1, SLEEP_AT_MICRO_STEP)
     out = tmp_path / "run"
     result = run_train(os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", str(out),
                        "--job.init_timeout_s", "150", "--job.step_timeout_s", "20", "--training.steps", str(steps),
-                       "--metrics.enable_tensorboard", "false", nproc=2, timeout=400,
+                       "--metrics.enable_tensorboard", "false", *shape, nproc=2, timeout=400,
                        env=child_env(str(helper), **{"FREEZE_METRICS": str(out / "metrics.jsonl"),
                                                      "STOP_GRACE_S": "5", **{k: str(v) for k, v in env.items()}}))
     return result, str(out)
@@ -144,8 +144,9 @@ def _run_with_rank_1(tmp_path, steps: int, **env):
 def test_a_rank_slower_than_the_step_timeout_in_a_warmup_step_is_waited_for(tmp_path):
     """The same 20 s step timeout, rank 1 asleep for 45 s before its second step (the stage's last warm-up
     step): the warm-up steps run under the 150 s init timeout, so the run finishes all its steps. (20 s, not less:
-    on a loaded 2-core CI box a healthy step's collective can wait several seconds for the other rank.)"""
-    result, out = _run_with_rank_1(tmp_path, 6, SLEEP_AT_MICRO_STEP=2, SLEEP_S=45)
+    on a loaded 2-core CI box a healthy step's collective can wait several seconds for the other rank.) The tiny
+    model (paced_runs.TINY): the subject is which timeout a collective waits under, and the sleep sets the pace."""
+    result, out = _run_with_rank_1(tmp_path, 6, *TINY, SLEEP_AT_MICRO_STEP=2, SLEEP_S=45)
     assert "collective timeout 20s from now on (job.step_timeout_s)" in result.stdout
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))
