@@ -16,7 +16,7 @@ from config import RecipeError
 from config.recipe import load_config
 from harness.launch_env import child_env
 from tests.trainer_runs import ROOT, read_metrics, run_train
-from tests.training.paced_runs import FREEZE_ITSELF, TINY, hook_folder, wrap_on_import
+from tests.training.paced_runs import FREEZE_ITSELF, PACED_STEPS, TINY, hook_folder, wrap_on_import
 from training.timeouts import CollectiveTimeouts, auto_step_timeout
 
 
@@ -129,7 +129,7 @@ that is continued can find a socket call interrupted)."""
 
 
 def _run_with_rank_1(tmp_path, steps: int, *shape: str, **env):
-    helper = hook_folder(tmp_path / "helper", FREEZE_RANK_1, SLEEP_AT_MICRO_STEP)
+    helper = hook_folder(tmp_path / "helper", FREEZE_RANK_1, SLEEP_AT_MICRO_STEP, PACED_STEPS)
     out = tmp_path / "run"
     result = run_train(os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", str(out),
                        "--job.init_timeout_s", "150", "--job.step_timeout_s", "20", "--training.steps", str(steps),
@@ -157,8 +157,11 @@ def test_a_rank_slower_than_the_step_timeout_in_a_warmup_step_is_waited_for(tmp_
 def test_a_frozen_rank_is_named_in_one_line_within_the_step_timeout(tmp_path):
     """Rank 1 frozen (SIGSTOP) once step 4's record is written: rank 0 waits its 20 s step timeout and the run ends
     with one line naming rank 1, where it was and where rank 0 waited, never the OOM killer; rank 0's traceback is in
-    the named folder; the frozen rank is killed after HANG_GRACE_S, not the save-on-signal grace (600 s here)."""
-    result, out = _run_with_rank_1(tmp_path, 12, FREEZE_AFTER_LINES=4, FREEZE_S=400, STOP_GRACE_S="600")
+    the named folder; the frozen rank is killed after HANG_GRACE_S, not the save-on-signal grace (600 s here). The
+    tiny model, its steps paced at 0.5 s (paced_runs.PACED_STEPS, after each step's record) so that the freezer, which
+    reads the records every 0.05 s, stops rank 1 in step 4 or 5 as with the debug model's 1.5-s steps."""
+    result, out = _run_with_rank_1(tmp_path, 12, *TINY, FREEZE_AFTER_LINES=4, FREEZE_S=400, STOP_GRACE_S="600",
+                                   PACED_STEP_S="0.5")
     ended = time.time()
     assert result.returncode == 1, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
