@@ -5,7 +5,7 @@
 #   --gpu: the GPU tier only (CUDA variants of tests/gpu, on the GPUs this machine has); prints the device, torch
 #          and CUDA versions; without a visible GPU it prints one line and exits 0; when nvidia-smi lists GPUs but
 #          torch has no CUDA it prints one line (how to install a CUDA torch with TORCH_SPEC) and exits 1
-#   --gpu --report OUTDIR: checks a freshly booted GPU node in one command (harness/gpu_report.py, at most 9 minutes
+#   --gpu --report OUTDIR: checks a freshly booted GPU node in one command (harness/gpu_report.py, at most 8 minutes
 #          on one H100): WHEELS=DIR first installs DIR/*.whl, then each GPU test file under its own time limit,
 #          bench/bench_gpu.py --short and one 64K-token step against the dry run; logs and summary.md go to OUTDIR
 set -euo pipefail

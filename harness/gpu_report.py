@@ -7,9 +7,10 @@ In order, each step a process group of its own under a time limit (killed at the
      requirements an image may lack (torchdata, and TorchTitan's for the bench) from local files, no network;
   2. the compiled CP op (harness/gpu_compiled_op.py): two steps at CP 1 with documents and `auto` (cuDNN THD on an
      H100/H200) eager, compiled, and compiled under `op` activation checkpointing, against each other;
-  3. every tests/gpu/test_gpu_*.py as its own pytest process (`-m gpu`), with pytest-timeout per test (thread method,
-     so a hang dumps every thread's stack into the log before the process ends), so one hung or crashed file costs
-     its own limit and the others still run;
+  3. every tests/gpu/test_gpu_*.py as its own pytest process (`-m gpu`, `-s`: what a test prints reaches the log as it
+     happens), with pytest-timeout per test (thread method, so a hang dumps every thread's stack into the log before
+     the process ends), so one hung or crashed file costs its own limit and the others still run; the files run in
+     LANES lanes side by side on the GPU;
   4. bench/bench_gpu.py --short (our trainer and a peer on the bench shape, ring at CP=1 vs SDPA);
   5. one 64K-token step of the bench shape: `train.py --dry-run`'s predicted peak memory and step time against
      train.py on this GPU.
@@ -19,8 +20,9 @@ every step was ok. `python -m harness.gpu_report --fake OUTDIR` is the CPU twin:
 compiled-op step at a tiny shape (tests/test_gpu_report.py runs it in the fast tier). Without a visible GPU, run_tests.sh prints one line and exits 0
 before this module runs.
 
-The limits add up to TOTAL_LIMIT_S (9 minutes on one H100: 8 until the cuDNN THD and cpu_offload files joined). They are estimates until a node has run them: the
-report's own table shows each step's seconds next to its limit, so the next node's numbers can set them.
+The lone steps' limits and the longest lane's add up to TOTAL_LIMIT_S of wall time (8 minutes). The first H200 set
+them (bench/measurements/h200_gpu_report_2026-12-04: one after another under the first guesses, 10 of 13 steps were
+cut); the report's own table shows each step's seconds next to its limit, so the next node's numbers can set them.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -39,29 +42,39 @@ from harness.report_summary import FIGURES, FOOTER_EXIT, FOOTER_KILLED, HEADER, 
 from config.accelerators import accelerator_of
 from training.metrics import read_metrics
 
-TOTAL_LIMIT_S = 540
+TOTAL_LIMIT_S = 480
+"""The report's wall-clock bound: the steps that run alone, plus the longest lane of test files (below). 8 minutes, so
+that one call fits a 15-minute GPU lease with the node's start and a rerun of a step."""
 WHEELS_LIMIT_S = 15
 """Installing the wheel folder: two wheels (torchao, torchdata) took about 1 s on an H100 node; with
-nvidia-cudnn-frontend's (11.6 MB, one per Python version in the folder) 9-10 s on an H200 (bench/measurements/
-h200_documents_2026-11-28/log.txt)."""
-FILE_LIMIT_S = {"test_gpu_trainer.py": 85, "test_gpu_memory.py": 35, "test_gpu_cp.py": 40,
-                "test_gpu_documents_layout.py": 30, "test_gpu_cudnn_thd.py": 20,
-                "test_gpu_cpu_offload.py": 50}
-"""Test files with trainer launches (five and one, ~20 s each) and the threaded CP files (20 and 7 parity cases over
-simulated ranks; on the first H100 their earlier, 8x larger case lists ran past 40-150 s); every other file gets
-DEFAULT_FILE_LIMIT_S."""
-DEFAULT_FILE_LIMIT_S = 15
-"""tests/gpu/test_gpu_varlen.py ran its test in 0.16 s and test_gpu_cudnn_thd.py's 2K-token cases in about 10 s on an
-H200 (pytest's start and CUDA's initialisation on top)."""
+nvidia-cudnn-frontend's (11.6 MB) 9-10 s on an H200 (bench/measurements/h200_gpu_report_2026-12-04)."""
+LANES = 4
+"""The test files run in this many lanes side by side on the one GPU (each lane its files one after another, each
+file its own process and limit): on the first H200 every file's pytest start and CUDA set-up took 10-12 s, and one
+after another the files needed ~9 minutes of limits; in four lanes they took 3.5 minutes (that lease's second call).
+They check numbers, not speed, and each measures its own process's memory, so sharing the GPU changes no verdict.
+The steps that time things (the compiled op, the bench, the 64K step) run alone."""
+FILE_LIMIT_S = {"test_gpu_trainer.py": 170, "test_gpu_cp.py": 150, "test_gpu_cpu_offload.py": 85,
+                "test_gpu_memory.py": 80, "test_gpu_documents_layout.py": 70, "test_gpu_float8.py": 70,
+                "test_gpu_cudnn_thd.py": 45, "test_gpu_block_kernels.py": 30, "test_gpu_activation_offload.py": 25,
+                "test_gpu_varlen.py": 25, "test_gpu_host_arena.py": 25}
+"""Seconds per file, each with its pytest start and CUDA set-up (10-12 s). Measured on the first H200 in four lanes
+(bench/measurements/h200_gpu_report_2026-12-04): trainer 127 s (five launches), cpu_offload 54 s and memory 47 s of
+test, cudnn_thd + block_kernels + varlen 34 s together, activation_offload 15 s, host_arena 12 s. test_gpu_cp,
+documents_layout and float8 did not finish there (their CP ranks run as threads over many small cases, whose cuDNN
+graphs are built per shape; float8 compiles): their limits are estimates until a node has run them."""
+DEFAULT_FILE_LIMIT_S = 25
 NOT_IN_REPORT = {"test_gpu_tier_entry.py"}
 """The tier's entry checks: no cuda variants (they run in the fast tier, on machines without GPUs)."""
-PER_TEST_LIMIT_S = 60
-BENCH_LIMIT_S = 70
-STEP_LIMIT_S = 50
-COMPILED_OP_LIMIT_S = 70
-"""Three one-rank launches of two steps at 8K tokens; the compiled two build one block graph each (the second from
-inductor's cache: the same block). 70 s of the 9 minutes were taken from the other steps' limits (no node has run
-this step yet: the table's seconds will say)."""
+PER_TEST_MARGIN_S = 5
+"""Each file's tests get its limit less this (GPU_TEST_LIMIT_S, tests/gpu/devices.py): pytest-timeout dumps the
+stacks of a hung test before the file is ended."""
+BENCH_LIMIT_S = 85
+"""bench_gpu --short: its kernel comparison and the first of our trainer's rounds took 70 s on the first H200."""
+STEP_LIMIT_S = 55
+COMPILED_OP_LIMIT_S = 120
+"""Three one-rank launches of two steps at 8K tokens (eager, compiled, compiled under `op` AC): 98 s on the first
+H200 with four test lanes beside it (compiles of 6.9 and 8.6 s); 70 s alone was not enough."""
 COMPILED_OP_SEQ_LEN = 8192
 FAKE_SHAPE = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}
 FAKE_SEQ_LEN = 256
@@ -81,6 +94,31 @@ class Step:
     """pytest | wheels | compiled | bench | step: how report_summary reads its log."""
     command: list[str]
     limit_s: float
+    lane: int | None = None
+    """None: the step runs alone; a number: the test-file lane it runs in, beside the other lanes (LANES)."""
+    env: dict | None = None
+    """Variables the step's process gets on top of the report's."""
+
+
+def lanes_of(limits: dict[str, float], lanes: int = LANES) -> dict[str, int]:
+    """name -> lane: the longest first, each into the lane with the least time so far (the lanes end close together,
+    so the report's bound is the longest lane, not the sum)."""
+    load = [0.0] * lanes
+    placed = {}
+    for name in sorted(limits, key=lambda n: (-limits[n], n)):
+        lane = min(range(lanes), key=lambda i: (load[i], i))
+        placed[name] = lane
+        load[lane] += limits[name]
+    return placed
+
+
+def wall_limit_s(steps: list[Step]) -> float:
+    """The longest the plan can take: the lone steps' limits plus the longest lane's."""
+    lanes: dict[int, float] = {}
+    for step in steps:
+        if step.lane is not None:
+            lanes[step.lane] = lanes.get(step.lane, 0.0) + step.limit_s
+    return sum(s.limit_s for s in steps if s.lane is None) + max(lanes.values(), default=0.0)
 
 
 def gpu_test_files() -> list[str]:
@@ -100,13 +138,15 @@ def plan(out_dir: str, wheels: list[str], fake: bool = False) -> list[Step]:
                       FAKE_COMPILED_OP_LIMIT_S if fake else COMPILED_OP_LIMIT_S))
     if fake:
         return steps
-    for path in gpu_test_files():
-        name = os.path.basename(path)
-        limit = FILE_LIMIT_S.get(name, DEFAULT_FILE_LIMIT_S)
-        per_test = min(PER_TEST_LIMIT_S, limit - 5)  # below the file's: pytest-timeout dumps stacks first
+    files = {os.path.basename(path): path for path in gpu_test_files()}
+    limits = {name: FILE_LIMIT_S.get(name, DEFAULT_FILE_LIMIT_S) for name in files}
+    lane_of = lanes_of(limits)
+    for name in sorted(files, key=lambda n: (lane_of[n], -limits[n], n)):
+        per_test = int(limits[name] - PER_TEST_MARGIN_S)  # below the file's: pytest-timeout dumps stacks first
         steps.append(Step(name, "pytest", [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-ra",
-                                           f"--timeout={per_test}", "--timeout-method=thread",
-                                           os.path.relpath(path, ROOT)], limit))
+                                           "-s", f"--timeout={per_test}", "--timeout-method=thread",
+                                           os.path.relpath(files[name], ROOT)], limits[name], lane_of[name],
+                          {"GPU_TEST_LIMIT_S": str(per_test)}))
     shape = [arg for key, value in BENCH_SHAPE.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
     steps.append(Step("bench_gpu", "bench", [sys.executable, os.path.join("bench", "bench_gpu.py"), "--short", *shape],
                       BENCH_LIMIT_S))
@@ -125,8 +165,8 @@ def run_step(step: Step, log_path: str) -> str:
                   + "\n")
         log.flush()
         start = time.perf_counter()
-        process = subprocess.Popen(step.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(),
-                                   start_new_session=True)
+        process = subprocess.Popen(step.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                   env=child_env(**(step.env or {})), start_new_session=True)
         try:
             rc = process.wait(timeout=step.limit_s)
             footer = FOOTER_EXIT.format(rc=rc, seconds=time.perf_counter() - start)
@@ -198,22 +238,48 @@ def compiled_op_step(out: str, fake: bool) -> int:
 
 
 def report(out_dir: str, wheels: list[str], title: str, fake: bool = False) -> int:
-    """Runs the plan's steps, writing summary.md after each one; prints the page at the end."""
+    """Runs the plan: a lone step by itself, a run of lane steps as LANES threads side by side (each lane's files one
+    after another); summary.md is written again as each step ends (steps in plan order), and printed at the end."""
     os.makedirs(out_dir, exist_ok=True)
     steps = plan(out_dir, wheels, fake)
-    title += f"; logs in {out_dir}; limits {sum(s.limit_s for s in steps):.0f} s in all"
+    title += f"; logs in {out_dir}; limits {wall_limit_s(steps):.0f} s of wall time in all"
     print(f"GPU report: {title}", flush=True)
-    logs = []
-    for index, step in enumerate(steps, 1):
-        print(f"[{index}/{len(steps)}] {step.name} (limit {step.limit_s:.0f} s) ...", end=" ", flush=True)
-        logs.append(run_step(step, os.path.join(out_dir, f"{step.name}.log")))
-        row = parse_step(logs[-1])
-        print(f"{row.result} ({row.seconds:.0f} s)", flush=True)
-        page = summarize(logs, title)
-        with open(os.path.join(out_dir, "summary.md"), "w") as f:
-            f.write(page)
-    print("\n" + page, end="")
-    return 0 if all_ok(logs) else 1
+    logs: dict[int, str] = {}
+    lock = threading.Lock()
+
+    def run(index: int) -> None:
+        step = steps[index]
+        text = run_step(step, os.path.join(out_dir, f"{step.name}.log"))
+        row = parse_step(text)
+        with lock:
+            logs[index] = text
+            lane = "" if step.lane is None else f", lane {step.lane + 1}"
+            print(f"[{index + 1}/{len(steps)}] {step.name}{lane}: {row.result} ({row.seconds:.0f} s of "
+                  f"{step.limit_s:.0f})", flush=True)
+            with open(os.path.join(out_dir, "summary.md"), "w") as f:
+                f.write(summarize([logs[i] for i in sorted(logs)], title))
+
+    index = 0
+    while index < len(steps):
+        if steps[index].lane is None:
+            run(index)
+            index += 1
+            continue
+        end = index
+        while end < len(steps) and steps[end].lane is not None:
+            end += 1
+        by_lane: dict[int, list[int]] = {}
+        for i in range(index, end):
+            by_lane.setdefault(steps[i].lane, []).append(i)
+        threads = [threading.Thread(target=lambda ids=ids: [run(i) for i in ids]) for ids in by_lane.values()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        index = end
+    ordered = [logs[i] for i in sorted(logs)]
+    print("\n" + summarize(ordered, title), end="")
+    return 0 if all_ok(ordered) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 timeout, a crash with no closing line, a wheel install refused, a bench log, the 64K step's figures), the runner on
 real processes (pytest's own closing line and pytest-timeout's stack dump, a process group killed at its limit),
 the 64K step's plumbing on the CPU with a tiny shape, the CPU twin of the whole command (`--fake`: the runner, the
-compiled-op step and the page), and the limits adding up to the 9 minutes the report promises.
+compiled-op step and the page), the test files' lanes side by side, and the limits adding up to the 8 minutes the
+report promises.
 The entry itself (one line and exit 0 without a GPU) is tested in tests/gpu/test_gpu_tier_entry.py."""
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import time
 
 import pytest
 
-from harness.gpu_report import NOT_IN_REPORT, TOTAL_LIMIT_S, Step, gpu_test_files, measure_step, plan, run_step
+from harness.gpu_report import (LANES, NOT_IN_REPORT, TOTAL_LIMIT_S, Step, gpu_test_files, lanes_of, measure_step,
+                                plan, run_step, wall_limit_s)
 from harness.launch_env import ROOT
 from harness.report_summary import (FIGURES, FOOTER_EXIT, FOOTER_KILLED, HEADER, all_ok, bench_lines, parse_step,
                                     summarize)
@@ -160,9 +162,9 @@ def _gone(pid: int, within_s: float = 5.0) -> bool:
     return True
 
 
-def test_the_limits_add_up_to_9_minutes_and_every_gpu_test_file_is_in_the_report():
+def test_the_limits_add_up_to_8_minutes_and_every_gpu_test_file_is_in_the_report():
     steps = plan("/out", ["w.whl"])
-    assert sum(s.limit_s for s in steps) <= TOTAL_LIMIT_S == 540, [(s.name, s.limit_s) for s in steps]
+    assert wall_limit_s(steps) <= TOTAL_LIMIT_S == 480, [(s.name, s.limit_s, s.lane) for s in steps]
     names = {s.name for s in steps}
     on_disk = {f for f in os.listdir(os.path.join(ROOT, "tests", "gpu")) if f.startswith("test_gpu_")
                and f.endswith(".py")}
@@ -171,7 +173,41 @@ def test_the_limits_add_up_to_9_minutes_and_every_gpu_test_file_is_in_the_report
     assert [s.name for s in steps][-2:] == ["bench_gpu", "step_64k"]
     assert steps[0].command[1:] == ["-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
                                     "w.whl"]  # into the interpreter itself: no --target folder to put on a path
-    assert all(f"--timeout={min(60, s.limit_s - 5)}" in s.command for s in steps if s.kind == "pytest")
+    tests = [s for s in steps if s.kind == "pytest"]
+    assert all(s.lane is not None for s in tests) and all(s.lane is None for s in steps if s.kind != "pytest")
+    assert {s.lane for s in tests} == set(range(LANES))
+    for s in tests:  # the marker's limit (tests/gpu/devices.py) and the command line's: below the file's
+        assert f"--timeout={int(s.limit_s) - 5}" in s.command and s.env == {"GPU_TEST_LIMIT_S": str(int(s.limit_s) - 5)}
+    assert wall_limit_s(steps) < sum(s.limit_s for s in steps)
+
+
+def test_lanes_start_with_the_longest_and_even_out():
+    assert lanes_of({"a": 100, "b": 60, "c": 50, "d": 40, "e": 10}, lanes=2) == {"a": 0, "b": 1, "c": 1, "d": 0,
+                                                                                "e": 1}
+
+
+def test_the_lanes_run_side_by_side_and_the_page_keeps_the_plans_order(tmp_path, monkeypatch, capsys):
+    """Four 1-second steps in two lanes between two lone steps: about 4 s of wall time, not 6; each step's own limit
+    still holds in its lane (the third lane step is ended at 2 s and the step after it in that lane runs); the page
+    lists the steps in plan order whatever order they ended in; a lane step gets its own variables."""
+    import harness.gpu_report as gpu_report
+
+    def python(code: str) -> list[str]:
+        return [sys.executable, "-c", code]
+
+    sleep = python("import os, time; time.sleep(1); print(os.environ.get('MARK', '-'))")
+    steps = [Step("first", "bench", sleep, 30), Step("a", "bench", sleep, 30, 0, {"MARK": "lane a"}),
+             Step("b", "bench", sleep, 30, 0), Step("c", "bench", python("import time; time.sleep(60)"), 2, 1),
+             Step("d", "bench", sleep, 30, 1), Step("last", "bench", sleep, 30)]
+    monkeypatch.setattr(gpu_report, "plan", lambda out_dir, wheels, fake=False: steps)
+    start = time.perf_counter()
+    assert gpu_report.report(str(tmp_path), [], "lanes") == 1  # c timed out
+    assert time.perf_counter() - start < 5.5
+    page = (tmp_path / "summary.md").read_text()
+    rows = [line.split("|")[1].strip() for line in page.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == ["first", "a", "b", "c", "d", "last"], page
+    assert _row(page, "c")[1] == "timed out" and "lane a" in (tmp_path / "a.log").read_text()
+    assert "d, lane 2: ran" in capsys.readouterr().out
 
 
 @pytest.mark.slow

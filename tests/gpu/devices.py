@@ -6,13 +6,18 @@ when it stays in one process (`FAST_CPU`), in the slow tier when it launches pro
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-GPU_TEST_LIMIT_S = 60
-"""Every cuda variant finishes within this on one H100 or fails at it (pytest-timeout); a test that runs ranks in
-threads or processes gives them `RANKS_LIMIT_S`, so a hung rank fails with its own stack before that."""
-RANKS_LIMIT_S = 50
+GPU_TEST_LIMIT_S = int(os.environ.get("GPU_TEST_LIMIT_S", "120"))
+"""Every cuda variant finishes within this or fails at it (pytest-timeout's marker, which outranks `--timeout`); the
+GPU report (harness/gpu_report.py) sets it per file, below that file's limit, so a hung test dumps its stacks before
+the file is ended. 120 s by default: on the first H200 (bench/measurements/h200_gpu_report_2026-12-04) the longest
+test took 54 s with four other test files sharing the GPU. A test that runs ranks in threads or processes gives
+them `RANKS_LIMIT_S`, so a hung rank fails with its own stack before that."""
+RANKS_LIMIT_S = max(10, GPU_TEST_LIMIT_S - 20)
 _CUDA = pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.timeout(GPU_TEST_LIMIT_S)])
 FAST_CPU = [pytest.param("cpu", id="cpu"), _CUDA]
 SLOW_CPU = [pytest.param("cpu", id="cpu", marks=pytest.mark.slow), _CUDA]

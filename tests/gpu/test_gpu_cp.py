@@ -9,6 +9,8 @@ ways:
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +22,15 @@ from tests.nccl_rules import run_ring_ranks
 
 
 def _every_case(group, device: torch.device, cases):
-    return [(case, run_cp_case(group, device, case)) for case in cases]
+    """Each case's errors on this rank; rank 0 prints each case's seconds as it ends (the GPU report runs pytest with
+    `-s`), so a file ended at its limit still shows how far it got and which case was slow."""
+    results = []
+    for case in cases:
+        start = time.perf_counter()
+        results.append((case, run_cp_case(group, device, case)))
+        if dist.get_rank(group) == 0:
+            print(f"cp case {case} on {device.type}: {time.perf_counter() - start:.2f} s", flush=True)
+    return results
 
 
 @pytest.mark.parametrize("size", [2, 4])

@@ -81,11 +81,13 @@ def test_documents_layout_of_every_variant_matches_each_document_alone(device, m
     bad = []
     deadline = time.monotonic() + (RANKS_LIMIT_S if device == "cuda" else 300)
     for variant, cp, dtype in _cases(device):
+        start = time.perf_counter()
         per_rank = run_ring_ranks(lambda g: _rank_errors(g, variant, torch_device, getattr(torch, dtype), cp),
                                   cp, monkeypatch, timeout=max(1.0, deadline - time.monotonic()))
         limit = tolerance(device, dtype)
         worst = max(max(errors) for errors in per_rank)
-        print(f"documents layout, {variant} cp {cp} {dtype} on {device}: max error / max |reference| {worst:.2e}")
+        print(f"documents layout, {variant} cp {cp} {dtype} on {device}: max error / max |reference| {worst:.2e} "
+              f"({time.perf_counter() - start:.2f} s)", flush=True)  # the GPU report runs pytest with -s: live
         if not worst <= limit:
             bad.append(f"{variant} cp {cp} {dtype}: {worst:.2e} > {limit:g}")
     assert not bad, bad

@@ -18,10 +18,14 @@ from tests.gpu.trainer_launch import SMALL, device_line, losses, metrics, train
 DOCS_FP32 = (*SMALL, "--data.document_masking", "true", "--training.dtype", "float32", "--training.steps", "5")
 FIRST_STEP_TOLERANCE = {"cpu": 1e-5, "cuda": 2e-5}
 """Step 1 runs identical weights (drawn on the CPU for every device): only the kernels' rounding differs."""
-LATER_STEPS_TOLERANCE = {"cpu": 1e-5, "cuda": 5e-4}
+LATER_STEPS_TOLERANCE = {"cpu": 1e-5, "cuda": 5e-3}
 """AdamW's first updates are about lr x sign(grad): gradients near zero that differ in the last bits between CPU and
 CUDA kernels move their weights differently, so later losses drift further apart than the first (CPU vs CPU at cp 2
-stays within 1e-5, as the CPU tiers check)."""
+stays within 1e-5, as the CPU tiers check). Measured on the first H200 (torch 2.11, bench/measurements/
+h200_gpu_report_2026-12-04): step 1 equal to the last bit, steps 2-5 up to 1.77e-3 apart, past the 5e-4 first
+guessed here. That the kernels agree is step 1's check (its loss and its gradient norm, the same weights on both);
+the later steps check that the device's optimizer steps as the CPU's does, and an update that went wrong (not taken,
+twice, or with another learning rate) moves the next loss by 1e-2 or more at this learning rate."""
 
 
 LEARNING_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
@@ -62,6 +66,9 @@ def test_trainer_fp32_losses_equal_the_cpu_run_at_cp1(tmp_path, device, cp):
     reference, got = losses(reference_dir), losses(run_dir)
     assert sorted(got) == sorted(reference) == [1, 2, 3, 4, 5]
     assert _relative(got[1], reference[1]) <= FIRST_STEP_TOLERANCE[device], (got, reference)
+    got_norm, reference_norm = (metrics(d)[0]["grad_norm"] for d in (run_dir, reference_dir))
+    assert _relative(got_norm, reference_norm) <= FIRST_STEP_TOLERANCE[device], (got_norm, reference_norm)
+    print("relative loss difference per step:", {s: f"{_relative(got[s], reference[s]):.1e}" for s in got})
     assert max(_relative(got[s], reference[s]) for s in got) <= LATER_STEPS_TOLERANCE[device], (got, reference)
 
 

@@ -2,7 +2,9 @@
 as Ulysses sees it (so every kind of piece occurs: causal squares, rectangles of a document split over ranks, rows
 in both calls), in bf16 with GQA, against float64 per-document attention with the mask written out; output and
 dQ/dK/dV. Also checks that the varlen kernel is what ran (two calls forward, two backward) and that the dense flash
-block takes GQA K/V unexpanded. The same code's exactness on CPU (float64 stand-in for the kernel) and its schemas on
+block takes GQA K/V unexpanded. The kernel is asked for as "flash": "auto" sends packed documents to cuDNN THD on
+an H100/H200 (tests/gpu/test_gpu_cudnn_thd.py), where this counter saw no varlen call on the first H200
+(bench/measurements/h200_gpu_report_2026-12-04); FA2 varlen is what A100s and `attention_kernel = "flash"` run. The same code's exactness on CPU (float64 stand-in for the kernel) and its schemas on
 fake CUDA tensors are in tests/parallelisms/test_varlen_blocks.py."""
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def test_varlen_documents_attention_matches_float64(device):
     q, k, v = make(heads), make(kv_heads), make(kv_heads)
     dout = torch.randn(1, heads, seq, head_dim, generator=gen, device=dev, dtype=torch.bfloat16)
     with DispatchCounter() as counter:
-        out = local_segment_attention(q, k, v, docs, is_causal=True)
+        out = local_segment_attention(q, k, v, docs, is_causal=True, kernel="flash")
         out.backward(dout)
     assert counter.attention == 4  # causal squares and fused rectangles, forward and backward
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
