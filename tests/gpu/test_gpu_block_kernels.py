@@ -5,7 +5,12 @@ Lq != Lk, or masked by a float additive mask whose key length is not a multiple 
 and a second block standing for the rest of the ring. Their outputs merge through the log-sum-exp, and each block's
 backward then gets the MERGED output and log-sum-exp, with q, dout and out as row slices of (B, L, H, D) or
 (B, H, L, D) memory (the ring's layouts). Checked: each block's forward output and log-sum-exp, and the summed
-dQ/dK/dV, against float64 math with GQA heads expanded. Rows that see nothing in a block get output 0 and
+dQ/dK/dV, against float64 math with GQA heads expanded, and the tested block's backward run again with placeholder
+philox seed/offset tensors (as the registered CP op's backward runs it, keeping no kernel state) against the one
+handed the forward's: torch's cuDNN and flash backwards bind them only under dropout (`dropout_probability != 0` in
+aten/src/ATen/native/cudnn/MHA.cpp, `is_dropout` in flash_attn's mha_bwd: the sources indexed here, newer than 2.11),
+and this settles it for the torch on the GPU (FA2's and cuDNN's dQ accumulate with atomics, so "the same" is within
+the dtype's tolerance, not bit for bit). Rows that see nothing in a block get output 0 and
 log-sum-exp -inf there (as `exchange_ring._block_forward` does); rows that see nothing at all must get zero
 gradients.
 
@@ -161,6 +166,12 @@ def run_block_case(case: BlockCase, device: torch.device) -> dict[str, float]:
     dq_o, _, _ = kernel.backward(dout, q, k_o, v_o, out, lse_for_backward, aux_o, is_causal=False, scale=None,
                                  mask=mask_other)
 
+    # the registered CP op's backward keeps no kernel state: it hands placeholders for the forward's philox seed and
+    # offset (kernel_blocks.philox_placeholders), which a dropout-free backward must not read
+    dq_p, dk_p, dv_p = kernel.backward(dout, q, k, v, out, lse_for_backward, None, is_causal=case.mode == "causal",
+                                       scale=None, mask=mask)
+    placeholders = max(_max_rel_error(a, b.detach().cpu()) for a, b in ((dq_p, dq_b), (dk_p, dk), (dv_p, dv)))
+
     seen = allowed.any(-1).all(0)  # rows of the tested block that see something in every batch row
     ref_out, ref_lse, _, _, _ = _reference(q, k, v, allowed, torch.zeros_like(dout))
     both = torch.cat([allowed, allowed_other], dim=-1)
@@ -169,7 +180,8 @@ def run_block_case(case: BlockCase, device: torch.device) -> dict[str, float]:
     keys = k.size(2)
     return {"out": _max_rel_error(out_b, ref_out, seen), "lse": _max_rel_error(lse_b, ref_lse, seen),
             "merged out": _max_rel_error(out, ref_total), "dq": _max_rel_error(dq_b.float() + dq_o.float(), ref_dq),
-            "dk": _max_rel_error(dk, ref_dk[:, :, :keys]), "dv": _max_rel_error(dv, ref_dv[:, :, :keys])}
+            "dk": _max_rel_error(dk, ref_dk[:, :, :keys]), "dv": _max_rel_error(dv, ref_dv[:, :, :keys]),
+            "backward without the forward's seed/offset": placeholders}
 
 
 @pytest.mark.parametrize("device", FAST_CPU)

@@ -108,9 +108,38 @@ class StandInGraph:
             buffers = dict(zip(tensor_uids, buffers))
         direction, t = self.node
         self.frontend.calls.append(direction)
+        _check_bindings(self, t, buffers)
         if any(isinstance(b, FakeTensor) for b in buffers.values()):
-            return  # a fake-CUDA count: shapes only, nothing to compute
+            return  # fake CUDA: the bindings' metadata checked, nothing to compute
         (_forward if direction == "forward" else _backward)(self, t, buffers)
+
+
+def _check_bindings(graph: StandInGraph, t: dict, buffers: dict) -> None:
+    """What the frontend would take on trust, checked from the tensors' metadata alone (so on fake CUDA too): every
+    declared uid bound once and nothing else; each buffer's dtype the declared one; all on one device; the int
+    columns (B, 1, 1, 1) / (B + 1, 1, 1, 1); each packed tensor a (T, H, D) buffer whose head and token strides are
+    the declared ones, with H and D as declared (a raw pointer has no strides of its own: a buffer laid out otherwise
+    is read wrong without an error)."""
+    declared = {}
+    for tensor in [*(v for v in t.values() if isinstance(v, StandInTensor)), *graph.outputs]:
+        for one in (tensor, tensor.ragged):
+            if one is not None:
+                declared[one.uid] = one
+    assert set(buffers) == set(declared), f"bound uids {sorted(buffers)} != declared {sorted(declared)}"
+    assert len({b.device for b in buffers.values()}) == 1, {u: b.device for u, b in buffers.items()}
+    for uid, tensor in declared.items():
+        buf = buffers[uid]
+        assert buf.dtype == TORCH_TYPES[tensor.data_type], (tensor.name, buf.dtype, tensor.data_type)
+        b, h, _, d = tensor.dim
+        if tensor.ragged is None:  # an int column
+            assert tuple(buf.shape) == (b, 1, 1, 1), (tensor.name, tuple(buf.shape))
+            continue
+        if tensor.name == "stats":
+            _check_stats(tensor)  # its own message: the mistake the frontend does not report
+        _, head_stride, token_stride, one = tensor.stride
+        assert one == 1 and buf.dim() == 3 and tuple(buf.shape[1:]) == (h, d), (tensor.name, tuple(buf.shape))
+        assert (buf.stride(0), buf.stride(1), buf.stride(2)) == (token_stride, head_stride, 1) or buf.size(0) <= 1, (
+            f"{tensor.name}: bound with strides {buf.stride()}, declared token {token_stride} head {head_stride}")
 
 
 def _check_stats(stats: StandInTensor) -> None:

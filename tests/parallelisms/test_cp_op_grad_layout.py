@@ -22,7 +22,11 @@ CASES = {  # name: (attention_kernel, with document ids)
     "flash": ("flash", False),
     "cudnn": ("cudnn", False),
     "documents flash": ("flash", True),
+    "documents cudnn_thd": ("cudnn", True),
 }
+"""The THD case routes the packed calls to cuDNN THD (what `auto` picks on an H100/H200) answered by the checking
+stand-in of tests/parallelisms/cudnn_frontend_reference.py: on fake tensors it checks the metadata of every tensor
+bound (uids, dtypes, device, the packed strides declared), so dout's token-major view reaches it as declared."""
 
 
 def _dout_copies_in_backward(rank, world_size, cases):
@@ -76,9 +80,20 @@ def _dout_copies_in_backward(rank, world_size, cases):
                 self.holding_dout.add(storage(out))
             return out
 
+    import parallelisms.cp.kernel_cudnn_thd as thd
+    import parallelisms.cp.op_variants as op_variants
+    from tests.parallelisms.cudnn_frontend_reference import StandInFrontend
+
+    frontend = StandInFrontend()
+    graphs = thd.ThdGraphs(frontend, None)
+    thd.graphs_for = lambda device: graphs  # this rank's process only
+    chosen_packed_kernel = op_variants.packed_kernel
     results = {}
     for name in cases:
         kernel, with_ids = CASES[name]
+        op_variants.packed_kernel = ((lambda asked, q: "cudnn_thd") if name.endswith("cudnn_thd")
+                                     else chosen_packed_kernel)
+        frontend.calls.clear()
         tokens = torch.zeros(B, S, dtype=torch.long)
         ids = torch.zeros(B, S, dtype=torch.long)
         ids[:, S // 4:] = 1  # two documents
@@ -102,7 +117,7 @@ def _dout_copies_in_backward(rank, world_size, cases):
                     dq, dk, dv, *_ = cp_op._backward(ctx, dout, None)
                 assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
         results[name] = {"copies": counted.copies, "variant": run.op_variant, "kernels": counted.kernels,
-                         "in_kernel_layout": counted.ready}
+                         "in_kernel_layout": counted.ready, "thd_calls": list(frontend.calls)}
     return results
 
 
@@ -116,5 +131,8 @@ def test_the_ops_backward_hands_cuda_kernels_dout_without_a_copy():
     assert results["cudnn"]["kernels"] == ["aten::_scaled_dot_product_cudnn_attention_backward"], results
     assert results["documents flash"]["variant"] == "packed", results
     assert any("flash_attention_backward" in name for name in results["documents flash"]["kernels"]), results
-    assert {name: r["copies"] for name, r in results.items()} == {name: 0 for name in CASES}, results
-    assert all(r["in_kernel_layout"] == [True] for r in results.values()), results
+    thd_case = results.pop("documents cudnn_thd")
+    assert thd_case["variant"] == "packed" and thd_case["kernels"] == [] and thd_case["copies"] == 0, thd_case
+    assert thd_case["thd_calls"] == ["backward"], thd_case  # one graph call for the whole batch, bindings checked
+    assert {name: r["copies"] for name, r in results.items()} == {name: 0 for name in results}, results
+    assert all(r["in_kernel_layout"] == [True] and r["thd_calls"] == [] for r in results.values()), results

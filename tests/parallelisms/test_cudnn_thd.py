@@ -6,7 +6,9 @@ elements, seq_len tensors, token-major stats), against per-document float64 atte
 - the CP 1 packed path (one graph call forward and one backward per layer);
 - Ulysses / hybrid's whole-sequence documents (causal squares and fused rectangles) at CP 2 and 4;
 - the ring and the all-gather on the documents layout at CP 2 and 4 (real gloo ranks, tests/distributed.py);
-- graph buckets: a 20-step CP 2 ring over changing documents builds at most 8 graphs per direction.
+- graph buckets: a 20-step CP 2 ring over changing documents builds at most 8 graphs per direction;
+- the registered CP op pair (what compiled blocks call) on THD: eager, compiled and under opcheck.
+The stand-in also checks every tensor bound against what the graph declared, on fake CUDA tensors too.
 The real kernel: tests/gpu/test_gpu_cudnn_thd.py."""
 from __future__ import annotations
 
@@ -281,3 +283,71 @@ def test_cp1_packed_offsets_go_where_the_queries_are():
     assert _packed_documents(ids, 1, host_plan, ids.device) is host_plan  # already there: not copied
     assert _packed_documents(ids, 1, None, ids.device).cu_seqlens.device.type == "cpu"  # CPU runs: unchanged
     assert _packed_documents(ids, 2, None, ids.device) is None  # CP > 1: the documents layout, no packed form
+
+
+def _registered_op_on_thd(rank, size):
+    """One gloo rank, CP 1 with documents: the registered op pair (parallelisms/cp/op.py, what compiled blocks call)
+    with its packed calls routed to THD and answered by the stand-in; eager, under torch.library.opcheck (schema,
+    the fake against the real outputs, autograd registration, AOT dispatch), and compiled (aot_eager: the op's
+    fakes and autograd formula traced, its bodies run as they are), each against float64 per-document attention."""
+    import torch.distributed as dist
+    from torch.library import opcheck
+
+    import parallelisms.cp.op_variants as op_variants
+    from parallelisms.context_parallel import context_parallel
+    from parallelisms.cp.op import ACTIVE
+
+    patch = pytest.MonkeyPatch()
+    try:
+        frontend = _stand_in(patch)
+        patch.setattr(op_variants, "packed_kernel", lambda asked, q: "cudnn_thd")
+        patch.setattr(packed_module, "one_packed_call", lambda q, kernel: True)
+        ids = _documents(2, 192, seed=8, longest=120)
+        q, k, v, dout = _qkv(2, 192, 4, 2, seed=9)
+        full = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        expected = reference_attention(*full, True, ids)
+        expected.backward(dout.double())
+        tokens, group = torch.zeros_like(ids), dist.group.WORLD
+        errors = {}
+        with context_parallel(group, [tokens, ids], [1, 1], attention_kernel="cudnn", load_balancer="documents",
+                              document_ids=ids):
+            run = ACTIVE.current(group.group_name)
+            constants = (True, None, group.group_name, run.op_variant)
+
+            def attention(q, k, v):
+                return torch.ops.titan_cp.attention(q, k, v, *constants)[0]
+
+            for name, fn in (("eager", attention),
+                             ("compiled", torch.compile(attention, backend="aot_eager", fullgraph=True))):
+                leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+                before = len(frontend.calls)
+                out = fn(*leaves)
+                out.backward(dout)
+                errors[name] = [relative_error(out, expected)] + [relative_error(x.grad, r.grad)
+                                                                  for x, r in zip(leaves, full)]
+                errors[name + " calls"] = frontend.calls[before:]
+            q, k, v = (x.detach() for x in (q, k, v))  # the backward op has no autograd formula of its own
+            out, lse = torch.ops.titan_cp.attention(q, k, v, *constants)
+            checks = {"forward": opcheck(torch.ops.titan_cp.attention.default,
+                                         tuple(x.detach().clone().requires_grad_() for x in (q, k, v)) + constants),
+                      "backward": opcheck(torch.ops.titan_cp.attention_backward.default,
+                                          (dout, q, k, v, out, lse, *constants))}
+        return run.op_variant, errors, checks
+    finally:
+        patch.undo()
+
+
+@pytest.mark.timeout(240)
+def test_the_registered_op_runs_thd_eager_compiled_and_under_opcheck():
+    """Issue 57, item 1: the op's THD branch (cuDNN's packed documents at CP 1, `auto` on an H100/H200), checked
+    where no GPU is: the stand-in also checks every tensor the op's bodies bind (uids, dtypes, devices, the packed
+    strides it declared; tests/parallelisms/cudnn_frontend_reference.py). One THD call forward and one backward per
+    run; the numbers are float64 per-document attention's. The same branch on fake CUDA tensors, counted for copies
+    of the output's gradient: tests/parallelisms/test_cp_op_grad_layout.py. On an H200 the compiled op with THD
+    matched eager within 1e-3 (bench/measurements/h200_gpu_report_2026-12-04, compiled_op)."""
+    ((variant, errors, checks),) = run_ranks(_registered_op_on_thd, 1, timeout=200)
+    assert variant == "packed", variant
+    for name in ("eager", "compiled"):
+        assert errors[name + " calls"] == ["forward", "backward"], errors
+        assert max(errors[name]) < TOLERANCE, errors
+    assert all(result == "SUCCESS" for op in checks.values() for result in op.values()), checks
