@@ -1,14 +1,18 @@
-"""What the hang watch costs a training step: each rank's position posts and heartbeat (training/rank_positions.py;
-issue 58 asks <= 1% of a debug step).
+"""What the hang watch and the straggler split cost a training step: each rank's position posts and heartbeat
+(training/rank_positions.py), or the sampling thread that splits each rank's time (training/stragglers.py; issue 58
+asks <= 1% of a debug step for each).
 
 The debug recipe on 2 ranks forked from this process (harness/forked_launch.py, torchrun's environment contract), run
-alternately with the watch on (as shipped) and off (RankPositions given no store: no post, no heartbeat thread, as in
-a one-process run), `--repeats` times each, so both see the same box in the same minutes. Per run: the median step
-time of steps 3 on (metrics.jsonl `step_time`; steps 1-2 build and warm up) and, with the watch on, the seconds spent
-inside `post` per step on each rank (timed around every call). The ratio of the medians says what a user sees; the
-timed posts say what the watch itself costs, far below the step-to-step noise of a 2-core box.
+alternately with the feature on (as shipped) and off (positions: RankPositions given no store, no post, no heartbeat
+thread, as in a one-process run; stragglers: `metrics.straggler_threshold = 0`, no sampling thread and no
+all-reduce), `--repeats` times each, so both see the same box in the same minutes. Per run: the median step time of
+steps 3 on (metrics.jsonl `step_time`; steps 1-2 build and warm up) and, with the feature on, what it spent itself:
+the seconds inside `post` per step on each rank (timed around every call), or the sampling thread's CPU seconds per
+step. The ratio of the medians says what a user sees; the feature's own seconds say what it costs, far below the
+step-to-step noise of a 2-core box.
 
-    python bench/bench_rank_positions.py [--steps 30] [--repeats 3] [--out bench/measurements]
+    python bench/bench_rank_positions.py [--feature positions|stragglers] [--steps 30] [--repeats 3]
+        [--out bench/measurements]
 """
 from __future__ import annotations
 
@@ -29,17 +33,31 @@ sys.path.insert(0, ROOT)
 from harness import forked_launch  # noqa: E402
 
 
-def _run(watch: bool, steps: int, folder: str) -> int:
-    """One 2-rank debug run in a child process; the watch patched off, or its posts timed. Returns the exit code."""
+def _run(feature: str, watch: bool, steps: int, folder: str) -> int:
+    """One 2-rank debug run in a child process; the feature off, or what it spends recorded. Returns the exit code."""
     pid = os.fork()
     if pid:
         return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     import time as clock
 
     import training.rank_positions as positions
+    import training.stragglers as stragglers
     import training.trainer as trainer
 
-    if watch:
+    extra = []
+    if feature == "stragglers":
+        if watch:
+            close = stragglers.TimeSplit.close
+
+            def close_and_write(self):
+                close(self)
+                with open(os.path.join(folder, f"spent_rank{os.environ['RANK']}.json"), "w") as f:
+                    json.dump({"seconds": self.sampler_cpu_s, "posts": 0}, f)
+
+            stragglers.TimeSplit.close = close_and_write
+        else:
+            extra = ["--metrics.straggler_threshold", "0"]
+    elif watch:
         post, close, spent = positions.RankPositions.post, positions.RankPositions.close, [0.0, 0]
 
         def timed_post(self, *args, **kwargs):
@@ -50,7 +68,7 @@ def _run(watch: bool, steps: int, folder: str) -> int:
 
         def close_and_write(self):
             close(self)
-            with open(os.path.join(folder, f"posts_rank{self.rank}.json"), "w") as f:
+            with open(os.path.join(folder, f"spent_rank{self.rank}.json"), "w") as f:
                 json.dump({"seconds": spent[0], "posts": spent[1]}, f)
 
         positions.RankPositions.post, positions.RankPositions.close = timed_post, close_and_write
@@ -61,7 +79,8 @@ def _run(watch: bool, steps: int, folder: str) -> int:
 
         trainer.RankPositions = Unwatched
     code = forked_launch.launch(2, [os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", folder,
-                                    "--training.steps", str(steps), "--metrics.enable_tensorboard", "false"])
+                                    "--training.steps", str(steps), "--metrics.enable_tensorboard", "false",
+                                    *extra])
     os._exit(code)
 
 
@@ -80,6 +99,7 @@ def _step_times(folder: str) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--feature", choices=("positions", "stragglers"), default="positions")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "measurements"))
@@ -90,33 +110,36 @@ def main() -> None:
             for watch in (True, False) if i % 2 == 0 else (False, True):
                 folder = os.path.join(tmp, f"run{len(runs)}")
                 start = time.perf_counter()
-                code = _run(watch, args.steps, folder)
+                code = _run(args.feature, watch, args.steps, folder)
                 if code != 0:
                     sys.exit(f"bench_rank_positions: a {'watched' if watch else 'unwatched'} run exited {code}")
                 times = _step_times(folder)
                 run = {"watch": watch, "median_step_s": statistics.median(times), "steps": len(times),
                        "wall_s": round(time.perf_counter() - start, 1)}
                 if watch:
-                    posts = [json.load(open(os.path.join(folder, f"posts_rank{r}.json"))) for r in range(2)]
-                    run["post_s_per_step"] = max(p["seconds"] for p in posts) / args.steps
-                    run["posts_per_step"] = max(p["posts"] for p in posts) / args.steps
+                    spent = [json.load(open(os.path.join(folder, f"spent_rank{r}.json"))) for r in range(2)]
+                    run["spent_s_per_step"] = max(p["seconds"] for p in spent) / args.steps
+                    if args.feature == "positions":
+                        run["posts_per_step"] = max(p["posts"] for p in spent) / args.steps
                 runs.append(run)
-                print(f"watch {'on ' if watch else 'off'}: median step {run['median_step_s'] * 1e3:.1f} ms "
-                      f"({run['steps']} steps)" + (f", posts {run['post_s_per_step'] * 1e6:.0f} us per step"
+                print(f"{args.feature} {'on ' if watch else 'off'}: median step {run['median_step_s'] * 1e3:.1f} ms "
+                      f"({run['steps']} steps)" + (f", spent {run['spent_s_per_step'] * 1e6:.0f} us per step"
                                                    if watch else ""), flush=True)
     on = statistics.median(r["median_step_s"] for r in runs if r["watch"])
     off = statistics.median(r["median_step_s"] for r in runs if not r["watch"])
-    post = statistics.median(r["post_s_per_step"] for r in runs if r["watch"])
+    spent = statistics.median(r["spent_s_per_step"] for r in runs if r["watch"])
     summary = {"on_median_step_s": on, "off_median_step_s": off, "ratio_on_off": on / off,
-               "post_s_per_step": post, "post_share_of_step": post / on}
-    print(f"median step: watch on {on * 1e3:.1f} ms, off {off * 1e3:.1f} ms (ratio {on / off:.4f}); posts "
-          f"{post * 1e6:.0f} us per step = {100 * post / on:.3f}% of a step")
+               "spent_s_per_step": spent, "spent_share_of_step": spent / on}
+    what = "posts" if args.feature == "positions" else "the sampling thread's CPU"
+    print(f"median step: {args.feature} on {on * 1e3:.1f} ms, off {off * 1e3:.1f} ms (ratio {on / off:.4f}); {what} "
+          f"{spent * 1e6:.0f} us per step = {100 * spent / on:.3f}% of a step")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    record = {"bench": "bench/bench_rank_positions.py", "commit": commit, "cpu": _cpu_model(), "cores": os.cpu_count(),
+    record = {"bench": "bench/bench_rank_positions.py", "feature": args.feature, "commit": commit, "cpu": _cpu_model(), "cores": os.cpu_count(),
               "date": datetime.date.today().isoformat(), "steps": args.steps, "runs": runs, **summary}
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"rank_positions_cpu_{record['date']}.json")
+    name = "rank_positions" if args.feature == "positions" else "stragglers"
+    path = os.path.join(args.out, f"{name}_cpu_{record['date']}.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     print(f"written: {os.path.relpath(path, ROOT)}")

@@ -247,6 +247,7 @@ def validate(cfg: Config) -> None:
     """Value checks that need no process group (world-size checks live with the mesh)."""
     where = cfg.recipe_path
     positive = [("training", "steps"), ("training", "local_batch_size"), ("metrics", "log_freq"),
+                ("metrics", "straggler_intervals"),
                 ("checkpoint", "interval"), ("parallelism", "pp"), ("parallelism", "dp_replicate"),
                 ("parallelism", "cp"), ("parallelism", "tp"), ("activation_checkpoint", "every"),
                 ("hardware", "gpus_per_node"), ("hardware", "device_memory_gib"), ("job", "init_timeout_s")]
@@ -287,6 +288,9 @@ def validate(cfg: Config) -> None:
     if cfg.parallelism.attention_head_groups < 0:
         raise RecipeError(f"{where}: parallelism.attention_head_groups must be >= 0 (0 = by size, 1 = one group), "
                           f"got {cfg.parallelism.attention_head_groups}.")
+    if cfg.metrics.straggler_threshold < 0:
+        raise RecipeError(f"{where}: metrics.straggler_threshold must be >= 0 (0 = off), got "
+                          f"{cfg.metrics.straggler_threshold}.")
     if cfg.metrics.profile_step < 0:
         raise RecipeError(f"{where}: metrics.profile_step must be >= 0 (0 = off), got {cfg.metrics.profile_step}.")
     ck = cfg.checkpoint

@@ -36,11 +36,14 @@ class Distributed:
 def flight_recorder_env(cfg: Config, backend: str) -> dict[str, str]:
     """The environment NCCL's process groups read when they are made: the buffer size, the dump on a collective
     timeout, and the file prefix (<dump_folder>/flight_recorder/rank_, the rank appended), under both names torch has
-    read it by (TORCH_FR_DUMP_TEMP_FILE; TORCH_NCCL_DEBUG_INFO_TEMP_FILE before it). {} for gloo or when off."""
+    read it by (TORCH_FR_DUMP_TEMP_FILE; TORCH_NCCL_DEBUG_INFO_TEMP_FILE before it). The buffer size goes by its
+    new name only: torch 2.11 on an H200 warned that TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated in favour of
+    TORCH_FR_BUFFER_SIZE (bench/measurements/h200_gpu_report_2026-12-04), which 2.11-2.13 read first. {} for gloo or
+    when off."""
     if backend != "nccl" or cfg.job.flight_recorder_entries == 0:
         return {}
     prefix = os.path.join(os.path.abspath(cfg.job.dump_folder), "flight_recorder", "rank_")
-    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(cfg.job.flight_recorder_entries), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    return {"TORCH_FR_BUFFER_SIZE": str(cfg.job.flight_recorder_entries), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
 
 

@@ -94,9 +94,10 @@ class MetricsLogger:
         if enable_tensorboard:
             self.tb = SummaryWriter(os.path.join(dump_folder, "tb"), purge_step=start_step + 1 if start_step else None)
 
-    def log(self, step: int, record: dict) -> None:
+    def log(self, step: int, record: dict, line_note: str = "") -> None:
         """`record` holds the CONTRACT fields (loss, lr, grad_norm, tokens_per_sec, mfu, seq_len, cp,
-        global_batch_size, memory, ...); every number also becomes a TensorBoard scalar."""
+        global_batch_size, memory, ...); every number also becomes a TensorBoard scalar. `line_note` ends the
+        console line (a straggler named, training/stragglers.py)."""
         if not self.is_writer:
             return
         record = {"step": step, **record}
@@ -114,7 +115,7 @@ class MetricsLogger:
         eta = elapsed / max(1, done) * (self.total_steps - step)
         print(f"step {step:>5}/{self.total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
               f"gnorm {record['grad_norm']:.3f}  tok/s {record['tokens_per_sec']:,.0f}  mfu {100 * record['mfu']:.1f}%  "
-              f"mem {record['memory']:.2f}GiB  eta {format_eta(eta)}", flush=True)
+              f"mem {record['memory']:.2f}GiB  eta {format_eta(eta)}{line_note}", flush=True)
 
     def close(self) -> None:
         if self.jsonl is not None:

@@ -38,6 +38,7 @@ from training.rank_positions import RankPositions, hang_line, newest_checkpoint,
 from training.ramp import RampStage, model_build_config, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_
 from training.step_profile import profile_line, profiled_step
+from training.stragglers import Stragglers, TimeSplit, gather_splits, straggler_words
 from training.timeouts import CollectiveTimeouts
 
 
@@ -113,6 +114,10 @@ class Trainer:
                                                          cfg.data.cache_dir)
         self.metrics = StepMetrics(self.dist.comm, self.comm_stats, self.device, self.peak_flops, self.peak_source,
                                    self.step, self.attention_kernel, self.documents_kernel)
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        stragglers_on = cfg.metrics.straggler_threshold > 0 and world_size > 1
+        self.time_split = TimeSplit() if stragglers_on else None  # who the others wait for (training/stragglers.py)
+        self.stragglers = Stragglers(cfg.metrics.straggler_threshold, cfg.metrics.straggler_intervals)
         self.logger = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
                                     is_writer=self.rank == 0, start_step=self.step)
 
@@ -199,8 +204,11 @@ class Trainer:
             data_time = time.perf_counter() - start
             lr = self.scheduler.get_last_lr()[0]
             profiled = self.cfg.metrics.profile_step == self.step + 1  # [metrics] profile_step: under torch.profiler
-            with self._profiled() if profiled else contextlib.nullcontext() as profile:
+            split = self.time_split.step() if self.time_split else contextlib.nullcontext()
+            with split, self._profiled() if profiled else contextlib.nullcontext() as profile:
                 loss, grad_norm = self.train_step(batches)
+            if self.time_split:
+                self.time_split.add_data(data_time)
             if profiled and profile.summary is not None and self.rank == 0:
                 print(profile_line(profile.summary, profile.path), flush=True)
             self.step += 1
@@ -243,7 +251,8 @@ class Trainer:
                     record["offload_arena_bytes"] = sum(o.arena_bytes for o in self.offloaders)
                     for offloader in self.offloaders:
                         offloader.reset_peak()
-                self.logger.log(self.step, {**record, **evaluation})
+                note = self._compare_ranks(record) if self.time_split else ""
+                self.logger.log(self.step, {**record, **evaluation}, note)
             # The step's record is written before its checkpoint: a run killed between the two resumes from the
             # checkpoint before and logs the step again, where the other order lost the step's record for good.
             if self.checkpointer.due(self.step, last):
@@ -283,6 +292,16 @@ class Trainer:
             print(f"passkey accuracy {passkey_stop_rule(self.cfg.eval)} at step {self.step}: the run ends here "
                   f"(eval.passkey_stop_at/_mean), its checkpoint saved as at the last step", flush=True)
         return {"passkey_accuracy": sum(results.values()) / len(results)}, reached
+
+    def _compare_ranks(self, record: dict) -> str:
+        """Every rank's time split of the record's steps (one all-reduce) into `record`; the step line's note when a
+        rank has been slow for `metrics.straggler_intervals` records (training/stragglers.py)."""
+        report = self.stragglers.compare(gather_splits(self.dist.comm, self.time_split.take(), self.rank,
+                                                       dist.get_world_size()))
+        record.update(report.record())
+        if not report.named or self.rank != 0:
+            return ""
+        return straggler_words(report, {r: post.host for r, (post, _) in self.positions.read().items() if post})
 
     def _save_and_stop(self, name: str) -> None:
         """Every rank, after the same step: a synchronous checkpoint of it (unless this step's interval save is it),
@@ -376,6 +395,8 @@ class Trainer:
         never arrived, so neither is waited for."""
         self.stop_signals.close()
         self.positions.close()
+        if self.time_split:
+            self.time_split.close()
         if not hung:
             self.checkpointer.close()  # waits for an async save in flight
         self.logger.close()

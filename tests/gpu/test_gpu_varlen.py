@@ -4,8 +4,9 @@ in both calls), in bf16 with GQA, against float64 per-document attention with th
 dQ/dK/dV. Also checks that the varlen kernel is what ran (two calls forward, two backward) and that the dense flash
 block takes GQA K/V unexpanded. The kernel is asked for as "flash": "auto" sends packed documents to cuDNN THD on
 an H100/H200 (tests/gpu/test_gpu_cudnn_thd.py), where this counter saw no varlen call on the first H200
-(bench/measurements/h200_gpu_report_2026-12-04); FA2 varlen is what A100s and `attention_kernel = "flash"` run. The same code's exactness on CPU (float64 stand-in for the kernel) and its schemas on
-fake CUDA tensors are in tests/parallelisms/test_varlen_blocks.py."""
+(bench/measurements/h200_gpu_report_2026-12-04); FA2 varlen is what A100s and `attention_kernel = "flash"` run.
+The same code's exactness on CPU (float64 stand-in for the kernel) and its schemas on fake CUDA tensors are in
+tests/parallelisms/test_varlen_blocks.py."""
 from __future__ import annotations
 
 import pytest

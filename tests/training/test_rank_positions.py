@@ -149,7 +149,7 @@ def test_on_nccl_the_line_names_the_flight_recorder_and_the_command_that_reads_i
     cfg = load_config(os.path.join(ROOT, "recipes", "debug.toml"), ["--job.dump_folder", str(tmp_path / "run")])
     folder = str(tmp_path / "run" / "flight_recorder")
     env = flight_recorder_env(cfg, "nccl")
-    assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    assert env == {"TORCH_FR_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                    "TORCH_FR_DUMP_TEMP_FILE": folder + "/rank_", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": folder + "/rank_"}
     assert flight_recorder_env(cfg, "gloo") == {} and flight_recorder_folder(cfg, "gloo") is None
     off = load_config(os.path.join(ROOT, "recipes", "debug.toml"), ["--job.flight_recorder_entries", "0"])

@@ -1,0 +1,141 @@
+"""Stragglers (training/stragglers.py, issue 58 item 4): each rank's time split into data wait, its own work and
+collective wait, compared at every metrics record; a rank slow in `metrics.straggler_intervals` records in a row is
+named in the step line.
+
+The sampler is checked against known waits (a sleep is own work; a frame inside torch.distributed and a C-level
+`.wait()` are collective waits); the comparison against hand-made tables; and the trainer on 2 ranks (slow tier):
+rank 1 sleeping in each micro-step is named within 3 records, and with no hook no rank is named over 50 steps."""
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from config import RecipeError
+from config.recipe import load_config
+from harness.launch_env import child_env
+from tests.trainer_runs import ROOT, read_metrics, run_train
+from tests.training.paced_runs import TINY, hook_folder, wrap_on_import
+from training.stragglers import Stragglers, TimeSplit, gather_splits, straggler_words
+
+
+def _in_torch_distributed(seconds: float) -> None:
+    """Sleeps in a frame whose file lies inside torch/distributed, as FSDP's and c10d's waits do."""
+    source = "import time\n\ndef block(seconds):\n    time.sleep(seconds)\n"
+    path = os.path.join(os.path.dirname(torch.distributed.__file__), "_test_straggler_frame.py")
+    namespace = {}
+    exec(compile(source, path, "exec"), namespace)
+    namespace["block"](seconds)
+
+
+def _blocked_in_a_c_wait(seconds: float) -> None:
+    """Blocks in a C++ `wait()` (no Python frame of its own), as a c10d Work's wait called from our exchanges."""
+    future = torch.futures.Future()
+    threading.Timer(seconds, lambda: future.set_result(None)).start()
+    future.wait()
+
+
+def test_the_sampler_tells_collective_waits_from_own_work():
+    split = TimeSplit(sample_s=0.005)
+    try:
+        time.sleep(0.2)  # outside a step: not counted
+        with split.step():
+            time.sleep(0.3)
+            _in_torch_distributed(0.3)
+            _blocked_in_a_c_wait(0.3)
+        split.add_data(0.05)
+        data, work, collective = split.take()
+    finally:
+        split.close()
+    assert data == 0.05
+    assert 0.22 < work < 0.4, (work, collective)
+    assert 0.5 < collective < 0.7, (work, collective)
+    assert split.take() == (0.0, 0.0, 0.0)  # taken: a fresh count
+    assert split.sampler_cpu_s < 0.1
+
+
+def test_a_rank_slow_in_records_in_a_row_is_named_and_one_slow_record_is_not():
+    stragglers = Stragglers(threshold=0.25, intervals=2)
+    even = [(0.1, 1.0, 0.5), (0.1, 1.05, 0.45), (0.1, 0.95, 0.55), (0.1, 1.0, 0.5)]
+    rank_2_slow = [(0.1, 1.0, 1.5), (0.1, 1.0, 1.5), (0.1, 2.0, 0.5), (0.1, 1.0, 1.5)]
+    first = stragglers.compare(rank_2_slow)
+    assert first.slowest_rank == 2 and first.named == [] and round(first.ratios[2], 2) == round(2.1 / 1.1, 2)
+    assert stragglers.compare(even).named == []  # the run of slow records is broken
+    stragglers.compare(rank_2_slow)
+    second = stragglers.compare(rank_2_slow)
+    assert second.named == [2]
+    assert straggler_words(second, {2: "node-7"}) == "  straggler rank 2 on node-7 (1.9x the other ranks' own time)"
+    record = second.record()["straggler"]
+    assert record["slowest_rank"] == 2 and record["named"] == [2] and record["own_s"][2] == 2.1
+    assert record["slowest_collective_s"] == 0.5
+    data_slow = [(0.9, 1.0, 0.2), (0.1, 1.0, 1.0)]  # a stalled read is the rank's own time too
+    two = Stragglers(0.25, 1).compare(data_slow)
+    assert two.named == [0] and round(two.ratios[0], 2) == round(1.9 / 1.1, 2)  # against the other rank, not the mean
+    assert Stragglers(0.25, 1).compare([(0.0, 1.0, 0.5), (0.0, 1.2, 0.3)]).named == []  # 20% apart: within 25%
+
+
+def test_every_ranks_split_comes_back_from_one_sum():
+    class SummingComm:  # two ranks' vectors, summed as the all-reduce does
+        def __init__(self):
+            self.vectors = []
+
+        def reduce_values(self, values, op):
+            assert op == "sum"
+            self.vectors.append(values)
+            return [sum(column) for column in zip(*self.vectors)]
+
+    comm = SummingComm()
+    gather_splits(comm, (1.0, 2.0, 3.0), 0, 2)
+    assert gather_splits(comm, (4.0, 5.0, 6.0), 1, 2) == [(1.0, 2.0, 3.0), (4.0, 5.0, 6.0)]
+
+
+def test_a_negative_threshold_or_no_intervals_is_refused_in_one_line():
+    debug = os.path.join(ROOT, "recipes", "debug.toml")
+    with pytest.raises(RecipeError, match=r"metrics\.straggler_threshold must be >= 0 \(0 = off\), got -0\.1"):
+        load_config(debug, ["--metrics.straggler_threshold", "-0.1"])
+    with pytest.raises(RecipeError, match=r"metrics\.straggler_intervals must be >= 1, got 0"):
+        load_config(debug, ["--metrics.straggler_intervals", "0"])
+
+
+SLOW_FORWARD = wrap_on_import("training.step", "micro_step", """
+    def wrap(micro_step):
+        def slow(*args, **kwargs):
+            time.sleep(float(os.environ["SLOW_FORWARD_S"]))
+            return micro_step(*args, **kwargs)
+        return slow
+""", when='os.environ.get("RANK") == os.environ.get("SLOW_RANK") and bool(os.environ.get("SLOW_FORWARD_S"))')
+"""Rank SLOW_RANK sleeps SLOW_FORWARD_S in each micro-step, before its forward."""
+
+
+def _run(tmp_path, steps: int, log_freq: int, **env):
+    helper = hook_folder(tmp_path / "helper", SLOW_FORWARD)
+    out = tmp_path / "run"
+    result = run_train(os.path.join(ROOT, "recipes", "debug.toml"), "--job.dump_folder", str(out), *TINY,
+                       "--training.steps", str(steps), "--metrics.log_freq", str(log_freq),
+                       "--metrics.enable_tensorboard", "false", nproc=2, timeout=400,
+                       env=child_env(str(helper), **{k: str(v) for k, v in env.items()}))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout, read_metrics(str(out))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_a_rank_sleeping_in_its_forward_is_named_and_no_rank_is_named_without_one(tmp_path):
+    """Rank 1 sleeps 0.2 s in each micro-step of the tiny model (whose steps take tens of milliseconds): rank 0
+    waits for it in its collectives, so rank 1's own time is the largest; it is slow in every record and named
+    from the second (`metrics.straggler_intervals` = 2), within the 3 records the issue allows. Without the hook,
+    50 steps (10 records) name nobody: on a 2-core box two ranks' own times differ, but not by 25% twice in a row."""
+    stdout, records = _run(tmp_path / "slow", 6, 2, SLOW_RANK=1, SLOW_FORWARD_S=0.2)
+    lines = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and all(r["straggler"]["slowest_rank"] == 1 for r in records), records
+    named = [i for i, line in enumerate(lines) if re.search(r"straggler rank 1 on \S+ \(\d+\.\dx the other", line)]
+    assert named and named[0] <= 2, lines
+    assert records[-1]["straggler"]["named"] == [1], records[-1]
+    stdout, records = _run(tmp_path / "even", 50, 5)
+    assert "straggler" not in stdout, stdout[-3000:]
+    assert len(records) == 10 and all(r["straggler"]["named"] == [] for r in records), [
+        r["straggler"] for r in records]
