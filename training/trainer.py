@@ -204,11 +204,13 @@ class Trainer:
             data_time = time.perf_counter() - start
             lr = self.scheduler.get_last_lr()[0]
             profiled = self.cfg.metrics.profile_step == self.step + 1  # [metrics] profile_step: under torch.profiler
-            split = self.time_split.step() if self.time_split else contextlib.nullcontext()
-            with split, self._profiled() if profiled else contextlib.nullcontext() as profile:
+            # the split leaves out this process's first step (lazy set-up and allocations, not a rank's pace)
+            split = self.time_split if self.time_split and self.step > resumed_at else None
+            with split.step() if split else contextlib.nullcontext(), \
+                    self._profiled() if profiled else contextlib.nullcontext() as profile:
                 loss, grad_norm = self.train_step(batches)
-            if self.time_split:
-                self.time_split.add_data(data_time)
+            if split:
+                split.add_data(data_time)
             if profiled and profile.summary is not None and self.rank == 0:
                 print(profile_line(profile.summary, profile.path), flush=True)
             self.step += 1

