@@ -324,11 +324,9 @@ class MetricsConfig:
     <dump_folder>/profile_step<N>_rank<R>.json: each class of work's device seconds, as the dry run prices them
     (training/step_profile.py); metrics.jsonl marks that step `profiled` so step-time medians can leave it out."""
     straggler_threshold: float = 0.5
-    """A rank whose own time in a record's steps (data wait + its work, without collective waits) is more than this
-    fraction above the median of the other ranks' is slow in that record (training/stragglers.py); 0 = off (no
-    sampling thread, no all-reduce). Every record of a run with more than one rank carries each rank's split
-    (`straggler` in metrics.jsonl). 0.5: two ranks of a 2-core box overloaded threefold were 1.3x apart for two
-    records in a row, a quiet one within 1.11x; `own_s_over_others` is in every record to plot against a lower bar."""
+    """A rank whose own time (data wait + its work, without collective waits) is more than this fraction above the
+    other ranks' median is slow in that record (training/stragglers.py; why 0.5: docs/launch_at_scale.md); 0 = off.
+    Each record of a multi-rank run carries every rank's split (`straggler` in metrics.jsonl)."""
     straggler_intervals: int = 2
     """A rank slow in this many records in a row is named in the step line (rank and host)."""
 

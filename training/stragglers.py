@@ -180,3 +180,29 @@ def straggler_words(report: StragglerReport, hosts: dict[int, str]) -> str:
     parts = [f"rank {r}" + (f" on {hosts[r]}" if r in hosts else "")
              + f" ({report.ratios[r]:.1f}x the other ranks' own time)" for r in report.named]
     return "  straggler " + ", ".join(parts)
+
+
+class StragglerWatch:
+    """What the trainer holds: this rank's TimeSplit, the comparison across records, and the one all-reduce per
+    record; `None` from `start` when off (`metrics.straggler_threshold = 0`, or one rank: nothing to compare)."""
+
+    def __init__(self, threshold: float, intervals: int, comm, rank: int, world_size: int):
+        self.split = TimeSplit()
+        self.stragglers = Stragglers(threshold, intervals)
+        self.comm, self.rank, self.world_size = comm, rank, world_size
+
+    @classmethod
+    def start(cls, metrics_cfg, comm, rank: int, world_size: int) -> "StragglerWatch | None":
+        if metrics_cfg.straggler_threshold <= 0 or world_size < 2:
+            return None
+        return cls(metrics_cfg.straggler_threshold, metrics_cfg.straggler_intervals, comm, rank, world_size)
+
+    def compare(self, record: dict, hosts) -> str:
+        """Every rank's split of the record's steps into `record`; on rank 0 the step line's note when a rank has
+        been slow for `intervals` records in a row. `hosts()` gives {rank: host}, read only then."""
+        report = self.stragglers.compare(gather_splits(self.comm, self.split.take(), self.rank, self.world_size))
+        record.update(report.record())
+        return straggler_words(report, hosts()) if report.named and self.rank == 0 else ""
+
+    def close(self) -> None:
+        self.split.close()

@@ -38,7 +38,7 @@ from training.rank_positions import RankPositions, hang_line, newest_checkpoint,
 from training.ramp import RampStage, model_build_config, source_tokens_seen, stage_at, tokens_seen
 from training.step import StepSetup, clip_grad_norm_
 from training.step_profile import profile_line, profiled_step
-from training.stragglers import Stragglers, TimeSplit, gather_splits, straggler_words
+from training.stragglers import StragglerWatch
 from training.timeouts import CollectiveTimeouts
 
 
@@ -114,10 +114,8 @@ class Trainer:
                                                          cfg.data.cache_dir)
         self.metrics = StepMetrics(self.dist.comm, self.comm_stats, self.device, self.peak_flops, self.peak_source,
                                    self.step, self.attention_kernel, self.documents_kernel)
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        stragglers_on = cfg.metrics.straggler_threshold > 0 and world_size > 1
-        self.time_split = TimeSplit() if stragglers_on else None  # who the others wait for (training/stragglers.py)
-        self.stragglers = Stragglers(cfg.metrics.straggler_threshold, cfg.metrics.straggler_intervals)
+        self.stragglers = StragglerWatch.start(  # who the others wait for (training/stragglers.py)
+            cfg.metrics, self.dist.comm, self.rank, dist.get_world_size() if dist.is_initialized() else 1)
         self.logger = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
                                     is_writer=self.rank == 0, start_step=self.step)
 
@@ -205,7 +203,7 @@ class Trainer:
             lr = self.scheduler.get_last_lr()[0]
             profiled = self.cfg.metrics.profile_step == self.step + 1  # [metrics] profile_step: under torch.profiler
             # the split leaves out this process's first step (lazy set-up and allocations, not a rank's pace)
-            split = self.time_split if self.time_split and self.step > resumed_at else None
+            split = self.stragglers.split if self.stragglers and self.step > resumed_at else None
             with split.step() if split else contextlib.nullcontext(), \
                     self._profiled() if profiled else contextlib.nullcontext() as profile:
                 loss, grad_norm = self.train_step(batches)
@@ -253,7 +251,7 @@ class Trainer:
                     record["offload_arena_bytes"] = sum(o.arena_bytes for o in self.offloaders)
                     for offloader in self.offloaders:
                         offloader.reset_peak()
-                note = self._compare_ranks(record) if self.time_split else ""
+                note = self.stragglers.compare(record, self._hosts) if self.stragglers else ""
                 self.logger.log(self.step, {**record, **evaluation}, note)
             # The step's record is written before its checkpoint: a run killed between the two resumes from the
             # checkpoint before and logs the step again, where the other order lost the step's record for good.
@@ -295,15 +293,8 @@ class Trainer:
                   f"(eval.passkey_stop_at/_mean), its checkpoint saved as at the last step", flush=True)
         return {"passkey_accuracy": sum(results.values()) / len(results)}, reached
 
-    def _compare_ranks(self, record: dict) -> str:
-        """Every rank's time split of the record's steps (one all-reduce) into `record`; the step line's note when a
-        rank has been slow for `metrics.straggler_intervals` records (training/stragglers.py)."""
-        report = self.stragglers.compare(gather_splits(self.dist.comm, self.time_split.take(), self.rank,
-                                                       dist.get_world_size()))
-        record.update(report.record())
-        if not report.named or self.rank != 0:
-            return ""
-        return straggler_words(report, {r: post.host for r, (post, _) in self.positions.read().items() if post})
+    def _hosts(self) -> dict[int, str]:
+        return {r: post.host for r, (post, _) in self.positions.read().items() if post}
 
     def _save_and_stop(self, name: str) -> None:
         """Every rank, after the same step: a synchronous checkpoint of it (unless this step's interval save is it),
@@ -397,8 +388,8 @@ class Trainer:
         never arrived, so neither is waited for."""
         self.stop_signals.close()
         self.positions.close()
-        if self.time_split:
-            self.time_split.close()
+        if self.stragglers:
+            self.stragglers.close()
         if not hung:
             self.checkpointer.close()  # waits for an async save in flight
         self.logger.close()
