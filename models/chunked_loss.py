@@ -80,19 +80,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del grad_logits
                 torch.mm(g, weight, out=grad_hidden[start:start + chunk_tokens])
                 grad_weight += (g.t() @ h).float()
-        # Kept (not consumed) by backward: zero-bubble pipeline schedules run this node's backward twice, once for
-        # the input gradient and once for the weight's. Accumulated in float32, stored in the weight's dtype.
-        ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if with_grad else None)
+        # The weight's gradient is kept by backward: zero-bubble pipeline schedules run this node's backward twice,
+        # once for the input gradient and once for the weight's. Accumulated in float32, stored in the weight's dtype.
+        ctx.with_grad = with_grad
+        ctx.grads = [grad_hidden, grad_weight.to(weight.dtype) if with_grad else None]
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.grads
-        if grad_hidden is None:
+        """The input gradient is handed on (scaled in place) and no longer held here: the node lives as long as the
+        loss does, through the whole backward, and at 1M tokens per rank of an 8B model that gradient is 8 GiB at
+        the step's peak (docs/frontier.md). A second call (a zero-bubble schedule's weight pass) gets the weight's
+        gradient again and none for the input."""
+        if not ctx.with_grad:
             raise RuntimeError("chunked_linear_cross_entropy ran without gradients (with_grad=False) and cannot be "
                                "back-propagated; call it with gradients enabled")
-        return (grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype),
-                None, None, None, None, None)
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads[0] = None
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        return grad_hidden, grad_weight * grad_loss.to(grad_weight.dtype), None, None, None, None, None
 
 
 def _vocab_shard(weight: DTensor) -> tuple[torch.Tensor, int, object]:

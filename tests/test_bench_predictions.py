@@ -71,11 +71,17 @@ def test_the_shipped_h100_runs_stay_predicted_within_15_percent(tmp_path):
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in done.stdout.splitlines()
             if line.startswith("| ") and "K, AC" in line}
     assert len(rows) >= 7 and not any("documents" in name for name in rows), rows
+    dim = {run["dim"] for run in shipped["runs"]}.pop()
     for name in rows:
-        step_ratio, memory_ratio = float(rows[name][2]), float(rows[name][5])
+        step_ratio, measured_gib, predicted_gib = float(rows[name][2]), float(rows[name][3]), float(rows[name][4])
         assert abs(step_ratio - 1) <= 0.15, (name, rows[name])
         if "compiled" not in name:  # compiled regions keep fewer activations than the eager probe counts
-            assert abs(memory_ratio - 1) <= 0.02, (name, rows[name])
+            # These runs were measured before the chunked loss stopped holding the hidden states' gradient through
+            # the whole backward (models/chunked_loss.py): the code predicted now holds up to that bf16 (tokens x
+            # dim) gradient less than the code measured then. The next GPU run of bench_predictions measures again.
+            released_gib = int(name.split("K")[0]) * 1024 * dim * 2 / 2**30
+            assert -0.02 * measured_gib <= measured_gib - predicted_gib <= released_gib + 0.02 * measured_gib, (
+                name, rows[name], released_gib)
 
 
 H200 = os.path.join(ROOT, "bench", "measurements", "h200_documents_2026-11-28")
