@@ -311,6 +311,10 @@ class ActivationCheckpointConfig:
     offload: bool = False
     """Move each checkpointed block's input to host memory after its forward and back before its recompute (CUDA:
     pinned buffers, copies on a side stream overlapping compute). Needs a mode other than none. Exact."""
+    offload_prefetch: bool = True
+    """With offload: bring block i-1's input back while block i recomputes (the copy under compute; two block inputs
+    on the device). false: each comes back when its own recompute starts, one on the device and the compute waiting
+    for the copy (at 1M tokens per rank of an 8B model 8 GiB less, ~0.3 s of PCIe per block: docs/frontier.md)."""
 
 
 @dataclass

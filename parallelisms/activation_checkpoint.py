@@ -123,8 +123,10 @@ def _offloaded_checkpoint(offloader: ActivationOffloader, layer: int, fn, hidden
         return checkpoint(fn, hidden, *args, use_reentrant=False, **kwargs)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int = 1, offload: bool = False) -> None:
-    """Wraps the blocks of `model` (a full Llama or a pipeline stage) in place."""
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int = 1, offload: bool = False,
+                                   prefetch: bool = True) -> None:
+    """Wraps the blocks of `model` (a full Llama or a pipeline stage) in place. `prefetch`: the offloader brings the
+    next block input back under the current block's recompute (ActivationOffloader.prefetch)."""
     if mode not in MODES:
         raise Refusal(f"activation checkpoint mode {mode!r} is not one of {MODES}")
     if mode == "none":
@@ -133,6 +135,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int
         return
     offloader = ActivationOffloader() if offload else None
     if offloader is not None:
+        offloader.prefetch = prefetch
         model.activation_offloader = offloader
     for name, block in list(model.layers.items()):
         if mode == "selective" and int(name) % every != 0:

@@ -15,7 +15,7 @@ On CUDA: host buffers are slots of one pinned arena per ramp stage (host_arena.p
 at its peak, counted in its first step, which copies into plain host buffers; released at the stage switch); device->host copies run on a side stream after the compute
 stream's work so far, and the device tensor is kept referenced until its copy's event completes; when backward
 unpacks block i's input, block i-1's input is brought back on the side stream at once (backward visits blocks in
-reverse), and the compute stream waits on that copy's event before using it.
+reverse; `prefetch`, on by default), and the compute stream waits on that copy's event before using it.
 
 Under tensor parallelism the plan hands blocks the local (B, S/tp, dim) residual shard (a plain tensor, or the
 lazy AsyncCollectiveTensor of the reduce-scatter, waited for before the copy and returned as a plain tensor); a
@@ -66,6 +66,10 @@ class ActivationOffloader:
         self.enabled = True
         """Off: `hooks` adds nothing, so a checkpointed block runs exactly as plain checkpointing (a ramp stage
         without offload in a run built with the offloader; the trainer sets it per stage)."""
+        self.prefetch = True
+        """Bring block i-1's input back as soon as block i's is unpacked (the copy overlaps block i's recompute and
+        backward; two block inputs on the device); off: each when its own recompute unpacks it (one on the device, the
+        compute stream waiting for the copy). activation_checkpoint.offload_prefetch."""
 
     def reset_peak(self) -> None:
         self.peak_host_bytes = self.host_bytes
@@ -176,7 +180,7 @@ class ActivationOffloader:
             if rec.device.type == "cuda":  # allocated on the side stream, used and freed on the compute stream
                 local.record_stream(compute)
         previous = rec.prev() if rec.prev is not None else None
-        if previous is not None and not previous.done and previous.prefetched is None:
+        if self.prefetch and previous is not None and not previous.done and previous.prefetched is None:
             self._bring_back(previous)  # backward visits blocks in reverse: the next input it needs
         self._finish(rec)
         if rec.dtensor is None:

@@ -141,7 +141,7 @@ def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torc
         float8 = float8_tp_styles(cfg.training.float8, dist.get_backend(mesh.tp_mesh.get_group()))
         apply_tp(model, mesh.tp_mesh, uses_loss_parallel(cfg, mesh), float8)
     ac = cfg.activation_checkpoint
-    apply_activation_checkpointing(model, ac.mode, ac.every, ac.offload)
+    apply_activation_checkpointing(model, ac.mode, ac.every, ac.offload, ac.offload_prefetch)
     if cfg.training.compiles(mesh.world.device_type):
         apply_compile(model, split=mesh.dims.tp > 1)
     if uses_autocast(cfg, mesh):

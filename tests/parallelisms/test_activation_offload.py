@@ -23,11 +23,11 @@ TINY = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, multiple
 BATCH, SEQ = 2, 32
 
 
-def _step(mode: str, offload: bool):
+def _step(mode: str, offload: bool, prefetch: bool = True):
     """One forward/backward; returns loss, grads, the weakly held inputs of the checkpointed blocks after the
     forward (None where freed) and the host bytes held then."""
     model = Llama(LlamaConfig(**TINY))
-    apply_activation_checkpointing(model, mode, 2, offload)
+    apply_activation_checkpointing(model, mode, 2, offload, prefetch)
     model.init_weights(0)
     inputs = []
     for block in model.layers.values():
@@ -110,6 +110,47 @@ def test_copies_are_ordered_and_the_previous_block_is_prefetched(monkeypatch):
     assert len(offloader._pool[(xs[0].size(), xs[0].stride(), xs[0].dtype)]) == 2  # buffers reused next step
     with pytest.raises(RuntimeError, match="unpacked twice"):
         offloader._unpack(records[2])
+
+
+def test_without_prefetch_each_input_comes_back_when_its_own_block_needs_it(monkeypatch):
+    """activation_checkpoint.offload_prefetch = false: unpacking block i brings back block i's input only, and block
+    i-1's copy starts when block i-1 is unpacked, so one block input is on the device at a time, not two."""
+    log = []
+    recorder = _RecordingDeviceModule(log)
+    monkeypatch.setattr(activation_offload.torch, "get_device_module", lambda device: recorder)
+    offloader = activation_offload.ActivationOffloader()
+    offloader.prefetch = False
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    records = [offloader._pack(x, x, layer) for layer, x in enumerate(xs)]
+    log.clear()
+    assert torch.equal(offloader._unpack(records[2]), xs[2])
+    assert ("wait_event", recorder.compute, records[2].ready) in log
+    assert records[1].prefetched is None and records[0].prefetched is None
+    assert torch.equal(offloader._unpack(records[1]), xs[1])
+    assert ("wait_event", recorder.compute, records[1].ready) in log and records[0].prefetched is None
+    assert torch.equal(offloader._unpack(records[0]), xs[0]) and offloader.host_bytes == 0
+
+
+@pytest.mark.parametrize("prefetch, most_on_device", [(True, 2), (False, 1)])
+def test_a_step_without_prefetch_holds_one_block_input_and_changes_nothing(monkeypatch, prefetch, most_on_device):
+    """A whole step (4 checkpointed blocks): the most brought-back block inputs alive at once (each until autograd
+    drops its block's recompute) is 2 with prefetch and 1 without (8 GiB at 1M tokens per rank of an 8B model),
+    and the loss and every gradient equal the step without offload bit for bit."""
+    ref_loss, ref_grads, _, _ = _step("full", offload=False)
+    alive, most = set(), [0]
+    bring_back = activation_offload.ActivationOffloader._bring_back
+
+    def counted_bring_back(self, rec):
+        bring_back(self, rec)
+        key = id(rec)
+        alive.add(key)
+        most[0] = max(most[0], len(alive))
+        weakref.finalize(rec.prefetched, alive.discard, key)
+
+    monkeypatch.setattr(activation_offload.ActivationOffloader, "_bring_back", counted_bring_back)
+    loss, grads, _, _ = _step("full", offload=True, prefetch=prefetch)
+    assert most[0] == most_on_device
+    assert loss == ref_loss and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
 
 
 def test_offload_without_a_checkpoint_mode_is_refused():

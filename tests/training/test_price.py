@@ -208,6 +208,28 @@ def test_cudnn_attention_is_priced_at_its_measured_hopper_speedup_and_documents_
     assert kernel("--hardware.accelerator", "h100-sxm", "--data.document_masking", "true") == "flash"
 
 
+def test_offload_without_prefetch_waits_for_every_copy_back():
+    """activation_checkpoint.offload_prefetch = false: each block input's copy back is waited for (its bytes at the
+    PCIe rate, at the middle of the spread), the copies out still run under the forward; with prefetch both hide
+    under a long step."""
+    import dataclasses
+
+    from models.llama import model_config
+    from training.planning.accelerators import ACCELERATORS
+    from training.planning.price import predict_step
+    from training.planning.workload import Layout, Workload
+
+    acc = ACCELERATORS["h100-sxm"]
+    block_input = 1048576 * 4096 * 2  # 1M tokens per rank, dim 4096, bf16: 8 GiB
+    base = Workload(model=model_config("llama3_8b"), layout=Layout(1, 1, 1, 8, 1, 8), seq_len=8388608,
+                    local_batch_size=1, grad_accum=1, ac_mode="full", offload_bytes=32 * block_input)
+    overlapped = predict_step(base, acc).parts["offload_exposed"]
+    waited = predict_step(dataclasses.replace(base, offload_prefetch=False), acc).parts["offload_exposed"]
+    pcie = acc.pcie_bytes_per_s * sum(acc.pcie_fraction) / 2
+    assert overlapped == 0.0
+    assert waited == pytest.approx(32 * block_input / pcie, rel=1e-9)
+
+
 def test_op_ac_recomputes_the_even_numbered_matmuls():
     """Of wq, wk, wv, wo, w1, w3, w2 the op policy saves the odd-numbered outputs: wk, wo and w3 run again."""
     from models.llama import model_config

@@ -208,8 +208,12 @@ def _header(cfg: Config, world: int, first: RowResult) -> list[str]:
     if cfg.data.document_masking:
         lines.append(f"  {documents_statement(cfg)}")
     if cfg.activation_checkpoint.offload:
+        back = ("the next block's brought back under the current one's recompute (two on the device)"
+                if cfg.activation_checkpoint.offload_prefetch else
+                "each brought back when its own recompute starts, the copy waited for (one on the device; "
+                "activation_checkpoint.offload_prefetch = false)")
         lines.append("  activation offload: each checkpointed block's input waits in host memory between forward and "
-                     "backward (host GiB, not in the device peak), copied over PCIe on a side stream under compute")
+                     f"backward (host GiB, not in the device peak), copied over PCIe on a side stream; {back}")
     if cfg.training.cpu_offload:
         lines.append("  cpu offload: parameters, gradients and AdamW state in pinned host memory (the device peak "
                      "holds one block's shards in and its gradients out); the step adds the host's AdamW and 3 x the "

@@ -197,7 +197,8 @@ def _attention_s(w: Workload, acc: AcceleratorSpec, clock: float, dtype_factor: 
 def _exposed_comm(w: Workload, acc: AcceleratorSpec, where: float, compute_s: float, attention_s: float) -> dict:
     """Seconds each collective waits beyond the compute: FSDP's prefetched gathers (per micro-step the first gather
     and the last reduce-scatter wait, and whatever exceeds the compute), TP's all of it, the ring beyond its
-    layer's attention, activation offload's copies beyond the compute. Bytes: workload.comm_bytes."""
+    layer's attention, activation offload's copies beyond the compute (all of the copies back without prefetch).
+    Bytes: workload.comm_bytes."""
     lay = w.layout
     nvlink = acc.nvlink_bytes_per_s * _pick(acc.nvlink_busbw_fraction, where)
     ib = acc.ib_bytes_per_s * _pick(acc.ib_busbw_fraction, where)
@@ -212,7 +213,11 @@ def _exposed_comm(w: Workload, acc: AcceleratorSpec, where: float, compute_s: fl
         out["ring_exposed"] = max(0.0, seconds["ring"] - attention_s)
     if w.offload_bytes:
         pcie = acc.pcie_bytes_per_s * _pick(acc.pcie_fraction, where)
-        out["offload_exposed"] = max(0.0, 2 * w.offload_bytes * w.grad_accum / pcie - compute_s)
+        one_way = w.offload_bytes * w.grad_accum / pcie
+        if w.offload_prefetch:  # both ways under compute
+            out["offload_exposed"] = max(0.0, 2 * one_way - compute_s)
+        else:  # the copies back are waited for, the copies out still run under the forward
+            out["offload_exposed"] = one_way + max(0.0, one_way - compute_s)
     return out
 
 

@@ -67,6 +67,8 @@ class Workload:
     """The ring's sends per micro-batch, measured by the dry run; None = estimated from the K/V sizes."""
     offload_bytes: float = 0.0
     """Host bytes per micro-batch (activation offload), each way over PCIe."""
+    offload_prefetch: bool = True
+    """The copies back under the previous block's compute; off: each one waited for (activation_checkpoint)."""
     attention_kernel: str = "flash"
     """The kernel family the attention runs (`stage_attention_kernel`): "cudnn" is priced at cuDNN's rate."""
     document_pieces: tuple[tuple[int, float], ...] | None = None
@@ -168,6 +170,7 @@ def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None = No
         compile=t.compiles("cuda"), loss_chunk_tokens=t.loss_tile_tokens(mcfg.vocab_size),
         reshard_after_forward=p.reshard_after_forward, visible_pair_fraction=fraction, attention_length=length,
         cp_ring_bytes=cp_ring_bytes, offload_bytes=offload_bytes, attention_kernel=stage_attention_kernel(cfg),
+        offload_prefetch=cfg.activation_checkpoint.offload_prefetch,
         document_pieces=pieces, documents_kernel=stage_documents_kernel(cfg),
         float8=t.float8, tiled_mlp=cfg.model.mlp_chunk_tokens > 0, bandwidth_bytes=bandwidth_bytes)
 
