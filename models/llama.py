@@ -35,7 +35,7 @@ from models.autocast import to_autocast_dtype
 from models.chunked_loss import chunked_linear_cross_entropy
 from models.chunked_scores import chunked_token_scores
 from models.rope import RotaryEmbedding, apply_rotary
-from models.tiled_mlp import tiled_swiglu
+from models.tiled_mlp import tiled_norm_swiglu, tiled_swiglu
 from models.tiled_norm import tiled_rms_norm
 from models.model_config import HF_NAME, MODEL_CONFIGS, LlamaConfig, model_config  # noqa: F401 (re-exported)
 from models.hf_config import recipe_model_config  # noqa: F401 (re-exported)
@@ -119,7 +119,19 @@ class TransformerBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = h + self.attention(self.attention_norm(h), cos, sin)
+        if self._norm_in_feed_forward(h):  # the same numbers; the norm's output never whole (models/tiled_mlp.py)
+            (norm_weight,) = to_autocast_dtype(self.ffn_norm.weight)
+            ff = self.feed_forward
+            return h + tiled_norm_swiglu(h, norm_weight, self.ffn_norm.eps, ff.w1.weight, ff.w3.weight,
+                                         ff.w2.weight, ff.tile_tokens)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def _norm_in_feed_forward(self, h: torch.Tensor) -> bool:
+        """Both tiled (model.norm_chunk_tokens, mlp_chunk_tokens) and no tensor parallelism (there the norm runs on
+        sequence shards, the SwiGLU on the gathered rows): the feed-forward's tiles normalise their own rows."""
+        ff = self.feed_forward
+        return (self.ffn_norm.tile_tokens > 0 and ff.tile_tokens > 0
+                and not any(isinstance(t, DTensor) for t in (h, ff.w1.weight, self.ffn_norm.weight)))
 
 
 # Wrapper modules that insert a name component without changing what the parameter is.

@@ -23,6 +23,25 @@ from torch.distributed.tensor import DTensor, Partial
 from models.tile_loops import tile_starts
 
 
+def norm_tile(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+              rstd: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed rows, their float32 rstd) of a tile of rows, as the plain norm computes them; into `out` / `rstd`
+    when given. Shared with the norm fused into the tiled SwiGLU (models/tiled_mlp.py)."""
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps, out=rstd)
+    return torch.mul((x32 * rstd).type_as(x), weight, out=out), rstd
+
+
+def norm_backward_tile(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the input's gradient, the float32 weight gradient summed over the tile) of a tile of rows."""
+    normed = x.float() * rstd
+    grad_w = (grad_out * normed.type_as(x)).float().sum(0)
+    grad_normed = (grad_out * weight).type_as(x).float()  # the plain norm's cast back to x's dtype
+    dot = (grad_normed * normed).mean(-1, keepdim=True)
+    return (rstd * (grad_normed - normed * dot)).type_as(x), grad_w
+
+
 def _forward_tiles(x: torch.Tensor, weight: torch.Tensor, eps: float, tile_tokens: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, float32 rstd per row) of 2-D x, `tile_tokens` rows at a time."""
@@ -30,9 +49,7 @@ def _forward_tiles(x: torch.Tensor, weight: torch.Tensor, eps: float, tile_token
     rstd = torch.empty(x.size(0), 1, dtype=torch.float32, device=x.device)
     for start in tile_starts(x.size(0), tile_tokens, x):
         rows = slice(start, start + tile_tokens)
-        x32 = x[rows].float()
-        torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps, out=rstd[rows])
-        torch.mul((x32 * rstd[rows]).type_as(x), weight, out=out[rows])
+        norm_tile(x[rows], weight, eps, out[rows], rstd[rows])
     return out, rstd
 
 
@@ -54,12 +71,8 @@ def _backward_tiles(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     for start in tile_starts(x.size(0), tile_tokens, x):
         rows = slice(start, start + tile_tokens)
-        normed = x[rows].float() * rstd[rows]
-        g = grad_out[rows]
-        grad_w += (g * normed.type_as(x)).float().sum(0)
-        grad_normed = (g * weight).type_as(x).float()  # the plain norm's cast back to x's dtype
-        dot = (grad_normed * normed).mean(-1, keepdim=True)
-        grad_x[rows] = (rstd[rows] * (grad_normed - normed * dot)).type_as(x)
+        grad_x[rows], tile_grad_w = norm_backward_tile(grad_out[rows], x[rows], weight, rstd[rows])
+        grad_w += tile_grad_w
     return grad_x, grad_w.to(weight.dtype)
 
 

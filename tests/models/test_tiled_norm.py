@@ -83,8 +83,46 @@ def test_float32_temporaries_span_one_tile():
     assert mode.largest == 100  # only the input's cast, made outside the norm
 
 
-def _norm_share(norm_chunk_tokens: int) -> tuple[int, int]:
-    cfg = dataclasses.replace(model_config("debug"), n_layers=1, dim=256, norm_chunk_tokens=norm_chunk_tokens)
+def _unfused(monkeypatch):
+    """The feed-forward's norm as its own tiled op again, before the tiled SwiGLU (what the block did before)."""
+    from models.llama import TransformerBlock
+
+    monkeypatch.setattr(TransformerBlock, "_norm_in_feed_forward", lambda self, h: False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_fused_into_the_tiled_swiglu_changes_no_bit(monkeypatch, dtype):
+    """Both tiled: the feed-forward's tiles normalise their own rows (models/tiled_mlp.tiled_norm_swiglu). With the
+    norm's and the SwiGLU's tiles alike, the loss and every gradient equal the norm and the SwiGLU one after the
+    other bit for bit (each row computes the same ops; the norm weight's float32 sums run over the same tiles)."""
+    cfg = dataclasses.replace(model_config("debug"), n_layers=2, norm_chunk_tokens=9, mlp_chunk_tokens=9)
+    model = Llama(cfg)
+    model.init_weights(seed=0)
+    model = model.to(dtype)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 50), generator=torch.Generator().manual_seed(1))
+    assert all(block._norm_in_feed_forward(torch.zeros(1)) for block in model.layers.values())
+    loss, grads = _loss_and_grads(model, tokens)
+    _unfused(monkeypatch)
+    ref_loss, ref_grads = _loss_and_grads(model, tokens)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[n], g) for n, g in ref_grads.items()), [n for n in grads
+                                                                          if not torch.equal(grads[n], ref_grads[n])]
+
+
+def test_breakdown_sees_the_feed_forward_norm_output_go(monkeypatch):
+    """At the block's peak the unfused pair holds the norm's bf16 (tokens x dim) output for the SwiGLU's backward;
+    fused, the tiles make their own: the norms' share drops by exactly that tensor (8 GiB at 1M tokens per rank of
+    an 8B model), less what one tile of it holds while it is made (measured: 2,097,152 - 116,736 bytes)."""
+    fused, fused_peak = _norm_share(256, mlp_chunk_tokens=256)
+    _unfused(monkeypatch)
+    unfused, unfused_peak = _norm_share(256, mlp_chunk_tokens=256)
+    whole, one_tile_fp32 = 4096 * 256 * 2, 256 * 256 * 4
+    assert whole - one_tile_fp32 <= unfused - fused <= whole and fused_peak < unfused_peak, (unfused, fused)
+
+
+def _norm_share(norm_chunk_tokens: int, mlp_chunk_tokens: int = 0) -> tuple[int, int]:
+    cfg = dataclasses.replace(model_config("debug"), n_layers=1, dim=256, norm_chunk_tokens=norm_chunk_tokens,
+                              mlp_chunk_tokens=mlp_chunk_tokens)
     block = Llama(cfg).layers["0"].to(torch.bfloat16)
     with FakeTensorMode(allow_non_fake_inputs=True):
         h = torch.randn(1, 4096, cfg.dim, dtype=torch.bfloat16, requires_grad=True)
