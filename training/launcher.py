@@ -15,8 +15,8 @@ records which ranks were still running when torchrun began to close them (RankSt
 rank that failed first and the ones torchrun stopped, never the OOM killer. A rank whose collective timed out leaves
 its line naming the ranks that never arrived (training/rank_positions.py) in a file this launcher makes
 (HANG_FILE_ENV); the ranks still running then get HANG_GRACE_S instead of the save-on-signal grace, and that line
-comes last. With MAX_RESTARTS, an attempt that torchrun restarts after a hang prints its line when it is closed (the
-restart resumes from the newest intact checkpoint, as after a dead rank).
+comes last, and the exit code is HANG_EXIT_CODE. With MAX_RESTARTS, an attempt that torchrun restarts after a hang
+prints its line when it is closed (the restart resumes from the newest intact checkpoint, as after a dead rank).
 
 Before torchrun starts, the launch check (train.py --check: bad input in one line, before any rank) runs here, in
 this process (check_then_size): run_train.sh once ran it as a process of its own, which imported torch and the
@@ -41,7 +41,7 @@ from torch.distributed.run import get_args_parser, main as torchrun  # noqa: E40
 
 from training.checkpoint_disk import DISK_EXIT_CODE  # noqa: E402
 from training.preemption import EXIT_CODES, STOP_FILE_ENV  # noqa: E402
-from training.rank_positions import HANG_FILE_ENV, reported_hang  # noqa: E402
+from training.rank_positions import HANG_EXIT_CODE, HANG_FILE_ENV, reported_hang  # noqa: E402
 
 _TORCH_CLOSE = PContext.close
 HANG_GRACE_S = 5
@@ -226,7 +226,7 @@ def main(argv: list[str]) -> int:
                 return DISK_EXIT_CODE
             if stops.hang is not None:  # a collective timed out: who never arrived, after torchrun's summary
                 print(stops.hang, file=sys.stderr)
-                return 1
+                return HANG_EXIT_CODE
             line = failure_line(e.failures, stops.pids, _recipe(argv))
             if line:  # torchrun's failure summary is printed; this line comes last
                 print(line, file=sys.stderr)

@@ -166,6 +166,10 @@ def write_details(folder: str, rank: int, text: str) -> str:
 HANG_FILE_ENV = "TRAIN_HANG_FILE"
 """A file training/launcher.py makes for each launch: every rank whose collective timed out appends its line there,
 and the launcher prints the lowest rank's last, after torchrun's own summary."""
+HANG_EXIT_CODE = 76
+"""The launcher's exit code when a collective timed out (a hang) and no restart is left: its line printed, the job
+may resume from the newest intact checkpoint (slurm/train.sbatch requeues it, up to MAX_REQUEUES times). 76 is
+sysexits' EX_PROTOCOL, beside the disk's 74 and the requeue of a saved step's 75."""
 
 
 def is_collective_timeout(error: BaseException) -> bool:

@@ -17,6 +17,7 @@ from config.recipe import load_config
 from harness.launch_env import child_env
 from tests.trainer_runs import ROOT, read_metrics, run_train
 from tests.training.paced_runs import FREEZE_ITSELF, PACED_STEPS, TINY, hook_folder, wrap_on_import
+from training.rank_positions import HANG_EXIT_CODE
 from training.timeouts import CollectiveTimeouts, auto_step_timeout
 
 
@@ -163,7 +164,7 @@ def test_a_frozen_rank_is_named_in_one_line_within_the_step_timeout(tmp_path):
     result, out = _run_with_rank_1(tmp_path, 12, *TINY, FREEZE_AFTER_LINES=4, FREEZE_S=400, STOP_GRACE_S="600",
                                    PACED_STEP_S="0.5")
     ended = time.time()
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == HANG_EXIT_CODE, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     # Where exactly depends on when the freezer saw the 4th record: rank 1 in step 4's last collectives, or in step
     # 5's data or first micro-step (rank 0 can pass none of step 5's collectives without it).
@@ -207,7 +208,7 @@ def test_a_rank_that_stops_itself_is_named_in_one_line(tmp_path, nproc, rank, at
                        "--parallelism.dp_shard", str(nproc), *TINY, nproc=nproc, timeout=300,
                        env=child_env(hook_folder(tmp_path / "hook", FREEZE_ITSELF), **env))
     ended = time.time()
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == HANG_EXIT_CODE, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert re.fullmatch(HANG_LINE.format(step=step, phase=phase, rank=rank, where=where, waited=waited,
                                          timeout=timeout), last), last
