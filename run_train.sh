@@ -38,8 +38,9 @@ PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m config.command_line "$@" 
 # Signals: torchrun forwards SIGTERM and SIGUSR1 to the ranks, which finish their step, save it and exit; it waits
 # STOP_GRACE_S seconds (default 600) for that before it kills them (torch 2.11 has no --shutdown-timeout: the launcher
 # applies it there). training/launcher.py runs torchrun so that the exit
-# code says why the run stopped: 0 after a save on SIGTERM, 75 (requeue) after a save on SIGUSR1; a rank the kernel's
-# OOM killer SIGKILLed (it leaves no word of its own) gets one last line naming the signal, the rank and the plan.
+# code says why the run stopped: 0 after a save on SIGTERM, 75 (requeue) after a save on SIGUSR1, 76 after a hang's
+# line (a collective timed out, no restart left: slurm/train.sbatch requeues); a rank the kernel's OOM killer
+# SIGKILLed (it leaves no word of its own) gets one last line naming the signal, the rank and the plan.
 exec env TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-$(( ${MAX_RESTARTS:-0} > 0 ))}" \
   TRAIN_CHECK_WORLD_SIZE="$world" PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" \
   "$PY" -m training.launcher "${launch[@]}" \

@@ -139,7 +139,8 @@ class ModelConfig:
     (models/tiled_mlp.py): its (tokens x ffn_dim) intermediates exist one tile at a time. 0 = untiled."""
     norm_chunk_tokens: int = 0
     """The blocks' RMSNorms computed over tiles of this many tokens (models/tiled_norm.py), keeping only their input
-    and a float32 scale per token for the backward (their float32 temporaries: one tile at a time). 0 = untiled."""
+    and a float32 scale per token for the backward (their float32 temporaries: one tile at a time). 0 = untiled.
+    With mlp_chunk_tokens too and no TP, the feed-forward's norm runs inside the SwiGLU's tiles (models/tiled_mlp.py)."""
 
     def overrides(self) -> dict:
         """The fields set in the recipe, as keyword overrides of the named Llama config (models/llama.py)."""

@@ -225,13 +225,14 @@ def _auto_plan(usable_mib: float, mode: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "none"])
 def test_auto_offload_only_in_the_stage_that_needs_it(mode):
-    """24.6 MiB usable: the dry run measures the 4K stage at 25.2 MiB without offload and 24.1 MiB with it, the
-    256-token stage at 6.7 MiB. A base without checkpointing is planned again with it on every stage (one model
+    """23.9 MiB usable: the dry run measures the 4K stage at 24.4 MiB without offload and 23.3 MiB with it, the
+    256-token stage at 6.5 MiB (25.2, 24.1 and 6.7 before the chunked loss let go of its input gradient, with a
+    24.6 MiB budget). A base without checkpointing is planned again with it on every stage (one model
     build has one mode, and offload needs one). Slow tier since issue 56 (the fast tier runs in minutes; CI runs both):
     the planner's dry runs of each stage, 39-53 s each."""
-    result = _in_fresh_process(_auto_plan, 24.6, mode)
+    result = _in_fresh_process(_auto_plan, 23.9, mode)
     assert result["offload"] == [False, True]
-    assert all(peak <= 24.6 / 1024 for peak in result["peaks"])
+    assert all(peak <= 23.9 / 1024 for peak in result["peaks"])
     assert result["host"][0] == 0 and result["host"][1] > 0
     assert result["rejected"] and all(why.startswith("without offload cp 1") for why in result["rejected"])
     assert result["written"] == [(False, "full"), (True, "full")]
