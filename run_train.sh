@@ -7,6 +7,8 @@
 #   --plan-ramp --gpus N --target-seq-len L [--out F] [--offload auto|on|off] [--stages K] [--tokens-per-stage T]
 #                   write a recipe whose [[ramp]] stages grow the context to L on N GPUs, every stage measured to fit
 #   NPROC=N     local ranks (default: the product of the recipe's parallel degrees, dp_shard = -1 counted as 1)
+#   RANK_START=exec  each rank a fresh interpreter, as torchrun starts it; default `fork`: forked from the launcher's
+#               imports (training/warm_ranks.py), which saves each rank importing torch and the trainer again
 #   PYTHON, TORCH_SPEC: see bootstrap.sh
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

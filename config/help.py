@@ -41,7 +41,8 @@ overrides: any recipe key as --section.key value or --section.key=value (e.g. --
   (--eval.niah_lengths "[4096, 8192]"). [[ramp]] stages are written in the recipe file.
 
 environment: NPROC=N local ranks (default: the product of the recipe's parallel degrees); MAX_RESTARTS=N restarts
-  after a dead rank from the newest complete checkpoint; PYTHON, TORCH_SPEC: see bootstrap.sh.
+  after a dead rank from the newest complete checkpoint; RANK_START=exec starts each rank as a fresh interpreter
+  (default fork: from the launcher's imports); PYTHON, TORCH_SPEC: see bootstrap.sh.
 """
 
 

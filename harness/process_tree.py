@@ -51,3 +51,50 @@ def end_process_group(pgid: int, grace: float = 5.0) -> None:
         deadline = time.monotonic() + grace
         while group_processes(pgid) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def trainer_ranks(launcher: int) -> list[int]:
+    """The processes that run train.main under run_train.sh's launcher (training/launcher.py, pid `launcher`): the
+    children of its rank starter (training/warm_ranks.py; a child of the launcher with the launcher's own command
+    line), or with RANK_START=exec torchrun's children. Never the clients that stand in for forked ranks towards
+    torchrun, nor the ranks' data-loader workers."""
+    children = _children(launcher)
+    starters = [pid for pid in children if _cmdline(pid) == _cmdline(launcher)]
+    if starters:
+        return sorted(rank for starter in starters for rank in _children(starter))
+    return sorted(children)
+
+
+def rank_processes(launcher: int) -> dict[int, int]:
+    """{global rank: pid} of trainer_ranks(launcher): a forked rank is named `train r<RANK>` (its /proc comm: its
+    environment file is the launcher's), a fresh one carries RANK in its environment."""
+    ranks = {}
+    for pid in trainer_ranks(launcher):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            if name.startswith("train r") and name[7:].isdigit():
+                ranks[int(name[7:])] = pid
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.partition(b"=")[::2] for item in f.read().split(b"\0") if item)
+            ranks[int(env[b"RANK"])] = pid
+        except (OSError, KeyError, ValueError):
+            continue
+    return ranks

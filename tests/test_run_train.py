@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+from harness.process_tree import trainer_ranks
 from tests.trainer_runs import read_metrics, run_train
 
 
@@ -82,31 +83,6 @@ def test_debug_recipe_learns(tmp_path):
     assert losses[0] - sum(losses[-3:]) / 3 >= 1.0, losses
 
 
-def _cmdline(pid) -> list[bytes]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().split(b"\0")
-    except OSError:
-        return []
-
-
-def _rank_pids(folder: str) -> list[int]:
-    """The training ranks of the run writing to `folder`: train.py processes whose parent is torchrun, run by
-    training/launcher.py (their data workers, forked from them, carry the same command line)."""
-    pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        if folder.encode() not in _cmdline(entry) or b"--check" in _cmdline(entry):
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = f.read().rpartition(")")[2].split()[1]
-        except OSError:
-            continue
-        if b"torch.distributed.run" in _cmdline(parent) or b"training.launcher" in _cmdline(parent):
-            pids.append(int(entry))
-    return pids
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_rank_killed_like_the_oom_killer_leaves_one_line(tmp_path):
@@ -128,7 +104,7 @@ def test_a_rank_killed_like_the_oom_killer_leaves_one_line(tmp_path):
         deadline = time.monotonic() + 120
         while not os.path.exists(os.path.join(out, "metrics.jsonl")) and time.monotonic() < deadline:
             time.sleep(0.5)  # training has started when the first step is logged
-        pids = _rank_pids(out)
+        pids = trainer_ranks(launcher.pid)  # run_train.sh execs the launcher: same pid
         assert len(pids) == 2, pids
         os.kill(max(pids), signal.SIGKILL)
         _, err = launcher.communicate(timeout=60)

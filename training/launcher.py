@@ -18,6 +18,10 @@ its line naming the ranks that never arrived (training/rank_positions.py) in a f
 comes last, and the exit code is HANG_EXIT_CODE. With MAX_RESTARTS, an attempt that torchrun restarts after a hang
 prints its line when it is closed (the restart resumes from the newest intact checkpoint, as after a dead rank).
 
+torchrun's ranks are forked from this process' imports (training/warm_ranks.py: a starter forked right after them,
+before the check; torchrun runs training/warm_rank_client.py for each rank, which stands in for it), instead of each
+importing torch and the trainer again; RANK_START=exec leaves torchrun to start them as fresh interpreters.
+
 Before torchrun starts, the launch check (train.py --check: bad input in one line, before any rank) runs here, in
 this process (check_then_size): run_train.sh once ran it as a process of its own, which imported torch and the
 trainer a second time for every launch (~4 CPU-s, as much as a rank's start-up).
@@ -42,6 +46,7 @@ from torch.distributed.run import get_args_parser, main as torchrun  # noqa: E40
 from training.checkpoint_disk import DISK_EXIT_CODE  # noqa: E402
 from training.preemption import EXIT_CODES, STOP_FILE_ENV  # noqa: E402
 from training.rank_positions import HANG_EXIT_CODE, HANG_FILE_ENV, reported_hang  # noqa: E402
+from training.warm_ranks import WarmRanks  # noqa: E402
 
 _TORCH_CLOSE = PContext.close
 HANG_GRACE_S = 5
@@ -74,12 +79,13 @@ def _load_script(path: str):
     return module
 
 
-def check_then_size(argv: list[str]) -> list[str] | int:
+def check_then_size(argv: list[str], entry=None) -> list[str] | int:
     """train.py --check on the script's arguments, in this process: an exit code when it refuses (its one line is
     printed), else torchrun's arguments with `--nproc-per-node auto` replaced by the ranks the check asks for, and
-    OMP_NUM_THREADS (unless set) the cores split between them, so torchrun prints no thread banner."""
+    OMP_NUM_THREADS (unless set) the cores split between them, so torchrun prints no thread banner. `entry`: the
+    script, loaded already (loaded here when None)."""
     script = _script_at(argv)
-    entry = _load_script(argv[script])
+    entry = entry or _load_script(argv[script])
     world = os.environ.pop(CHECK_WORLD_ENV, "")
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = world  # what the check reads as the launch's world size ("" = the recipe's)
@@ -203,7 +209,17 @@ def failure_line(failures: dict, stopped_pids: set[int], recipe: str) -> str | N
 
 
 def main(argv: list[str]) -> int:
-    checked = check_then_size(argv)
+    entry = _load_script(argv[_script_at(argv)])  # torch and the trainer, imported once here
+    starter = WarmRanks.start(entry, argv[_script_at(argv)])  # forked now, before the check can touch a device
+    try:
+        return _check_and_run(argv, entry, starter)
+    finally:
+        if starter is not None:
+            starter.stop()
+
+
+def _check_and_run(argv: list[str], entry, starter: WarmRanks | None) -> int:
+    checked = check_then_size(argv, entry)
     if isinstance(checked, int):
         return checked
     argv = grace_on_any_torch(checked)
@@ -218,7 +234,7 @@ def main(argv: list[str]) -> int:
     signalled = None
     try:
         try:
-            torchrun(argv)
+            torchrun(starter.route(argv, _script_at(argv)) if starter is not None else argv)
         except SignalException as e:
             signalled = e.sigval
         except ChildFailedError as e:  # a save failed on the disk: rank 0 said so in one line

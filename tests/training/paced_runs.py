@@ -25,8 +25,8 @@ import importlib.util, os, signal, sys, time
 
 
 class _WrapOnImport:
-    def __init__(self, module, attr, wrap):
-        self.module, self.attr, self.wrap = module, attr, wrap
+    def __init__(self, module, attr, source, when):
+        self.module, self.attr, self.source, self.when = module, attr, source, when
 
     def find_spec(self, name, path=None, target=None):
         if name != self.module:
@@ -39,9 +39,20 @@ class _WrapOnImport:
             run(module)
             owner, _, attr = self.attr.rpartition(".")
             holder = getattr(module, owner) if owner else module
-            setattr(holder, attr, self.wrap(getattr(holder, attr)))
+            setattr(holder, attr, self.decided_per_process(getattr(holder, attr)))
         spec.loader.exec_module = exec_module
         return spec
+
+    def decided_per_process(self, original):
+        chosen = {}  # pid -> what this process calls
+
+        def call(*args, **kwargs):
+            if os.getpid() not in chosen:
+                scope = dict(globals())
+                exec(self.source, scope)
+                chosen[os.getpid()] = scope["wrap"](original) if eval(self.when, scope) else original
+            return chosen[os.getpid()](*args, **kwargs)
+        return call
 
 """
 
@@ -50,9 +61,12 @@ def wrap_on_import(module: str, attr: str, wrapper: str, when: str) -> str:
     """sitecustomize.py source (for every Python process of a run, through PYTHONPATH) that replaces `attr` of
     `module` ("function" or "Class.method") by `wrap(original)` when the module is first imported. `wrapper` is
     source defining `wrap` (and what it reads; names with a prefix of their own, as several hooks may share one
-    file), run at start-up; `when`, a Python expression evaluated then, says whether to hook at all."""
-    return (_WRAP_ON_IMPORT + textwrap.dedent(wrapper)
-            + f"\nif {when}:\n    sys.meta_path.insert(0, _WrapOnImport({module!r}, {attr!r}, wrap))\n")
+    file); `when`, a Python expression over those names, says whether to hook. Both are evaluated in the process
+    that first calls `attr`, on its own environment, not at start-up: a rank forked from the launcher's imports
+    (training/warm_ranks.py) never ran start-up code of its own, and its RANK and restart count are not the
+    launcher's; a data-loader worker forked from a rank decides for itself too."""
+    return (_WRAP_ON_IMPORT + f"\nsys.meta_path.insert(0, _WrapOnImport({module!r}, {attr!r}, "
+            f"{textwrap.dedent(wrapper)!r}, {when!r}))\n")
 
 
 PACED_STEPS = wrap_on_import("training.preemption", "StopSignals.agreed", """

@@ -8,15 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
-import uuid
 
 import pytest
 
 from harness.launch_env import python_path
+from harness.process_tree import rank_processes
 from tests.trainer_runs import ROOT
-from tests.training.paced_runs import FREEZE_ITSELF, TINY, hook_folder, paced_hook, uninterrupted_losses
+from tests.training.paced_runs import (FREEZE_ITSELF, TINY, hook_folder, paced_hook, uninterrupted_losses,
+                                       wrap_on_import)
 from tests.training.test_checkpoint_runs import losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the module's uninterrupted run + a job allowed 400 s
@@ -25,27 +25,22 @@ ARGS = ["--training.steps", "20", "--training.seq_len", "128", "--training.local
         "--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2",
         "--metrics.enable_tensorboard", "false", *TINY]
 
-# Loaded by every Python process of the job through PYTHONPATH; only worker ranks of the first attempt act on it.
-KILL_DURING_SAVE = textwrap.dedent("""
-    import os
-    target = os.environ.get("KILL_DURING_SAVE", "")
-    if target and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-        rank, folder = target.split(":", 1)
-        if os.environ.get("RANK") == rank:
-            import signal
-            from torch.distributed.checkpoint import filesystem
+# Loaded by every Python process of the job through PYTHONPATH; only rank KILL_DURING_SAVE's first attempt acts on
+# it: the rank dies once its file of the named checkpoint folder is written.
+KILL_DURING_SAVE = wrap_on_import("torch.distributed.checkpoint.filesystem", "_FileSystemWriter.write_data", """
+    _KDS_RANK, _, _KDS_FOLDER = os.environ.get("KILL_DURING_SAVE", "").partition(":")
 
-            original = filesystem._FileSystemWriter.write_data
 
-            def write_data(self, plan, planner):
-                result = original(self, plan, planner)
-                if str(self.path).endswith(folder):  # this rank's file is written; the others wait for it
-                    result.wait()
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return result
-
-            filesystem._FileSystemWriter.write_data = write_data
-""")
+    def wrap(original):
+        def write_data(self, plan, planner):
+            result = original(self, plan, planner)
+            if str(self.path).endswith(_KDS_FOLDER):  # this rank's file is written; the others wait for it
+                result.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+        return write_data
+""", when='bool(_KDS_RANK) and os.environ.get("RANK") == _KDS_RANK and '
+          'os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"')
 
 
 def launch(folder: str, env_extra: dict | None = None, args: tuple = ()) -> subprocess.Popen:
@@ -71,20 +66,9 @@ def uninterrupted() -> dict[int, float]:
     return uninterrupted_losses(tuple(ARGS))
 
 
-def worker_pid(tag: str, rank: int) -> int | None:
-    """The process of `rank` in the job whose environment carries `tag`."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = set(f.read().split(b"\0"))
-        except OSError:
-            continue
-        if f"CHECKPOINT_TEST_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env \
-                and any(v.startswith(b"LOCAL_RANK=") for v in env):
-            return int(entry)
-    return None
+def worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    """The process of `rank` in the job of `launcher` (run_train.sh, which execs the launcher)."""
+    return rank_processes(launcher.pid).get(rank)
 
 
 def latest_step(folder: str) -> int:
@@ -97,15 +81,15 @@ def latest_step(folder: str) -> int:
 def test_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(tmp_path, uninterrupted):
     """The first attempt's steps sleep 0.5 s each (paced_runs.PACED_STEPS, a tiny step is too short for the test to
     kill rank 1 mid-run for sure), the restarted attempt runs at full speed."""
-    folder, tag = str(tmp_path / "run"), uuid.uuid4().hex
+    folder = str(tmp_path / "run")
     hook = paced_hook(tmp_path / "hook")
     start = time.perf_counter()
-    process = launch(folder, {"CHECKPOINT_TEST_TAG": tag, "PYTHONPATH": python_path(hook), "PACED_STEP_S": "0.5",
+    process = launch(folder, {"PYTHONPATH": python_path(hook), "PACED_STEP_S": "0.5",
                               "PACED_WHILE": "TORCHELASTIC_RESTART_COUNT=0"})
     while latest_step(folder) < 7:  # step 5's checkpoint is published before step 6 is logged
         assert process.poll() is None, "the job ended before the kill"
         time.sleep(0.05)
-    pid = worker_pid(tag, 1)
+    pid = worker_pid(process, 1)
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     killed_at = latest_step(folder)

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from harness.launch_env import child_env
-from harness.process_tree import group_processes
+from harness.process_tree import group_processes, trainer_ranks
 from harness import forked_launch
 from tests.trainer_runs import ROOT, read_metrics, short_documents_recipe
 from tests.training.paced_runs import TINY, hook_folder, paced_hook, uninterrupted_losses, wrap_on_import
@@ -80,13 +80,8 @@ def logged_step(folder: str) -> int:
 
 
 def ranks(process: subprocess.Popen) -> list[int]:
-    """The trainer ranks: torchrun's children."""
-    return [pid for pid in group_processes(process.pid) if _parent(pid) == process.pid]
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+    """The trainer ranks (the rank starter's children, or torchrun's with RANK_START=exec)."""
+    return trainer_ranks(process.pid)
 
 
 def uninterrupted(extra: tuple = (), recipe: tuple = ()) -> dict[int, float]:
@@ -177,20 +172,17 @@ def test_sigterm_and_sigusr1_to_torchrun_one_rank_and_every_process_save_and_res
 
 # Loaded by every Python process of the run through PYTHONPATH: rank 1's write of the step-4 checkpoint fails as a
 # full disk does (the same OSError an ENOSPC write raises), after the step-2 checkpoint was saved.
-DISK_FULL_AT_STEP_4 = """
-import errno, os
-if os.environ.get("RANK") == "1":
-    from torch.distributed.checkpoint import filesystem
+DISK_FULL_AT_STEP_4 = wrap_on_import("torch.distributed.checkpoint.filesystem", "_FileSystemWriter.write_data", """
+    import errno
 
-    original = filesystem._FileSystemWriter.write_data
 
-    def write_data(self, plan, planner):
-        if str(self.path).endswith("step-4.partial"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return original(self, plan, planner)
-
-    filesystem._FileSystemWriter.write_data = write_data
-"""
+    def wrap(original):
+        def write_data(self, plan, planner):
+            if str(self.path).endswith("step-4.partial"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return original(self, plan, planner)
+        return write_data
+""", when='os.environ.get("RANK") == "1"')
 
 
 TMPFS_MIB = 9

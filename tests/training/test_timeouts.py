@@ -6,7 +6,6 @@ second, rank 1 frozen (SIGSTOP) after step 4, ends within the 20 s step timeout 
 (training/rank_positions.py; its parts are tested in tests/training/test_rank_positions.py)."""
 import os
 import re
-import textwrap
 import time
 
 import pytest
@@ -93,27 +92,40 @@ def test_the_old_key_and_bad_values_are_refused_in_one_line():
     assert (cfg.job.init_timeout_s, cfg.job.step_timeout_s) == (600, 0)
 
 
-FREEZE_RANK_1 = textwrap.dedent("""
-    # Test helper, on PYTHONPATH, for rank 1 only. FREEZE_AFTER_LINES / FREEZE_S: once FREEZE_METRICS holds that many
-    # records, a helper process freezes the rank (SIGSTOP, as a process the kernel or a debugger stopped) for
-    # FREEZE_S seconds.
-    import os, signal, time
-    if os.environ.get("RANK") == "1" and os.environ.get("FREEZE_AFTER_LINES"):
-        rank_pid, path = os.getpid(), os.environ["FREEZE_METRICS"]
-        lines, seconds = int(os.environ["FREEZE_AFTER_LINES"]), float(os.environ["FREEZE_S"])
-        if os.fork() == 0:  # the freezer: off the rank's output pipes, and gone with the rank
-            import ctypes
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-            null = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(null, fd)
-            while not (os.path.exists(path) and open(path).read().count("\\n") >= lines):
-                time.sleep(0.05)
-            os.kill(rank_pid, signal.SIGSTOP)
-            time.sleep(seconds)
-            os.kill(rank_pid, signal.SIGCONT)
-            os._exit(0)
-""")
+FREEZE_RANK_1 = wrap_on_import("training.step", "micro_step", """
+    # FREEZE_AFTER_LINES / FREEZE_S: once FREEZE_METRICS holds that many records, a helper process freezes rank 1
+    # (SIGSTOP, as a process the kernel or a debugger stopped) for FREEZE_S seconds. Started at the rank's first
+    # micro-step, off its output pipes, in its process group (torchrun's kill of the rank's group ends it too).
+    import subprocess, textwrap
+
+    _FREEZER = '''
+        import os, signal, sys, time
+        rank, path, lines, seconds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+        alive = lambda: os.path.exists(f"/proc/{rank}")
+        while alive() and not (os.path.exists(path) and open(path).read().count(chr(10)) >= lines):
+            time.sleep(0.05)
+        if alive():
+            os.kill(rank, signal.SIGSTOP)
+            end = time.monotonic() + seconds
+            while alive() and time.monotonic() < end:
+                time.sleep(0.2)
+            if alive():
+                os.kill(rank, signal.SIGCONT)
+    '''
+
+
+    def wrap(micro_step):
+        started = []
+
+        def freezing(*args, **kwargs):
+            if not started:
+                started.append(subprocess.Popen(
+                    [sys.executable, "-c", textwrap.dedent(_FREEZER), str(os.getpid()), os.environ["FREEZE_METRICS"],
+                     os.environ["FREEZE_AFTER_LINES"], os.environ["FREEZE_S"]],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            return micro_step(*args, **kwargs)
+        return freezing
+""", when='os.environ.get("RANK") == "1" and bool(os.environ.get("FREEZE_AFTER_LINES"))')
 SLEEP_AT_MICRO_STEP = wrap_on_import("training.step", "micro_step", """
     def wrap(micro_step):
         calls = [0]
