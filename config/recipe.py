@@ -288,6 +288,9 @@ def validate(cfg: Config) -> None:
     if cfg.parallelism.attention_head_groups < 0:
         raise RecipeError(f"{where}: parallelism.attention_head_groups must be >= 0 (0 = by size, 1 = one group), "
                           f"got {cfg.parallelism.attention_head_groups}.")
+    if cfg.parallelism.attention_sublayer_groups < 0:
+        raise RecipeError(f"{where}: parallelism.attention_sublayer_groups must be >= 0 (0 or 1 = off), got "
+                          f"{cfg.parallelism.attention_sublayer_groups}.")
     if cfg.metrics.straggler_threshold < 0:
         raise RecipeError(f"{where}: metrics.straggler_threshold must be >= 0 (0 = off), got "
                           f"{cfg.metrics.straggler_threshold}.")

@@ -282,6 +282,11 @@ class ParallelismConfig:
     """CP attention runs its K/V heads in at most this many groups, one after another: its float32 gradient
     accumulators, K/V in flight and kernel temporaries then span one group (exact: attention is per head). 0 = by
     size (a group's float32 dQ within 1 GiB: one group up to 64K tokens per rank of an 8B model); 1 = never."""
+    attention_sublayer_groups: int = 0
+    """The whole attention sublayer (projections, RoPE, CP attention, their gradients) in this many K/V head groups,
+    one after another, so q, k, v, their rotations, dQ/dK/dV and the output's gradient span one group
+    (parallelisms/sublayer_groups.py; docs/frontier.md). 0 or 1 = off. Must divide model.n_kv_heads; runs under
+    CP's ring, allgather or packed documents, eager blocks without TP, float8 or biased projections."""
     fsdp_reshard_after_forward: ReshardPolicy = "default"
     """Free gathered parameters after forward: default (yes, but no under PP) | always | never."""
 

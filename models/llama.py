@@ -74,8 +74,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.sublayer_hook: Callable | None = None
+        """Set by the composer to run the sublayer in head groups (parallelisms/sublayer_groups.py): its output,
+        or None where that does not apply and this forward runs."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.sublayer_hook is not None:
+            grouped = self.sublayer_hook(self, x, cos, sin)
+            if grouped is not None:
+                return grouped
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its slice of the heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)

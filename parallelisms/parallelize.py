@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from config.schema import Config
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.sublayer_groups import install as install_sublayer_groups
 from parallelisms.data_parallel import apply_fsdp, offload_policy
 from parallelisms.float8 import apply_float8, cast_under_autocast, float8_tp_styles
 from parallelisms.parallel_dims import TrainingMesh
@@ -47,7 +48,7 @@ def uses_loss_parallel(cfg: Config, mesh: TrainingMesh) -> bool:
     return mesh.dims.tp > 1 and cfg.parallelism.loss_parallel
 
 
-def apply_compile(model: torch.nn.Module, split: bool = False) -> None:
+def apply_compile(model: torch.nn.Module, split: bool = False, eager_attention: bool = False) -> None:
     """Compiles each whole transformer block with `fullgraph=True` (norms, residual adds, projections, RoPE, the CP
     attention op, MLP) inside its activation-checkpoint wrapper, before FSDP2 wraps it. Under CP the attention is one
     registered op (parallelisms/cp/op.py), so a block is one graph. Every layer shares the compiled code (the module
@@ -61,9 +62,15 @@ def apply_compile(model: torch.nn.Module, split: bool = False) -> None:
 
     `split` (tensor parallelism): attention and feed-forward forwards compiled separately instead, TP's input hooks
     (sequence-sharded -> replicated) running eagerly between them; traced inside one graph those hooks gave the
-    norm weights wrong gradients (tests/training/test_compile_tp_block.py is the minimal repro)."""
+    norm weights wrong gradients (tests/training/test_compile_tp_block.py is the minimal repro).
+
+    `eager_attention` (parallelism.attention_sublayer_groups > 1): the feed-forward's forward alone is compiled; the
+    attention sublayer runs its head groups eagerly (parallelisms/sublayer_groups.py), as the dry run measures."""
     for name, block in model.layers.items():
-        if split:
+        if eager_attention:
+            inner = getattr(block, "_checkpoint_wrapped_module", block)
+            inner.feed_forward.forward = torch.compile(inner.feed_forward.forward)
+        elif split:
             inner = getattr(block, "_checkpoint_wrapped_module", block)  # set on the block, not on an AC wrapper
             for module in (inner.attention, inner.feed_forward):
                 module.forward = torch.compile(module.forward)
@@ -140,10 +147,12 @@ def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torc
     if mesh.dims.tp > 1:
         float8 = float8_tp_styles(cfg.training.float8, dist.get_backend(mesh.tp_mesh.get_group()))
         apply_tp(model, mesh.tp_mesh, uses_loss_parallel(cfg, mesh), float8)
+    if cfg.parallelism.attention_sublayer_groups > 1:  # before the wrappers: it sets an attribute of each attention
+        install_sublayer_groups(model, cfg.parallelism.attention_sublayer_groups)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.every, ac.offload, ac.offload_prefetch)
     if cfg.training.compiles(mesh.world.device_type):
-        apply_compile(model, split=mesh.dims.tp > 1)
+        apply_compile(model, split=mesh.dims.tp > 1, eager_attention=cfg.parallelism.attention_sublayer_groups > 1)
     if uses_autocast(cfg, mesh):
         cast_under_autocast(model)
         apply_autocast(model, getattr(torch, cfg.training.dtype))

@@ -80,6 +80,13 @@ class ActiveRuns:
         if not stack:
             self._by_group.pop(group_name, None)
 
+    def sole(self) -> SdpaToContextParallel | None:
+        """The innermost open block when blocks of one CP group only are open (a training step's), else None."""
+        if len(self._by_group) != 1:
+            return None
+        (stack,) = self._by_group.values()
+        return stack[-1]
+
     def current(self, group_name: str) -> SdpaToContextParallel:
         stack = self._by_group.get(group_name)
         if not stack:

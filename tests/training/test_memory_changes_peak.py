@@ -2,7 +2,9 @@
 (tests/training/real_step_memory.py: live storages of gloo rank 0): the peak drops by the same bytes.
 - tiled RMSNorms (model.norm_chunk_tokens), one rank;
 - CP attention in K/V head groups (parallelism.attention_head_groups), cp 2 with the norms, SwiGLU and loss tiled
-  so that the attention's backward is the step's peak, as at 512K tokens per GPU (docs/frontier.md).
+  so that the attention's backward is the step's peak, as at 512K tokens per GPU (docs/frontier.md);
+- the whole attention sublayer in K/V head groups (parallelism.attention_sublayer_groups, parallelisms/
+  sublayer_groups.py) on the same step, the CP attention's own head groups on in both runs.
 Debug model (dim 256, 16 heads), 4 blocks, full checkpointing, fp32. A few thousand tokens keep each real step at
 seconds on two CPU cores; the savings are per token. The head groups at 4,096 tokens (2,048 per rank): the peak drops
 4.37 of 92.86 MiB, dry run and real step alike (at 8,192: 23.49 of 138.32, for 31 CPU-s against 14). bench/bench_memory_changes_64k.py runs the same measurement at
@@ -29,6 +31,11 @@ CHANGES = {
                                   "--training.loss_chunk_tokens", "512"],
                               (["--parallelism.attention_head_groups", "1"],
                                ["--parallelism.attention_head_groups", "16"])),
+    "attention sublayer groups": (2, ["--training.seq_len", "4096", "--parallelism.cp", "2",
+                                      "--model.norm_chunk_tokens", "512", "--model.mlp_chunk_tokens", "512",
+                                      "--training.loss_chunk_tokens", "512", "--parallelism.attention_head_groups", "16"],
+                                  (["--parallelism.attention_sublayer_groups", "0"],
+                                   ["--parallelism.attention_sublayer_groups", "16"])),
 }
 AT_64K = {f"{name} at 64K": (ranks, [*both, "--training.seq_len", "65536", "--data.document_masking", "true"], variants)
           for name, (ranks, both, variants) in CHANGES.items()}

@@ -393,3 +393,25 @@ def test_a_compiled_step_keeps_the_eager_bytes_of_fsdp2_copies_and_the_loss():
 
     assert memory_bound_s(True, eager_only) == pytest.approx(memory_bound_s(False, eager_only), rel=1e-12)
     assert memory_bound_s(True, 3 * eager_only) < memory_bound_s(False, 3 * eager_only)
+
+
+def test_grouped_sublayers_add_one_more_pass_of_the_qkv_projections():
+    """parallelism.attention_sublayer_groups: the backward projects q, k and v again per group from the saved input:
+    2 x dim x head_dim x (Hq + 2 Hkv) FLOPs per token per layer more, at the GEMM rate, nothing else."""
+    import dataclasses
+
+    from models.llama import model_config
+    from training.planning.accelerators import ACCELERATORS
+    from training.planning.price import predict_step
+    from training.planning.workload import Layout, Workload
+
+    acc, m = ACCELERATORS["h100-sxm"], model_config("llama3_8b")
+    base = Workload(model=m, layout=Layout(1, 1, 1, 8, 1, 8), seq_len=8388608, local_batch_size=1, grad_accum=1,
+                    ac_mode="full")
+    plain, grouped = (predict_step(w, acc).parts for w in (base, dataclasses.replace(base, sublayer_groups=True)))
+    extra = 8388608 / 8 * m.n_layers * 2 * m.dim * m.head_dim * (m.n_heads + 2 * m.num_kv_heads)
+    block = 8388608 / 8 * m.n_layers * (2 * m.dim * m.head_dim * (2 * m.n_heads + 2 * m.num_kv_heads)
+                                        + 6 * m.dim * m.ffn_hidden_dim) * 4  # full AC: forward, recompute, backward
+    output = 8388608 / 8 * 2 * m.dim * m.vocab_size * 3
+    assert grouped["gemm"] / plain["gemm"] == pytest.approx((block + output + extra) / (block + output), rel=1e-9)
+    assert {k: v for k, v in grouped.items() if k != "gemm"} == {k: v for k, v in plain.items() if k != "gemm"}

@@ -13,6 +13,7 @@ from parallelisms.cp.exchange_alltoall import kv_replication
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline_parallel import plan_pipeline
 from parallelisms.cp.layouts import sequence_divisor
+from parallelisms.sublayer_groups import refusal as sublayer_groups_refusal
 from parallelisms.tensor_parallel import check_tp_degree
 from training.launch_checks.eval_config import stage_eval_config
 from training.evaluation.niah import niah_eval_lengths
@@ -57,6 +58,11 @@ def preflight(cfg: Config, world_size: int):
                           f"local_batch_size x dp = {rows_per_step}. Use {max(1, gbs // rows_per_step) * rows_per_step}.")
     if p.tp > 1:
         check_tp_degree(mcfg.n_heads, mcfg.num_kv_heads, p.tp, where=cfg.recipe_path)
+    if p.attention_sublayer_groups > 1:
+        refused = sublayer_groups_refusal(cfg, mcfg.num_kv_heads, mcfg.qkv_bias or mcfg.qk_norm)
+        if refused:
+            raise RecipeError(f"{cfg.recipe_path}: parallelism.attention_sublayer_groups = "
+                              f"{p.attention_sublayer_groups}: {refused}")
     check_sequence_split(cfg)
     check_offload(cfg)  # a dry run's candidate or a ramp stage is a Config that load_config did not validate
     check_cpu_offload(cfg)

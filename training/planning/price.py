@@ -68,6 +68,8 @@ def _step_parts(w: Workload, acc: AcceleratorSpec, where: float, rates: Measured
     block_gemm = 2.0 * m.dim * m.head_dim * (2 * m.n_heads + 2 * m.num_kv_heads) + 6.0 * m.dim * m.ffn_hidden_dim
     output_gemm = 2.0 * m.dim * m.vocab_size
     block_flops = tokens / lay.tp * layers * block_gemm * (3 + gemm_recompute)
+    if w.sublayer_groups:  # the q/k/v projections once more, in the grouped sublayer's backward
+        block_flops += tokens / lay.tp * layers * 2.0 * m.dim * m.head_dim * (m.n_heads + 2 * m.num_kv_heads)
     output_flops = tokens / lay.tp * output_gemm * (3 + (1 if w.loss_chunk_tokens else 0))
     float8_share = converted_gemm_share(m, w.tiled_mlp) if w.float8 != "off" else 0.0
     parts = {"gemm": (block_flops * (1 - float8_share) + output_flops) / gemm_rate * w.grad_accum}

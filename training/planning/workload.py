@@ -69,6 +69,9 @@ class Workload:
     """Host bytes per micro-batch (activation offload), each way over PCIe."""
     offload_prefetch: bool = True
     """The copies back under the previous block's compute; off: each one waited for (activation_checkpoint)."""
+    sublayer_groups: bool = False
+    """The attention sublayer in head groups (parallelism.attention_sublayer_groups > 1 under CP): its backward
+    projects q, k and v again from the saved input (parallelisms/sublayer_groups.py)."""
     attention_kernel: str = "flash"
     """The kernel family the attention runs (`stage_attention_kernel`): "cudnn" is priced at cuDNN's rate."""
     document_pieces: tuple[tuple[int, float], ...] | None = None
@@ -171,6 +174,7 @@ def workload_for(cfg, dims, gpus_per_node: int, cp_ring_bytes: float | None = No
         reshard_after_forward=p.reshard_after_forward, visible_pair_fraction=fraction, attention_length=length,
         cp_ring_bytes=cp_ring_bytes, offload_bytes=offload_bytes, attention_kernel=stage_attention_kernel(cfg),
         offload_prefetch=cfg.activation_checkpoint.offload_prefetch,
+        sublayer_groups=p.attention_sublayer_groups > 1 and (dims.cp > 1 or cfg.data.document_masking),
         document_pieces=pieces, documents_kernel=stage_documents_kernel(cfg),
         float8=t.float8, tiled_mlp=cfg.model.mlp_chunk_tokens > 0, bandwidth_bytes=bandwidth_bytes)
 
