@@ -331,6 +331,9 @@ def check_offload(cfg: Config) -> None:
     if cfg.activation_checkpoint.offload and cfg.activation_checkpoint.mode == "none":
         raise RecipeError(f"{cfg.recipe_path}: activation_checkpoint.offload = true needs activation_checkpoint.mode "
                           f"full, selective or op (it is \"none\"). Set a mode or offload = false.")
+    if cfg.activation_checkpoint.offload_keep_last < 0:
+        raise RecipeError(f"{cfg.recipe_path}: activation_checkpoint.offload_keep_last must be >= 0 (0 = every block "
+                          f"input offloaded), got {cfg.activation_checkpoint.offload_keep_last}.")
 
 
 def check_cpu_offload(cfg: Config) -> None:

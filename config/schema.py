@@ -317,6 +317,11 @@ class ActivationCheckpointConfig:
     offload: bool = False
     """Move each checkpointed block's input to host memory after its forward and back before its recompute (CUDA:
     pinned buffers, copies on a side stream overlapping compute). Needs a mode other than none. Exact."""
+    offload_keep_last: int = 0
+    """With offload: the inputs of the last this many checkpointed blocks stay on the device. Backward needs the last
+    one first, so keeping it costs no device memory at a block's peak (the loss's aside) and saves its host bytes and
+    copies; each one more costs one block input at the last block's backward. The dry run measures both. 0 = every
+    input offloaded."""
     offload_prefetch: bool = True
     """With offload: bring block i-1's input back while block i recomputes (the copy under compute; two block inputs
     on the device). false: each comes back when its own recompute starts, one on the device and the compute waiting

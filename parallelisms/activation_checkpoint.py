@@ -124,9 +124,10 @@ def _offloaded_checkpoint(offloader: ActivationOffloader, layer: int, fn, hidden
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int = 1, offload: bool = False,
-                                   prefetch: bool = True) -> None:
+                                   prefetch: bool = True, keep_last: int = 0) -> None:
     """Wraps the blocks of `model` (a full Llama or a pipeline stage) in place. `prefetch`: the offloader brings the
-    next block input back under the current block's recompute (ActivationOffloader.prefetch)."""
+    next block input back under the current block's recompute (ActivationOffloader.prefetch); `keep_last`: the last
+    checkpointed blocks whose inputs stay on the device (ActivationOffloader.keep_last)."""
     if mode not in MODES:
         raise Refusal(f"activation checkpoint mode {mode!r} is not one of {MODES}")
     if mode == "none":
@@ -135,13 +136,15 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int
         return
     offloader = ActivationOffloader() if offload else None
     if offloader is not None:
-        offloader.prefetch = prefetch
+        offloader.prefetch, offloader.keep_last = prefetch, keep_last
         model.activation_offloader = offloader
     for name, block in list(model.layers.items()):
         if mode == "selective" and int(name) % every != 0:
             continue
         context_fn = _op_context if mode == "op" else _full_context
         checkpoint_fn = functools.partial(_offloaded_checkpoint, offloader, int(name)) if offloader else None
+        if offloader is not None:
+            offloader.layers.append(int(name))
         wrapped = checkpoint_wrapper(block, checkpoint_fn=checkpoint_fn, context_fn=context_fn,
                                      preserve_rng_state=False)
         model.layers[name] = wrapped

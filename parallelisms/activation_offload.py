@@ -66,10 +66,20 @@ class ActivationOffloader:
         self.enabled = True
         """Off: `hooks` adds nothing, so a checkpointed block runs exactly as plain checkpointing (a ramp stage
         without offload in a run built with the offloader; the trainer sets it per stage)."""
+        self.keep_last = 0
+        """The inputs of the last this many checkpointed blocks (`layers`) stay on the device: backward needs the
+        last one first (no device byte more at its peak), and each kept one is host memory and two copies saved.
+        activation_checkpoint.offload_keep_last."""
+        self.layers: list[int] = []
+        """The checkpointed blocks' indices in this model part (set by apply_activation_checkpointing)."""
         self.prefetch = True
         """Bring block i-1's input back as soon as block i's is unpacked (the copy overlaps block i's recompute and
         backward; two block inputs on the device); off: each when its own recompute unpacks it (one on the device, the
         compute stream waiting for the copy). activation_checkpoint.offload_prefetch."""
+
+    def follow(self, ac) -> None:
+        """Takes a ramp stage's [activation_checkpoint] section (offload, offload_prefetch, offload_keep_last)."""
+        self.enabled, self.prefetch, self.keep_last = ac.offload, ac.offload_prefetch, ac.offload_keep_last
 
     def reset_peak(self) -> None:
         self.peak_host_bytes = self.host_bytes
@@ -103,7 +113,7 @@ class ActivationOffloader:
     def hooks(self, hidden: torch.Tensor, layer: int):
         """The context to run one block's checkpoint call in: offloads `hidden` (the block input) when it is saved.
         Autograd keeps the pack hook with every tensor saved under it, so the hook holds `hidden` weakly."""
-        if not self.enabled:
+        if not self.enabled or (self.keep_last and layer in self.layers[-self.keep_last:]):
             return contextlib.nullcontext()
         target = weakref.ref(hidden)
         return torch.autograd.graph.saved_tensors_hooks(lambda x: self._pack(x, target(), layer), self._unpack)

@@ -150,7 +150,7 @@ def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torc
     if cfg.parallelism.attention_sublayer_groups > 1:  # before the wrappers: it sets an attribute of each attention
         install_sublayer_groups(model, cfg.parallelism.attention_sublayer_groups)
     ac = cfg.activation_checkpoint
-    apply_activation_checkpointing(model, ac.mode, ac.every, ac.offload, ac.offload_prefetch)
+    apply_activation_checkpointing(model, ac.mode, ac.every, ac.offload, ac.offload_prefetch, ac.offload_keep_last)
     if cfg.training.compiles(mesh.world.device_type):
         apply_compile(model, split=mesh.dims.tp > 1, eager_attention=cfg.parallelism.attention_sublayer_groups > 1)
     if uses_autocast(cfg, mesh):

@@ -141,7 +141,7 @@ class Trainer:
         for offloader in self.offloaders:  # the old stage's host arena is unpinned and freed (host_arena.py)
             offloader.release_arena()
             ac = cfg.activation_checkpoint
-            offloader.enabled, offloader.prefetch = ac.offload, ac.offload_prefetch
+            offloader.follow(ac)
         self.places_by_work = cfg.data.places_by_work()
         micro_loader = build_stage_data(cfg, self.tokenizer, self.stores, self.mesh, rows_consumed)
         # whole steps with their host plans, made in the loader's workers (training/batch_plans.py)

@@ -23,11 +23,11 @@ TINY = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, multiple
 BATCH, SEQ = 2, 32
 
 
-def _step(mode: str, offload: bool, prefetch: bool = True):
+def _step(mode: str, offload: bool, prefetch: bool = True, keep_last: int = 0):
     """One forward/backward; returns loss, grads, the weakly held inputs of the checkpointed blocks after the
     forward (None where freed) and the host bytes held then."""
     model = Llama(LlamaConfig(**TINY))
-    apply_activation_checkpointing(model, mode, 2, offload, prefetch)
+    apply_activation_checkpointing(model, mode, 2, offload, prefetch, keep_last)
     model.init_weights(0)
     inputs = []
     for block in model.layers.values():
@@ -244,3 +244,15 @@ def test_recompute_with_offload_still_enters_the_forward_modes():
     with calls:
         model(torch.randint(0, TINY["vocab_size"], (BATCH, SEQ))).sum().backward()
     assert calls.count == 2 * TINY["n_layers"]
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_the_last_blocks_keep_their_inputs_on_the_device_and_nothing_changes(keep_last):
+    """activation_checkpoint.offload_keep_last: the last `keep_last` of the 4 checkpointed blocks keep their inputs
+    referenced after the forward (on the device), the others are offloaded (host bytes for those only), and the
+    numbers are bit-identical to the step without offload."""
+    ref_loss, ref_grads, _, _ = _step("full", offload=False)
+    loss, grads, alive, host = _step("full", offload=True, keep_last=keep_last)
+    assert alive == [False] * (4 - keep_last) + [True] * keep_last, alive
+    assert host == (4 - keep_last) * BATCH * SEQ * TINY["dim"] * 4
+    assert loss == ref_loss and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))

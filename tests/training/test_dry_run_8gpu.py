@@ -93,3 +93,31 @@ def test_4m_tokens_fit_one_8_gpu_node_with_activation_offload(tmp_path):
     assert stage["seq_len"] == 4194304 and stage["cp"] == 8 and stage["fits"]
     assert stage["peak_device_gib_per_rank"] <= 78 and stage["peak_device_gib_per_rank_cuda_path"] <= 78, stage
     assert 0 < stage["host_gib_per_node"] <= stage["host_memory_gib_per_node"] == 2048, stage  # h100-sxm's node
+
+
+PLANNED_8M = os.path.join(ROOT, "recipes/planned/llama3_8b_8m_8gpu.toml")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LIMIT_S + 60)
+def test_8m_tokens_fit_one_8_gpu_node_on_the_planners_recipe(tmp_path):
+    """Issue 59: Llama 3.1 8B at 8,388,608 tokens on 8 x H100 80 GB (cp 8: 1M tokens per GPU) fits the device
+    (<= 78 GiB on the CPU kernels and on the CUDA path) and the node's 2,048 GiB of host memory, on the last stage of
+    the recipe --plan-ramp wrote (recipes/planned/llama3_8b_8m_8gpu.toml: the attention sublayer in 8 head groups,
+    block inputs offloaded without prefetch but the last two, the training state on the host). The last stage alone,
+    from step 0 (CI time: the whole ramp's dry run is ~80 s here), with activation offload on as the ramp has it
+    there (a stage's table names offload only where it changes: on since the 2M stage)."""
+    with open(PLANNED_8M) as f:
+        head, *stages = f.read().split("\n[[ramp]]")
+    last = tmp_path / "llama3_8b_8m_8gpu_last_stage.toml"
+    last.write_text(head + re.sub(r"start_step = \d+", "start_step = 0", "\n[[ramp]]" + stages[-1]))
+    assert "offload = true" in stages[-2] and "offload" not in stages[-1], stages[-2:]
+    done, _ = _run_train(str(last), "--dry-run", "--activation_checkpoint.offload", "true", "--job.dump_folder",
+                         str(tmp_path / "out"), timeout=LIMIT_S)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    with open(tmp_path / "out" / "dry_run.json") as f:
+        (stage,) = json.load(f)["stages"]
+    print(done.stdout)
+    assert stage["seq_len"] == 8388608 and stage["cp"] == 8 and stage["fits"], stage
+    assert stage["peak_device_gib_per_rank"] <= 78 and stage["peak_device_gib_per_rank_cuda_path"] <= 78, stage
+    assert 0 < stage["host_gib_per_node"] <= stage["host_memory_gib_per_node"] == 2048, stage

@@ -212,8 +212,16 @@ def _header(cfg: Config, world: int, first: RowResult) -> list[str]:
                 if cfg.activation_checkpoint.offload_prefetch else
                 "each brought back when its own recompute starts, the copy waited for (one on the device; "
                 "activation_checkpoint.offload_prefetch = false)")
+        kept = cfg.activation_checkpoint.offload_keep_last
+        if kept:
+            back += (f"; the last {kept} block(s)' inputs stay on the device (activation_checkpoint."
+                     f"offload_keep_last, in the device peak)")
         lines.append("  activation offload: each checkpointed block's input waits in host memory between forward and "
                      f"backward (host GiB, not in the device peak), copied over PCIe on a side stream; {back}")
+    if cfg.parallelism.attention_sublayer_groups > 1:
+        lines.append(f"  attention sublayer in {cfg.parallelism.attention_sublayer_groups} K/V head groups under CP "
+                     "(projections, RoPE and attention per group; the backward projects q/k/v again: "
+                     "parallelisms/sublayer_groups.py)")
     if cfg.training.cpu_offload:
         lines.append("  cpu offload: parameters, gradients and AdamW state in pinned host memory (the device peak "
                      "holds one block's shards in and its gradients out); the step adds the host's AdamW and 3 x the "
