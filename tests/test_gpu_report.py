@@ -187,7 +187,8 @@ def test_lanes_start_with_the_longest_and_even_out():
 
 
 def test_the_lanes_run_side_by_side_and_the_page_keeps_the_plans_order(tmp_path, monkeypatch, capsys):
-    """Four 1-second steps in two lanes between two lone steps: about 4 s of wall time, not 6; each step's own limit
+    """Four lane steps in two lanes between two lone 1-second steps: about 5 s of wall time, not 7 in a row (lane 0:
+    two 1-s steps; lane 1: one ended at its 2-s limit, then a 1-s one); each step's own limit
     still holds in its lane (the third lane step is ended at 2 s and the step after it in that lane runs); the page
     lists the steps in plan order whatever order they ended in; a lane step gets its own variables."""
     import harness.gpu_report as gpu_report
@@ -202,7 +203,7 @@ def test_the_lanes_run_side_by_side_and_the_page_keeps_the_plans_order(tmp_path,
     monkeypatch.setattr(gpu_report, "plan", lambda out_dir, wheels, fake=False: steps)
     start = time.perf_counter()
     assert gpu_report.report(str(tmp_path), [], "lanes") == 1  # c timed out
-    assert time.perf_counter() - start < 5.5
+    assert time.perf_counter() - start < 6.5  # 5 s and six interpreter starts (5.55 s once in a loaded CI)
     page = (tmp_path / "summary.md").read_text()
     rows = [line.split("|")[1].strip() for line in page.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[1:] == ["first", "a", "b", "c", "d", "last"], page

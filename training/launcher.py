@@ -208,7 +208,23 @@ def failure_line(failures: dict, stopped_pids: set[int], recipe: str) -> str | N
             f"or hung itself), not killed for memory.")
 
 
+def _drop_rendezvous_timer_race(unraisable) -> None:
+    """sys.unraisablehook for this process: torch's rendezvous keep-alive timer stops its thread from a weakref
+    finalizer (elastic/rendezvous/utils.py `_stop_thread`); when the garbage collector runs that finalizer on the
+    timer's own thread, join() raises "cannot join current thread" and Python prints it as an ignored exception: a
+    traceback after a clean save on SIGTERM (seen once in CI). That one is dropped; every other goes to Python's hook."""
+    frames, tb = [], unraisable.exc_traceback
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    if isinstance(unraisable.exc_value, RuntimeError) and "_stop_thread" in frames \
+            and str(unraisable.exc_value) == "cannot join current thread":
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def main(argv: list[str]) -> int:
+    sys.unraisablehook = _drop_rendezvous_timer_race
     entry = _load_script(argv[_script_at(argv)])  # torch and the trainer, imported once here
     starter = WarmRanks.start(entry, argv[_script_at(argv)])  # forked now, before the check can touch a device
     try:
