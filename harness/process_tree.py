@@ -53,6 +53,21 @@ def end_process_group(pgid: int, grace: float = 5.0) -> None:
             time.sleep(0.1)
 
 
+def finish(process, timeout: float) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a launched run (a subprocess.Popen with text pipes, in a session of its own);
+    past `timeout` every process of its group is SIGKILLed and the run fails with the tails of its output."""
+    import subprocess
+
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in group_processes(process.pid):
+            os.kill(pid, signal.SIGKILL)
+        out, err = process.communicate()
+        raise AssertionError(f"the run did not end in {timeout} s:\n{out[-2000:]}\n{err[-3000:]}")
+    return process.returncode, out, err
+
+
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from harness.launch_env import child_env
-from harness.process_tree import group_processes, trainer_ranks
+from harness.process_tree import finish as finish_run, group_processes, trainer_ranks
 from harness import forked_launch
 from tests.trainer_runs import ROOT, read_metrics, short_documents_recipe
 from tests.training.paced_runs import TINY, hook_folder, paced_hook, uninterrupted_losses, wrap_on_import
@@ -62,14 +62,7 @@ def forked(folder: str, *extra: str) -> subprocess.Popen:
 
 
 def finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for pid in group_processes(process.pid):
-            os.kill(pid, signal.SIGKILL)
-        out, err = process.communicate()
-        raise AssertionError(f"the run did not end in {timeout} s:\n{out[-2000:]}\n{err[-3000:]}")
-    return process.returncode, out, err
+    return finish_run(process, timeout)
 
 
 def logged_step(folder: str) -> int:

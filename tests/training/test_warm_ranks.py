@@ -15,7 +15,7 @@ import time
 import pytest
 
 from harness.launch_env import child_env
-from harness.process_tree import group_processes, trainer_ranks
+from harness.process_tree import finish, group_processes, trainer_ranks
 
 SCRIPT = '''
 import json, os, resource, sys, time
@@ -67,13 +67,7 @@ def _records(tmp_path, launcher: subprocess.Popen, timeout: float = 60) -> list[
 
 
 def _finish(launcher: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
-    try:
-        out, err = launcher.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for pid in group_processes(launcher.pid):
-            os.kill(pid, signal.SIGKILL)
-        raise
-    return launcher.returncode, out, err
+    return finish(launcher, timeout)
 
 
 def _gone(pid: int, timeout: float = 10) -> bool:
