@@ -22,14 +22,16 @@ the open `context_parallel` block, as the op does; fake tensors (the dry run) ru
 the exchanges and walks three groups as it walks tiles (models/tile_loops.py).
 
 Where it does not apply, the model's own forward runs (the hook answers None): no open `context_parallel` block
-(evaluation outside CP, CP 1 without documents), a variant that moves heads between ranks (Ulysses, hybrid, auto),
-tensor parallelism (DTensor weights), float8 or biased projections, per-head q/k norms (the launch check refuses
+(a model called outside the trainer's step, which opens a one-rank block at CP 1 for it: training/step.py), a
+variant that picks its exchange from the first call's heads (hybrid, auto), Ulysses where a group's query heads do
+not split over the CP ranks, tensor parallelism (DTensor weights), float8 or biased projections, per-head q/k norms (the launch check refuses
 a recipe that asks for groups with those: `refusal`), or inside a compiled graph (the backward's per-group autograd
 is eager: with groups, parallelize.apply_compile compiles the feed-forward only and leaves the sublayer eager).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -37,15 +39,18 @@ from torch.distributed.tensor import DTensor
 from models.rope import apply_rotary
 from models.tile_loops import tile_starts
 from parallelisms.cp.kernel_blocks import grad_out_layout
-from parallelisms.cp.layouts import ALLGATHER, RING
+from parallelisms.cp.layouts import ALLGATHER, RING, ULYSSES
 from parallelisms.cp.op import ACTIVE
 from parallelisms.cp.op_variants import PACKED, backward as attention_backward, forward as attention_forward
 
-GROUPED_VARIANTS = (RING, ALLGATHER, PACKED)
-"""The CP variants whose every rank keeps every head: a group of heads is a smaller call of the same exchange."""
+GROUPED_VARIANTS = (RING, ALLGATHER, PACKED, ULYSSES)
+"""The CP variants a group of heads runs as a smaller call of the same exchange: the ring and the all-gather keep
+every head on every rank; Ulysses scatters each group's query heads over the CP ranks, so a group's query heads must
+split over them (`refusal`). Hybrid and auto choose their exchange from the head counts of the first call, which a
+group would change."""
 
 
-def refusal(cfg, n_kv_heads: int, biased_or_normed: bool) -> str | None:
+def refusal(cfg, n_heads: int, n_kv_heads: int, biased_or_normed: bool) -> str | None:
     """Why a recipe's `parallelism.attention_sublayer_groups` (> 1) would not run grouped, as the fix to make; None
     when it will. Checked before any rank starts (training/launch_checks/preflight.py): a setting that silently did
     nothing would leave the dry run's plan wrong."""
@@ -53,9 +58,13 @@ def refusal(cfg, n_kv_heads: int, biased_or_normed: bool) -> str | None:
     if n_kv_heads % groups:
         divisors = [g for g in range(2, n_kv_heads + 1) if n_kv_heads % g == 0]
         return f"it must divide the model's {n_kv_heads} K/V heads: use one of {divisors} (or 0 = off)."
-    if p.cp > 1 and p.cp_impl not in ("ring", "allgather"):
-        return (f"cp_impl = \"{p.cp_impl}\" moves heads between ranks; the grouped sublayer runs on the ring or "
-                f"allgather: set parallelism.cp_impl = \"ring\".")
+    if p.cp > 1 and p.cp_impl not in ("ring", "allgather", "ulysses"):
+        return (f"cp_impl = \"{p.cp_impl}\" picks its exchange from the heads of the first call; the grouped "
+                f"sublayer runs on the ring, allgather or ulysses: set parallelism.cp_impl = \"ring\".")
+    if p.cp > 1 and p.cp_impl == "ulysses" and (n_heads // groups) % p.cp:
+        fits = [g for g in range(2, n_kv_heads + 1) if n_kv_heads % g == 0 and (n_heads // g) % p.cp == 0]
+        return (f"under cp_impl = \"ulysses\" each group's {n_heads // groups} query heads must split over cp {p.cp}: "
+                f"use one of {fits or 'none'} (or cp_impl = \"ring\").")
     if p.tp > 1 or cfg.training.float8 != "off" or biased_or_normed:
         return ("it needs plain, unbiased projections without per-head q/k norms, no tensor parallelism and no "
                 "float8: set parallelism.tp = 1 and training.float8 = \"off\", or attention_sublayer_groups = 0.")
@@ -92,7 +101,8 @@ class SublayerGroups:
         if _variant(run) not in GROUPED_VARIANTS or not _plain(attention, x):
             return None
         n_kv = attention.wk.weight.size(0) // attention.head_dim
-        if n_kv % self.groups:
+        n_q = attention.wq.weight.size(0) // attention.head_dim
+        if n_kv % self.groups or (_variant(run) == ULYSSES and (n_q // self.groups) % dist.get_world_size(run.group)):
             return None
         self.calls += 1
         return _GroupedSublayer.apply(x, attention.wq.weight, attention.wk.weight, attention.wv.weight,

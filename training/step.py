@@ -57,13 +57,17 @@ class StepSetup:
 
     @property
     def shards_sequence(self) -> bool:
-        return self.parallelism.cp > 1 or self.document_masking
+        """Whether the step runs inside a `context_parallel` block: CP > 1, document masking (its packed call at
+        CP 1), or the attention sublayer in head groups, which runs the CP op's bodies on the open block (a block
+        of one rank at CP 1: its ring is one local call; parallelisms/sublayer_groups.py)."""
+        return (self.parallelism.cp > 1 or self.document_masking
+                or self.parallelism.attention_sublayer_groups > 1)
 
 
 @contextlib.contextmanager
 def cp_context(setup: StepSetup, batch: dict):
     """Shards the batch's sequence buffers over the CP ranks in place and routes attention to the CP variant until
-    exit (at cp = 1 too when document masking is on). Without context parallelism the model's SDPA calls run as
+    exit (at cp = 1 too when document masking or the grouped attention sublayer is on). Without context parallelism the model's SDPA calls run as
     they are, with torch's backends ordered by `parallelism.attention_kernel` on CUDA (cuDNN first on Hopper).
     With float8 linear layers under CP, their scales are taken over the whole sequence meanwhile
     (parallelisms/float8.scales_over_context_parallel): training and the evaluations alike."""

@@ -1,8 +1,8 @@
 """The attention sublayer in K/V head groups (parallelisms/sublayer_groups.py) computes the model's numbers: a Llama
 trained under context_parallel with its sublayers grouped gives the loss and every parameter gradient of the same
-model on the whole sequence in one process, without CP (documents: each document run alone), for the ring and
-all-gather exchanges, dense and with documents, every group count that divides the K/V heads, in float32; and where
-it does not apply (Ulysses, no open block) the model's own sublayer runs."""
+model on the whole sequence in one process, without CP (documents: each document run alone), for the ring,
+all-gather and Ulysses exchanges and at CP 1, dense and with documents, every group count that divides the K/V
+heads, in float32; and where it does not apply (auto, no open block) the model's own sublayer runs."""
 import copy
 
 import pytest
@@ -49,7 +49,9 @@ def _grouped_against_one_process(rank, size, cp_impl, balancer, with_docs, group
 
 
 CASES = [("ring", "zigzag", False, 2), ("ring", "zigzag", True, 4), ("ring", "striped", False, 4),
-         ("allgather", "zigzag", True, 2), ("ring", "zigzag", False, 1)]
+         ("allgather", "zigzag", True, 2), ("ulysses", "zigzag", False, 2), ("ulysses", "zigzag", True, 4),
+         ("ring", "zigzag", False, 1)]
+"""Ulysses with 4 groups: each group's one K/V head is repeated so that its 2 query heads split over the 2 ranks."""
 
 
 @pytest.mark.timeout(240)
@@ -67,6 +69,24 @@ def _all_cases(rank, size):
     return [_grouped_against_one_process(rank, size, *case) for case in CASES]
 
 
+CP1_CASES = [("ring", "zigzag", False, 2), ("ring", "zigzag", False, 4), ("ring", "zigzag", True, 2)]
+"""CP 1, the one-GPU recipes' case: the trainer's step opens a block of one rank (training/step.py), so the dense
+sequence runs the ring of one rank and documents the packed call (cp/packed_documents.py), both grouped."""
+
+
+@pytest.mark.timeout(120)
+def test_at_cp1_grouped_sublayers_give_the_models_loss_and_gradients():
+    """The same checks as above in a block of one rank: dense (2 and 4 groups) and packed documents (2 groups)."""
+    results = run_ranks(_cp1_cases, world_size=1, timeout=100)
+    for case, (loss_diff, grad_diff, calls) in zip(CP1_CASES, results[0]):
+        assert loss_diff < 2e-6 and grad_diff < 2e-5, (case, loss_diff, grad_diff)
+        assert calls == CONFIG["n_layers"], (case, calls)
+
+
+def _cp1_cases(rank, size):
+    return [_grouped_against_one_process(rank, size, *case) for case in CP1_CASES]
+
+
 def _ulysses_and_outside(rank, size):
     from parallelisms.context_parallel import context_parallel
     from parallelisms.sublayer_groups import install
@@ -79,13 +99,13 @@ def _ulysses_and_outside(rank, size):
     model(tokens, positions)  # no context_parallel block: the model's own sublayer
     outside = sum(block.attention.sublayer_hook.calls for block in model.layers.values())
     buffers = [tokens.clone(), positions.clone()]
-    with context_parallel(dist.group.WORLD, buffers, [1, 1], cp_impl="ulysses"):
+    with context_parallel(dist.group.WORLD, buffers, [1, 1], cp_impl="auto"):
         model(buffers[0], buffers[1])
     return outside, sum(block.attention.sublayer_hook.calls for block in model.layers.values())
 
 
 @pytest.mark.timeout(120)
-def test_where_heads_move_between_ranks_or_no_cp_block_is_open_the_models_own_sublayer_runs():
+def test_where_the_exchange_is_chosen_per_call_or_no_cp_block_is_open_the_models_own_sublayer_runs():
     assert run_ranks(_ulysses_and_outside, world_size=2, timeout=100)[0] == (0, 0)
 
 
@@ -113,3 +133,31 @@ def test_the_trainer_with_grouped_sublayers_steps_as_without(tmp_path):
     assert len(runs["4"]) == 3
     for (loss, norm), (want_loss, want_norm) in zip(runs["4"], runs["0"]):
         assert abs(loss - want_loss) <= 2e-6 * want_loss and abs(norm - want_norm) <= 2e-5 * want_norm, runs
+
+
+@pytest.mark.parametrize("overrides, expect", [
+    (["--parallelism.attention_sublayer_groups", "3"], "it must divide the model's 16 K/V heads: use one of [2, 4, 8, 16]"),
+    (["--parallelism.cp_impl", "hybrid"], "set parallelism.cp_impl = \"ring\""),
+    (["--parallelism.cp_impl", "ulysses", "--parallelism.attention_sublayer_groups", "16"],
+     "each group's 1 query heads must split over cp 2: use one of [2, 4, 8]"),
+    (["--parallelism.tp", "2", "--parallelism.cp", "1"], "set parallelism.tp = 1"),
+    (["--activation_checkpoint.mode", "op"], "use mode = \"full\""),
+])
+def test_a_recipe_asking_groups_where_they_would_not_run_is_refused_in_one_line(overrides, expect):
+    """Before any rank starts: the key, the recipe and the fix on one line (a silently ungrouped sublayer would leave
+    the dry run's plan wrong). Ulysses with 4 groups of 4 query heads over cp 2 passes."""
+    import os
+
+    from config import RecipeError
+    from config.recipe import load_config
+    from tests.trainer_runs import ROOT
+    from training.launch_checks.preflight import preflight_stages
+
+    recipe = os.path.join(ROOT, "recipes", "debug.toml")
+    base = ["--parallelism.cp", "2", "--parallelism.dp_shard", "1", "--parallelism.attention_sublayer_groups", "4"]
+    preflight_stages(load_config(recipe, base + ["--parallelism.cp_impl", "ulysses"]), world_size=2)
+    with pytest.raises(RecipeError) as err:
+        preflight_stages(load_config(recipe, base + overrides), world_size=2)
+    message = str(err.value)
+    assert "parallelism.attention_sublayer_groups" in message and recipe in message and "\n" not in message, message
+    assert expect in message, message

@@ -59,7 +59,7 @@ def preflight(cfg: Config, world_size: int):
     if p.tp > 1:
         check_tp_degree(mcfg.n_heads, mcfg.num_kv_heads, p.tp, where=cfg.recipe_path)
     if p.attention_sublayer_groups > 1:
-        refused = sublayer_groups_refusal(cfg, mcfg.num_kv_heads, mcfg.qkv_bias or mcfg.qk_norm)
+        refused = sublayer_groups_refusal(cfg, mcfg.n_heads, mcfg.num_kv_heads, mcfg.qkv_bias or mcfg.qk_norm)
         if refused:
             raise RecipeError(f"{cfg.recipe_path}: parallelism.attention_sublayer_groups = "
                               f"{p.attention_sublayer_groups}: {refused}")
