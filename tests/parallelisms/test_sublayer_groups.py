@@ -115,25 +115,26 @@ TRAINER = ["--training.steps", "3", "--training.seq_len", "256", "--parallelism.
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_the_trainer_with_grouped_sublayers_steps_as_without(tmp_path):
-    """Slow tier (two 2-rank trainer runs, ~30 CPU-s): the recipe key through the composer, under FSDP, full
-    checkpointing (the grouped function runs again in the recompute) and block-input offload, debug model at cp 2,
-    float32: 3 steps' losses and gradient norms equal the same run without groups within float32 rounding (step 3
-    reads AdamW state from steps 1 and 2). The debug model has 16 K/V heads: 4 groups of 4."""
+@pytest.mark.timeout(500)
+def test_the_trainer_with_grouped_sublayers_compiled_steps_as_the_eager_ungrouped_run(tmp_path):
+    """Slow tier (two 2-rank trainer runs, one compiled: ~45 CPU-s): the recipe key through the composer, under FSDP,
+    full checkpointing (the grouped function runs again in the recompute), block-input offload and
+    `training.compile` (the feed-forward compiled, the grouped sublayer eager beside it: parallelize.apply_compile),
+    debug model at cp 2, float32: 3 steps' losses and gradient norms equal the eager run without groups within
+    1e-5 relative, the compiled meshes' bound (tests/training/test_compile.py; step 3 reads AdamW state from steps 1
+    and 2). The debug model has 16 K/V heads: 4 groups of 4."""
     from tests.trainer_runs import read_metrics, run_train
 
     runs = {}
-    for groups in ("0", "4"):
+    for groups, compiled in (("0", "false"), ("4", "true")):
         out = str(tmp_path / groups)
         done = run_train("--job.dump_folder", out, *TRAINER, "--parallelism.attention_sublayer_groups", groups,
-                         nproc=2, timeout=300, forked=True)
+                         "--training.compile", compiled, nproc=2, timeout=400, forked=True)
         assert done.returncode == 0, done.stderr[-3000:]
         runs[groups] = [(r["loss"], r["grad_norm"]) for r in read_metrics(out)]
     assert len(runs["4"]) == 3
     for (loss, norm), (want_loss, want_norm) in zip(runs["4"], runs["0"]):
-        assert abs(loss - want_loss) <= 2e-6 * want_loss and abs(norm - want_norm) <= 2e-5 * want_norm, runs
-
+        assert abs(loss - want_loss) <= 1e-5 * want_loss and abs(norm - want_norm) <= 1e-5 * want_norm, runs
 
 @pytest.mark.parametrize("overrides, expect", [
     (["--parallelism.attention_sublayer_groups", "3"], "it must divide the model's 16 K/V heads: use one of [2, 4, 8, 16]"),
