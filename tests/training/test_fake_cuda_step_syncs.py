@@ -40,29 +40,54 @@ def test_counter_on_a_device_run_ignores_scalar_reads_of_host_tensors():
     assert syncs.counts == {"_local_scalar_dense": 1}
 
 
-def _probe_ranks(*overrides: str) -> dict:
-    """tests/training/fake_cuda_step_ranks.py (the trainer's micro-steps on 4 fake-CUDA ranks, bf16) with
-    `overrides`: its per-rank record, keyed "0".."3"; skipped where the fake CUDA runtime cannot be built."""
+FIXED_LAYOUT_MESHES = {  # name: the probe's overrides (documents on, zigzag instead of the documents layout)
+    "ring cp2 x dp2": ["--parallelism.cp_impl", "ring"],
+    "ulysses cp2 x dp2": ["--parallelism.cp_impl", "ulysses"],
+    "hybrid cp4": ["--parallelism.cp", "4", "--parallelism.dp_shard", "1", "--parallelism.cp_impl", "hybrid"],
+}
+PROBES = {  # name: overrides of tests/training/fake_cuda_step_ranks.py's run (bf16 on every one)
+    "documents cp2 x dp2": [],
+    "cp1 zigzag": ["--parallelism.cp", "1", "--parallelism.dp_shard", "4", "--parallelism.cp_load_balancer", "zigzag"],
+    **{name: ["--parallelism.cp_load_balancer", "zigzag", *overrides]
+       for name, overrides in FIXED_LAYOUT_MESHES.items()},
+}
+PROBES_LIMIT_S = 800
+"""The five probes' one process (a hang guard): 77 CPU-s alone (99 as five processes); each probe had 270 s in a
+process of its own."""
+_RUN_PROBES = """import json, sys
+from tests.training.fake_cuda_step_ranks import main
+print(json.dumps({name: main(["--training.dtype", "bfloat16", *overrides])
+                  for name, overrides in json.loads(sys.argv[1]).items()}))"""
+
+
+@pytest.fixture(scope="module")
+def probes() -> dict:
+    """{probe name: its per-rank record, keyed "0".."3"}: tests/training/fake_cuda_step_ranks.py's main (the trainer's
+    micro-steps on 4 fake-CUDA ranks, one rank after another) for every probe of PROBES, one after another in one
+    process with the fake CUDA runtime preloaded (each probe makes and ends its own fake process group per rank): one
+    interpreter's imports instead of five (~4 CPU-s each). Skipped where the fake CUDA runtime cannot be built."""
     from training.planning.fake.cuda import fake_cuda_env
 
     try:
         env = fake_cuda_env(child_env())
     except (OSError, subprocess.SubprocessError) as e:
         pytest.skip(f"cannot build the fake CUDA runtime ({type(e).__name__})")
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fake_cuda_step_ranks.py"),
-                             "--training.dtype", "bfloat16", *overrides],
-                            capture_output=True, text=True, timeout=270, cwd=ROOT, env=env)
+    result = subprocess.run([sys.executable, "-c", _RUN_PROBES, json.dumps(PROBES)], capture_output=True, text=True,
+                            timeout=PROBES_LIMIT_S, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    per_rank = json.loads(result.stdout.strip().splitlines()[-1])
-    assert sorted(per_rank) == ["0", "1", "2", "3"]
-    return per_rank
+    records = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sorted(records) == sorted(PROBES)
+    for per_rank in records.values():
+        assert sorted(per_rank) == ["0", "1", "2", "3"]
+    return records
 
 
 @pytest.mark.slow
-def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement_makes_no_host_sync():
+@pytest.mark.timeout(PROBES_LIMIT_S + 60)  # the first test of the file runs the probes' fixture
+def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement_makes_no_host_sync(probes):
     """Slow tier since issue 56 (the fast tier runs in minutes; CI runs both): a 4-rank trainer micro-step on fake CUDA,
-    41 s."""
-    per_rank = _probe_ranks()
+    run with the file's other probes in one process (the `probes` fixture)."""
+    per_rank = probes["documents cp2 x dp2"]
     print({rank: (r["counts"], r["micro_steps"]) for rank, r in per_rank.items()})
     for record in per_rank.values():
         assert record["counts"] == {}, record["places"]
@@ -77,38 +102,34 @@ def test_trainer_micro_step_on_fake_cuda_at_cp2_dp2_with_documents_and_placement
 
 
 @pytest.mark.slow
-def test_at_cp1_the_probe_runs_the_trainers_packed_plan_whatever_the_load_balancer():
+@pytest.mark.timeout(PROBES_LIMIT_S + 60)
+def test_at_cp1_the_probe_runs_the_trainers_packed_plan_whatever_the_load_balancer(probes):
     """Issue 50: the probe builds its loader with the trainer's own function (training/batch_plans
     stage_step_loader). Its former copy planned documents only for the documents load balancer, so at CP 1 with
     zigzag the micro-step planned the packed form itself from device ids and the probe reported a device-to-host
     copy that the trainer, whose loader makes that plan on the host, never makes. Now: no sync, and one packed
     varlen call per layer forward and backward (the debug model's 6 layers) on every rank. Slow tier since issue 56 (the
-    fast tier runs in minutes; CI runs both): the probe's packed plans on fake CUDA ranks, 22 s."""
-    per_rank = _probe_ranks("--parallelism.cp", "1", "--parallelism.dp_shard", "4",
-                            "--parallelism.cp_load_balancer", "zigzag")
+    fast tier runs in minutes; CI runs both): the probe's packed plans on fake CUDA ranks
+    (the `probes` fixture's process)."""
+    per_rank = probes["cp1 zigzag"]
     for record in per_rank.values():
         assert record["counts"] == {} and record["stopped"] is None, record
         assert record["attention_calls"] == {"aten._flash_attention_forward.default": 6,
                                              "aten._flash_attention_backward.default": 6}, record
 
 
-FIXED_LAYOUT_MESHES = {  # name: the probe's overrides (documents on, zigzag instead of the documents layout)
-    "ring cp2 x dp2": ["--parallelism.cp_impl", "ring"],
-    "ulysses cp2 x dp2": ["--parallelism.cp_impl", "ulysses"],
-    "hybrid cp4": ["--parallelism.cp", "4", "--parallelism.dp_shard", "1", "--parallelism.cp_impl", "hybrid"],
-}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(FIXED_LAYOUT_MESHES))
-def test_a_fixed_layout_with_documents_reads_no_device_tensor_back(name):
+@pytest.mark.timeout(PROBES_LIMIT_S + 60)
+def test_a_fixed_layout_with_documents_reads_no_device_tensor_back(name, probes):
     """Issue 57, item 5: with document masking on a fixed layout (zigzag here) the data workers hand the batch its
     ids on the host (cp/plan_host.HostDocumentIds) and the step cuts every rank's pieces from them. Before, the
     first layer read the ids back from the device (`torch.stack(...).cpu()` in plan_pieces.py): one
     device-to-host copy per micro-step (measured on this probe: {"device_to_host": 1} on every rank for ring and
     Ulysses; hybrid also stopped at its exchange plan's host integers, computed on fake tensors). Now none, and the
-    step runs to its end through the CUDA varlen kernels. Slow tier (a 4-rank probe on fake CUDA, ~20 s each)."""
-    per_rank = _probe_ranks("--parallelism.cp_load_balancer", "zigzag", *FIXED_LAYOUT_MESHES[name])
+    step runs to its end through the CUDA varlen kernels. Slow tier (a 4-rank probe on fake CUDA each, in the
+    `probes` fixture's one process)."""
+    per_rank = probes[name]
     for record in per_rank.values():
         assert record["counts"] == {} and record["stopped"] is None, record
         calls = record["attention_calls"]

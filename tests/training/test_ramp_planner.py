@@ -245,17 +245,18 @@ def test_auto_offload_only_in_the_stage_that_needs_it(mode):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_planned_recipe_passes_check_and_dry_run_unchanged(tmp_path):
-    """plan -> the written file -> --check -> --dry-run, through the launcher, the file untouched in between."""
+    """plan -> the written file -> --check -> --dry-run, through the launcher, the file untouched in between. The
+    plan and the dry run are modes run_train.sh execs `train.py` for as they are: tests/trainer_runs.run_train forks
+    them from the forkserver, which imported the trainer once (2 x ~4 CPU-s of imports fewer); --check runs in
+    run_train.sh's own launcher process."""
     import json
-    import subprocess
 
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    env.pop("NPROC", None)
+    from tests.trainer_runs import run_train
+
     out = tmp_path / "tiny_8k_4gpu.toml"
 
     def launch(*args):
-        return subprocess.run([os.path.join(ROOT, "run_train.sh"), *map(str, args)], capture_output=True, text=True,
-                              env=env, cwd=ROOT, timeout=300)
+        return run_train(*map(str, args), timeout=300)
 
     planned = launch("recipes/debug.toml", "--plan-ramp", "--gpus", 4, "--target-seq-len", 8192, "--stages", 3,
                      "--out", out, *TINY, "--hardware.device_memory_gib", _memory_gib(12.0),
