@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 import weakref
 
 import pytest
@@ -173,20 +171,20 @@ MESHES = {"1 rank": (1, ["--parallelism.dp_shard", "1"]),
 @pytest.mark.parametrize("mesh", [pytest.param("1 rank", marks=pytest.mark.slow),  # in-process: test above
                                   pytest.param("cp2", marks=pytest.mark.slow), "tp2"])  # tp2: DTensor inputs
 def test_trainer_losses_and_grad_norms_equal_with_offload(tmp_path, mesh):
-    """The real trainer (run_train.sh -> torchrun), offload off and on launched side by side: fp32, 5 steps. Slow tier
-    since issue 56 (the fast tier runs in minutes; CI runs both): two torchrun launches per mesh, 44 s at tp2."""
+    """The real trainer, offload off and on: fp32, 5 steps. Slow tier since issue 56 (the fast tier runs in minutes;
+    CI runs both). The ranks are forked from the tests' interpreter (tests/trainer_runs.py `forked`): what the
+    trainer computes is the subject here, the launch is test_run_train's (~5 CPU-s of launcher imports and launch
+    check fewer per run)."""
+    from tests.trainer_runs import run_train
+
     nproc, degrees = MESHES[mesh]
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC=str(nproc))
-    runs = {}
+    outs = {}
     for offload in ("false", "true"):
-        out = str(tmp_path / offload)
-        args = ["--job.dump_folder", out, *SHORT, *degrees, "--activation_checkpoint.offload", offload]
-        runs[offload] = (out, subprocess.Popen([os.path.join(ROOT, "run_train.sh"), *args], cwd=ROOT, env=env,
-                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    for out, proc in runs.values():
-        output, _ = proc.communicate(timeout=160)
-        assert proc.returncode == 0, output[-3000:]
-    off, on = (read_metrics(runs[k][0]) for k in ("false", "true"))
+        outs[offload] = str(tmp_path / offload)
+        done = run_train("--job.dump_folder", outs[offload], *SHORT, *degrees, "--activation_checkpoint.offload",
+                         offload, nproc=nproc, timeout=160, forked=True)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    off, on = (read_metrics(outs[k]) for k in ("false", "true"))
     assert len(off) == len(on) == 5
     for key in ("loss", "grad_norm"):
         diffs = [abs(a[key] - b[key]) / abs(a[key]) for a, b in zip(off, on)]
