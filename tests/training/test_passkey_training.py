@@ -70,7 +70,16 @@ def test_the_stop_needs_the_mean_and_every_cell(stop_at, stop_mean, cells, stops
 
 @pytest.mark.slow
 # A hang guard, not a speed target: 243 s alone on the Intel box of 2026-12-03 (ends at step 1,300 of 1,600; 414 s
-# for the 256-token recipe before); 1,961 s for the old recipe in a clean-clone CI of a slower AMD box.
+# for the 256-token recipe before); 1,961 s for the old recipe in a clean-clone CI of a slower AMD box. On the 2-core
+# box of 2026-12-05 it ended at step 1,200 (mean 97%), 382 CPU-s. Tried then on that shared box, none cheaper (the
+# first two side by side): a 96-token last stage (also crosses ranks at depths 0.5/0.75) ends at step 1,200
+# too, 387 CPU-s against 382 (same tokens per step, so the same step cost); a cosine over 1,300 steps reached 95.0%
+# only at step 1,300 (94% at 1,250, 50-step evaluations); 64 rows in the 48-token stage (half, 128-token stage
+# unchanged) had a loss of 1.63 at step 500 against 0.31 and 0% from 550 to 700; 256 rows there and 128 rows of 96
+# (twice the tokens, ramp at 250) learned no faster per step (loss 1.53 at 200 against 1.44, 2% at step 800); a
+# SwiGLU width of 128 instead of 256 (-17% per step) left the plateau far later (loss 0.92 at step 500, 26% at
+# 1,200). A 48-token step is ~0.12 CPU-s of per-step work for the two ranks plus ~0.001 per row (64 and 128 rows
+# measured); an evaluation ~1 CPU-s (~3 steps), so evaluating every 50 steps costs about what it can save.
 @pytest.mark.timeout(3100)
 def test_passkey_is_learned_under_zigzag_cp2(tmp_path):
     out = str(tmp_path / "passkey")
