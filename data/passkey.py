@@ -10,7 +10,7 @@ Only the answer digits carry labels (the rest is IGNORE_INDEX), in training and 
 trivially predictable and would drown the one signal that matters. The key has distinct digits, so every key digit
 but the last has a unique successor inside the key and copying it needs no counting; each digit is its own token.
 A small model learns the copy far faster on short rows (the search for the key's position is the slow part), so
-recipes/passkey_cp2.toml ramps 64 -> 128 -> 256 tokens. Rows are virtual: row i is generated
+recipes/passkey_cp2.toml ramps 48 -> 128 tokens. Rows are virtual: row i is generated
 from (seed, i), so the stream is endless, identical on every rank and cheap to index; `PasskeyRows` has the interface
 of `PackedRows` and plugs into the same global-row loader (so it checkpoints and reshards like real data).
 """
