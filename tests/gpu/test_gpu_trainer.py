@@ -2,7 +2,8 @@
 reference run of the same recipe (at cp 1, and at cp 2 over two ranks), and a checkpoint resume reproduces the
 uninterrupted run bit for bit (under PyTorch's deterministic algorithms, tests/gpu/deterministic_run.py).
 
-cuda variants: `./run_tests.sh --gpu` (cp 2 needs 2 GPUs); cpu variants: the slow tier (they launch torchrun).
+cuda variants: `./run_tests.sh --gpu` (cp 2 needs 2 GPUs), launched through torchrun; cpu variants: the slow tier,
+the same train.py arguments on ranks forked from the test process' forkserver (`_launch`).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import shutil
 import pytest
 
 from tests.gpu.devices import SLOW_CPU, require
-from tests.gpu.trainer_launch import SMALL, device_line, losses, metrics, train
+from tests.gpu.trainer_launch import DEBUG_RECIPE, ROOT, SMALL, device_line, losses, metrics, train
 
 DOCS_FP32 = (*SMALL, "--data.document_masking", "true", "--training.dtype", "float32", "--training.steps", "5")
 FIRST_STEP_TOLERANCE = {"cpu": 1e-5, "cuda": 2e-5}
@@ -37,14 +38,41 @@ def _relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+def _deterministic() -> None:
+    """What tests/gpu/deterministic_run.py does before train.py, in a forked rank (on the CPU it changes nothing)."""
+    import torch
+
+    torch.use_deterministic_algorithms(True)
+
+
+def _launch(variant: str, device: str, out: str, *overrides: str, nproc: int = 1, deterministic: bool = False):
+    """A run of the `variant` test on `device`. A cuda variant's runs, its CPU reference included, go through
+    trainer_launch.train (torchrun) as on a GPU node. A cpu variant's runs are the same train.py arguments on `nproc`
+    ranks forked from the test process' forkserver, which imported torch and the trainer once (harness/forked_launch.py,
+    torchrun's environment contract; the GPUs hidden as train() hides them, and the device line is asserted): torchrun's
+    agent and rank imported them again for every launch, most of each cpu variant's cost (its steps are seconds; the
+    three cpu variants 54 -> 20 CPU-s measured side by side). The launch itself is tested through run_train.sh
+    elsewhere (tests/test_run_train.py, tests/training/test_launcher_*.py)."""
+    if variant != "cpu":
+        return train(device, out, *overrides, nproc=nproc, deterministic=deterministic)
+    from harness.launch_env import child_env
+    from tests.distributed import forked_train
+
+    result = forked_train(nproc, [DEBUG_RECIPE, "--job.dump_folder", out, *overrides],
+                          child_env(CUDA_VISIBLE_DEVICES=""), ROOT, 600,
+                          before_rank=_deterministic if deterministic else None)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
 @pytest.mark.parametrize("device", SLOW_CPU)
 def test_trainer_learns_with_document_masking(tmp_path, device):
     """bf16 with FSDP mixed precision on one rank; document masking sends attention through the ring at cp 1, i.e.
     the masked (memory-efficient on CUDA) block kernel."""
     require(device)
     out = str(tmp_path / "run")
-    result = train(device, out, *SMALL, "--training.dtype", LEARNING_DTYPE[device], "--data.document_masking",
-                   "true", "--training.steps", "15")
+    result = _launch(device, device, out, *SMALL, "--training.dtype", LEARNING_DTYPE[device],
+                     "--data.document_masking", "true", "--training.steps", "15")
     assert f"({device}/" in device_line(result), device_line(result)
     curve = [r["loss"] for r in metrics(out)]
     assert len(curve) == 15 and all(math.isfinite(x) for x in curve), curve
@@ -60,8 +88,8 @@ def test_trainer_fp32_losses_equal_the_cpu_run_at_cp1(tmp_path, device, cp):
     at cp 1 (one GPU) or cp 2 (two ranks, zigzag ring, NCCL on GPUs)."""
     require(device, ranks=cp)
     reference_dir, run_dir = str(tmp_path / "cpu-cp1"), str(tmp_path / f"{device}-cp{cp}")
-    train("cpu", reference_dir, *DOCS_FP32)
-    result = train(device, run_dir, *DOCS_FP32, "--parallelism.cp", str(cp), nproc=cp)
+    _launch(device, "cpu", reference_dir, *DOCS_FP32)
+    result = _launch(device, device, run_dir, *DOCS_FP32, "--parallelism.cp", str(cp), nproc=cp)
     assert f"({device}/" in device_line(result), device_line(result)
     reference, got = losses(reference_dir), losses(run_dir)
     assert sorted(got) == sorted(reference) == [1, 2, 3, 4, 5]
@@ -84,11 +112,11 @@ def test_resume_from_a_checkpoint_gives_the_uninterrupted_losses_bit_for_bit(tmp
             "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "3",
             "--checkpoint.keep_latest_k", "0")
     straight_dir, resumed_dir = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    train(device, straight_dir, *args, nproc=ranks, deterministic=True)
+    _launch(device, device, straight_dir, *args, nproc=ranks, deterministic=True)
     os.makedirs(os.path.join(resumed_dir, "checkpoints"))
     shutil.copytree(os.path.join(straight_dir, "checkpoints", "step-3"),
                     os.path.join(resumed_dir, "checkpoints", "step-3"))
-    result = train(device, resumed_dir, *args, nproc=ranks, deterministic=True)
+    result = _launch(device, device, resumed_dir, *args, nproc=ranks, deterministic=True)
     assert "resumed from" in result.stdout and "(step 3)" in result.stdout, result.stdout[-2000:]
     straight, resumed = losses(straight_dir), losses(resumed_dir)
     assert sorted(resumed) == [4, 5, 6]
