@@ -24,9 +24,10 @@ the exchanges and walks three groups as it walks tiles (models/tile_loops.py).
 Where it does not apply, the model's own forward runs (the hook answers None): no open `context_parallel` block
 (a model called outside the trainer's step, which opens a one-rank block at CP 1 for it: training/step.py), a
 variant that picks its exchange from the first call's heads (hybrid, auto), Ulysses where a group's query heads do
-not split over the CP ranks, tensor parallelism (DTensor weights), float8 or biased projections, per-head q/k norms (the launch check refuses
-a recipe that asks for groups with those: `refusal`), or inside a compiled graph (the backward's per-group autograd
-is eager: with groups, parallelize.apply_compile compiles the feed-forward only and leaves the sublayer eager).
+not split over the CP ranks, tensor parallelism (DTensor weights), float8 or biased projections, per-head q/k
+norms (the launch check refuses a recipe that asks for groups with those: `refusal`), or inside a compiled graph
+(the backward's per-group autograd is eager: with groups, parallelize.apply_compile compiles the feed-forward only
+and leaves the sublayer eager).
 """
 from __future__ import annotations
 
@@ -98,11 +99,12 @@ class SublayerGroups:
         run = ACTIVE.sole()
         if run is None:
             return None
-        if _variant(run) not in GROUPED_VARIANTS or not _plain(attention, x):
+        variant = _variant(run)
+        if variant not in GROUPED_VARIANTS or not _plain(attention, x):
             return None
         n_kv = attention.wk.weight.size(0) // attention.head_dim
         n_q = attention.wq.weight.size(0) // attention.head_dim
-        if n_kv % self.groups or (_variant(run) == ULYSSES and (n_q // self.groups) % dist.get_world_size(run.group)):
+        if n_kv % self.groups or (variant == ULYSSES and (n_q // self.groups) % dist.get_world_size(run.group)):
             return None
         self.calls += 1
         return _GroupedSublayer.apply(x, attention.wq.weight, attention.wk.weight, attention.wv.weight,

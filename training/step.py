@@ -67,9 +67,9 @@ class StepSetup:
 @contextlib.contextmanager
 def cp_context(setup: StepSetup, batch: dict):
     """Shards the batch's sequence buffers over the CP ranks in place and routes attention to the CP variant until
-    exit (at cp = 1 too when document masking or the grouped attention sublayer is on). Without context parallelism the model's SDPA calls run as
-    they are, with torch's backends ordered by `parallelism.attention_kernel` on CUDA (cuDNN first on Hopper).
-    With float8 linear layers under CP, their scales are taken over the whole sequence meanwhile
+    exit (at cp = 1 too when document masking or the grouped attention sublayer is on). Without context parallelism
+    the model's SDPA calls run as they are, with torch's backends ordered by `parallelism.attention_kernel` on CUDA
+    (cuDNN first on Hopper). With float8 linear layers under CP, their scales are taken over the whole sequence meanwhile
     (parallelisms/float8.scales_over_context_parallel): training and the evaluations alike."""
     cp_mesh = setup.mesh.cp_mesh if setup.parallelism.cp > 1 else None
     with _sequence_context(setup, batch), scales_over_context_parallel(setup.float8, cp_mesh):
