@@ -1,6 +1,6 @@
 """`./run_train.sh --help [SECTION]`: the launcher's modes and how overrides work, and each recipe key with its type,
 default and docstring, read from the schema's dataclasses themselves (config/schema.py, config/schema_data.py,
-config/schema_hardware.py), so a key added there appears here without editing this file.
+config/schema_run.py, config/schema_hardware.py), so a key added there appears here without editing this file.
 
 The field docstrings are attribute docstrings (a string right after the field), which Python does not keep at run
 time: they are read from the dataclass's source with `ast`.
