@@ -79,7 +79,10 @@ def test_the_stop_needs_the_mean_and_every_cell(stop_at, stop_mean, cells, stops
 # (twice the tokens, ramp at 250) learned no faster per step (loss 1.53 at 200 against 1.44, 2% at step 800); a
 # SwiGLU width of 128 instead of 256 (-17% per step) left the plateau far later (loss 0.92 at step 500, 26% at
 # 1,200). A 48-token step is ~0.12 CPU-s of per-step work for the two ranks plus ~0.001 per row (64 and 128 rows
-# measured); an evaluation ~1 CPU-s (~3 steps), so evaluating every 50 steps costs about what it can save.
+# measured); an evaluation ~1 CPU-s (~3 steps), so evaluating every 50 steps costs about what it can save. Later
+# that day, alone on the box: a peak lr of 5e-3 instead of 3e-3 was still on the plateau at step 700 (loss 1.79, 0%;
+# stopped), and the 128-token stage from step 400 instead of 500 ended at step 1,500 (53% at 700, 88-90% at
+# 1,200-1,400), not 1,200.
 @pytest.mark.timeout(3100)
 def test_passkey_is_learned_under_zigzag_cp2(tmp_path):
     out = str(tmp_path / "passkey")
