@@ -23,19 +23,20 @@ def run_train(*args, nproc: int | None = None, timeout: float = 180, env: dict |
     """Runs ./run_train.sh with this interpreter (no bootstrap) and returns the CompletedProcess. `forked`: the same
     train.py arguments on `nproc` ranks forked from one interpreter (harness/forked_launch.py) instead, for tests whose
     subject is what the trainer computes or saves, not the launch: no preflight process, one import for all ranks.
-    A one-process mode (ONE_PROCESS_FLAGS: a dry run, --plan-ramp, --show-rows, ...; with no `env` or `nproc` of its
-    own) is forked from the forkserver too: run_train.sh execs `train.py` for those as they are, so only the imports,
-    done once there, are saved."""
+    A one-process mode (ONE_PROCESS_FLAGS: a dry run, --plan-ramp, --show-rows, ...; with no `nproc`, and no `env`
+    unless `forked`) is forked from the forkserver too: run_train.sh execs `train.py` for those as they are, so only
+    the imports, done once there, are saved. A test that measures the process itself (its resident set) passes `env`
+    without `forked` and gets a process of its own."""
     full_env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
     full_env.pop("NPROC", None)
+    if ONE_PROCESS_FLAGS.intersection(args) and not nproc and (env is None or forked):  # run_train.sh execs train.py
+        return forked_train(0, list(args), child_env(base=full_env), ROOT, timeout)
     if forked and env is None:  # the launcher forked from the test process' forkserver: no imports again
         return forked_train(nproc, list(args), child_env(base=full_env), ROOT, timeout)
     if forked:
         return subprocess.run(forked_launch.command(nproc, list(args)), capture_output=True, text=True,
                               env=child_env(base=full_env),
                               timeout=timeout, cwd=ROOT)
-    if ONE_PROCESS_FLAGS.intersection(args) and env is None and not nproc:  # run_train.sh execs `train.py ...`
-        return forked_train(0, list(args), child_env(base=full_env), ROOT, timeout)
     if nproc:
         full_env["NPROC"] = str(nproc)
     return subprocess.run([os.path.join(ROOT, "run_train.sh"), *args], capture_output=True, text=True,

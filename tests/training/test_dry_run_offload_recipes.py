@@ -6,8 +6,6 @@ parameter counts; for the 8B one also its offloaded block inputs: 512K tokens x 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 
@@ -15,19 +13,6 @@ from tests.trainer_runs import run_train
 
 pytestmark = pytest.mark.slow
 GIB = 2**30
-
-
-def forked_dry_run(args: list[str], world_size: int, timeout: float = 120):
-    """run_train.sh's `train.py --dry-run` (it execs the trainer for a dry run as it is) with WORLD_SIZE set, forked
-    from the tests' forkserver, which imported the trainer once: ~4 CPU-s of imports fewer than a process of its own.
-    WORLD_SIZE is read when the dry run starts (train.py), not at import."""
-    from harness.launch_env import child_env
-    from tests.distributed import forked_train
-    from tests.trainer_runs import ROOT
-
-    env = dict(os.environ, PYTHON=sys.executable, WORLD_SIZE=str(world_size))
-    env.pop("NPROC", None)
-    return forked_train(0, list(args), child_env(base=env), ROOT, timeout)
 
 
 def dry_run(recipe: str, folder) -> dict:
@@ -71,5 +56,6 @@ def test_plan_ramp_turns_cpu_offload_on_when_nothing_fits_without_it_and_says_so
     assert "training.cpu_offload = true, chosen by the planner: 256 tokens fit no layout" in done.stdout, done.stdout
     with open(out) as f:
         assert "\ncpu_offload = true\n" in f.read()
-    checked = forked_dry_run([out, "--dry-run", "--job.dump_folder", str(tmp_path / "dry")], world_size=1)
+    checked = run_train(out, "--dry-run", "--job.dump_folder", str(tmp_path / "dry"), env={"WORLD_SIZE": "1"},
+                        forked=True, timeout=120)
     assert checked.returncode == 0 and "every stage fits" in checked.stdout, checked.stdout[-3000:]
