@@ -31,9 +31,16 @@ def main(argv):
               "cpu_s": usage.ru_utime + usage.ru_stime, "argv": sys.argv, "cwd": os.getcwd(),
               "probe": os.environ.get("PROBE"), "rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"]}
     print(f"rank {record['rank']} says hello", flush=True)
-    with open(os.path.join(folder, f"rank{record['rank']}.json"), "w") as f:
+    path = os.path.join(folder, f"rank{record['rank']}.json")
+    with open(path + ".part", "w") as f:
         json.dump(record, f)
+    os.replace(path + ".part", path)  # whole or absent: a peer's failure may stop this rank any time after
     if mode == "fail" and record["rank"] == "1":
+        # fail only once rank 0 has written its record: on a busy box rank 0 was once stopped by torchrun (this
+        # failure's consequence) before it wrote it, and the test read a correct run as a lost record
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(folder, "rank0.json")) and time.monotonic() < deadline:
+            time.sleep(0.02)
         return 3
     if mode in ("fail", "sleep"):
         time.sleep(120)
@@ -62,8 +69,7 @@ def _records(tmp_path, launcher: subprocess.Popen, timeout: float = 60) -> list[
     while not all(f.exists() for f in files):
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
         time.sleep(0.05)
-    time.sleep(0.2)  # written in full
-    return [json.loads(f.read_text()) for f in files]
+    return [json.loads(f.read_text()) for f in files]  # each written whole (os.replace)
 
 
 def _finish(launcher: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
