@@ -8,6 +8,7 @@ a toy model). Here the trainer is imported once and each rank is a forked child 
 contract (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so it runs the same
 train.main() from the same process-group set-up on. Nothing has run in the parent before the fork (no thread pool,
 no process group). The first rank that fails stops the others, as torchrun does; the exit code is that rank's.
+SIGTERM and SIGUSR1 to the launcher are forwarded to every rank, as torchrun forwards them.
 Users and the launch tests keep torchrun (run_train.sh); this only makes the numeric comparisons cheaper.
 """
 from __future__ import annotations
@@ -72,6 +73,12 @@ def launch(nproc: int, argv: list[str], before_rank=None) -> int:
             sys.stderr.flush()
             os._exit(code)  # as train.py does: no interpreter teardown with gloo threads alive
         children[pid] = rank
+
+    def forward(signum, _frame):  # as torchrun does: a preemption signal to the launcher reaches every rank
+        for other in children:
+            os.kill(other, signum)
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, forward)
     exit_code = 0
     while children:
         pid, status = os.wait()

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from harness.process_tree import trainer_ranks
-from tests.trainer_runs import read_metrics, run_train
+from tests.trainer_runs import read_metrics, run_train, run_until
 
 
 @pytest.mark.parametrize("args, nproc, expect", [
@@ -69,20 +69,36 @@ def test_two_rank_run_writes_metrics_and_tensorboard(tmp_path, monkeypatch):
     assert "OMP_NUM_THREADS" not in result.stderr, result.stderr
 
 
+LEARNED = 2.0
+"""Nats the debug recipe's loss falls by (test_debug_recipe_learns)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(720)  # the run is allowed 600 s
 def test_debug_recipe_learns(tmp_path):
-    """Acceptance of the foundation: the default recipe on 2 ranks, 20 steps, loss falls by at least 1.0. The ranks are
-    forked from one interpreter (harness/forked_launch.py, torchrun's environment): what the recipe learns is the
-    subject; the launch through run_train.sh and torchrun is test_two_rank_run_writes_metrics_and_tensorboard's. Its
-    CPU (~75 CPU-s) is mostly the 20 steps themselves, ~3.5 CPU-s each for the two ranks: a profiled step is 93%
-    kernels (matmuls 53%, the CPU flash attention 32%); TensorBoard's writes are not measurable (2026-12-05)."""
+    """Acceptance of the foundation: the default recipe on 2 ranks learns, its loss falling by at least LEARNED (the
+    first step's loss against the mean of the last three logged) within the recipe's 20 steps. The run stops at the
+    first step where that holds (a learning run that ends when its criterion is met): step 9 here, of 20, with
+    LEARNED = 2.0 (the first version of this test asked 1.0 after all 20 steps; a run of all 20 fell by 2.97, and by
+    2.0 or more from step 9 on: 8.21 at step 1, 5.69 / 5.87 / 6.00 at steps 8-10). The ranks are forked from one
+    interpreter (harness/forked_launch.py, torchrun's environment): what the recipe learns is the subject; the launch
+    through run_train.sh and torchrun is test_two_rank_run_writes_metrics_and_tensorboard's. Its CPU is mostly the
+    steps themselves, ~3.5 CPU-s each for the two ranks: a profiled step is 93% kernels (matmuls 53%, the CPU flash
+    attention 32%); TensorBoard's writes are not measurable (2026-12-05)."""
     out = str(tmp_path / "debug")
-    result = run_train("--job.dump_folder", out, nproc=2, timeout=600, forked=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+
+    def drop() -> float:
+        try:
+            losses = [r["loss"] for r in read_metrics(out)]
+        except (FileNotFoundError, ValueError):  # not written yet, or a line caught half-written
+            return 0.0
+        return losses[0] - sum(losses[-3:]) / 3 if len(losses) >= 4 else 0.0
+
+    stopped, code, output = run_until(["--job.dump_folder", out], lambda: drop() >= LEARNED, nproc=2, timeout=600,
+                                      forked=True)
+    assert stopped or code == 0, output[-3000:]
     losses = [r["loss"] for r in read_metrics(out)]
-    assert len(losses) == 20
-    assert losses[0] - sum(losses[-3:]) / 3 >= 1.0, losses
+    assert drop() >= LEARNED and len(losses) <= 20, losses
 
 
 @pytest.mark.slow

@@ -45,6 +45,46 @@ def run_train(*args, nproc: int | None = None, timeout: float = 180, env: dict |
 
 
 
+def run_until(args: list[str], until, *, nproc: int, timeout: float, forked: bool = False) -> tuple[bool, int, str]:
+    """Launches the trainer on `nproc` ranks (run_train.sh, or forked from one interpreter: harness/forked_launch.py)
+    in a session of its own, calls `until()` every second while it runs, and ends the run the first time `until()`
+    is true: for learning runs that stop as soon as their criterion holds, whatever machine and step that is. The
+    launcher gets SIGTERM and forwards it to the ranks, as torchrun does (the ranks stay its waited-for children, so
+    tests/cpu_accounting.py counts them); every process of the session gets SIGTERM, then SIGKILL, only if it has
+    not ended 60 s later. Returns (stopped by `until`, exit
+    code, stdout with stderr). Past `timeout` the run is ended and the test fails with its output."""
+    import tempfile
+    import time
+
+    from harness.process_tree import end_process_group
+
+    command = (forked_launch.command(nproc, list(args)) if forked
+               else [os.path.join(ROOT, "run_train.sh"), *args])
+    env = child_env(base=dict(os.environ, PYTHON=sys.executable, NPROC=str(nproc)))
+    with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: nothing blocks the run while `until` works
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        deadline, stopped = time.monotonic() + timeout, False
+        try:
+            while process.poll() is None and time.monotonic() < deadline:
+                if until():
+                    stopped = True
+                    break
+                time.sleep(1)
+        finally:
+            if process.poll() is None:  # as a scheduler stops a job: SIGTERM to the launcher, which tells the ranks
+                process.terminate()
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    end_process_group(process.pid)
+            process.wait(timeout=60)
+        log.seek(0)
+        output = log.read()
+    assert stopped or time.monotonic() < deadline, f"the run did not end in {timeout} s:\n{output[-3000:]}"
+    return stopped, process.returncode, output
+
+
 def train_losses(out: str, *args, nproc: int, timeout: float = 300) -> list[float]:
     """Per-step losses of the trainer on `nproc` forked ranks: its callers compare numbers between meshes."""
     result = run_train("--job.dump_folder", out, *args, nproc=nproc, timeout=timeout, forked=True)

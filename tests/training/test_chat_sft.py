@@ -7,9 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -22,8 +19,7 @@ from data.packing import row_fields
 from data.passkey import IGNORE_INDEX
 from data.synthetic_chat import conversations, write_dataset, write_tokenizer
 from models.llama import Llama, model_config
-from harness.process_tree import end_process_group
-from tests.trainer_runs import ROOT
+from tests.trainer_runs import ROOT, run_until
 from training.step import StepSetup, micro_step
 
 RECIPE = os.path.join(ROOT, "recipes", "debug_sft_cp2.toml")
@@ -138,36 +134,24 @@ def test_sft_recipe_learns_to_answer_from_early_in_a_long_user_turn(tmp_path):
     from models.hf import load_hf
     data = str(tmp_path / "sft_data")
     write_dataset(data, train=4000, heldout=200)
-    out, recipe, log = str(tmp_path / "run"), tmp_path / "sft.toml", tmp_path / "run.log"
+    out, recipe = str(tmp_path / "run"), tmp_path / "sft.toml"
     with open(RECIPE) as f:
         recipe.write_text(f.read().replace("outputs/sft_data", data))
     renderer = build_renderer(HFTokenizer(f"{data}/tokenizer/tokenizer.json"), "heldout")
-    heldout = conversations(200, seed=1)
-    env = dict(os.environ, PYTHON=sys.executable, NPROC="2")
-    with open(log, "w") as stdout:
-        process = subprocess.Popen(
-            [os.path.join(ROOT, "run_train.sh"), str(recipe), "--job.dump_folder", out, "--data.cache_dir",
-             str(tmp_path / "cache"), "--training.steps", str(SFT_STEPS), "--checkpoint.hf_export_interval",
-             str(EXPORT_EVERY)], cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True)
-    scores, deadline = {}, time.monotonic() + 1100
-    try:
-        while not any(score >= EXACT for score in scores.values()):
-            ended = process.poll() is not None
-            for step, folder in sorted(_exports(out).items()):
-                if step not in scores and (step >= SCORED_FROM or step == SFT_STEPS):
-                    scores[step] = heldout_exact(load_hf(folder), renderer, heldout)
-                    print(f"held-out exact answers at step {step}: {scores[step]:.3f}")
-            if ended or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-    finally:
-        stopped_early = process.poll() is None
-        if stopped_early:
-            end_process_group(process.pid)
-        process.wait(timeout=60)
-    stdout = log.read_text()
-    assert stopped_early or process.returncode == 0, stdout[-4000:]
-    assert any(score >= EXACT for score in scores.values()), (scores, stdout[-2000:])
+    heldout, scores = conversations(200, seed=1), {}
+
+    def learned() -> bool:
+        for step, folder in sorted(_exports(out).items()):
+            if step not in scores and (step >= SCORED_FROM or step == SFT_STEPS):
+                scores[step] = heldout_exact(load_hf(folder), renderer, heldout)
+                print(f"held-out exact answers at step {step}: {scores[step]:.3f}")
+        return any(score >= EXACT for score in scores.values())
+
+    stopped, code, stdout = run_until(
+        [str(recipe), "--job.dump_folder", out, "--data.cache_dir", str(tmp_path / "cache"), "--training.steps",
+         str(SFT_STEPS), "--checkpoint.hf_export_interval", str(EXPORT_EVERY)], learned, nproc=2, timeout=1100)
+    assert stopped or code == 0, stdout[-4000:]
+    assert stopped or learned(), (scores, stdout[-2000:])  # ran to the end: its last export
     assert "cp 2" in stdout and "4,000 conversation(s) used, 0 longer than seq_len dropped" in stdout
     efficiency = float(stdout.split("packing efficiency ")[1].split()[0])
     with open(os.path.join(out, "metrics.jsonl")) as f:
