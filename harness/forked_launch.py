@@ -59,6 +59,7 @@ def launch(nproc: int, argv: list[str], before_rank=None) -> int:
     """Forks `nproc` ranks of train.main(argv); returns the first failing rank's exit code, or 0. `before_rank()`
     runs first in each rank, its environment set (a test double that wraps the rank's process, say)."""
     sys.path.insert(0, ROOT)
+    import torch._dynamo  # noqa: F401  (each rank imports it at its first weight initialisation: once here instead)
     import train  # the expensive imports, once for every rank
 
     port = _free_port()

@@ -137,6 +137,10 @@ class Starter:
         os.set_blocking(wake_write, False)
         signal.set_wakeup_fd(wake_write)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a rank's exit wakes the select below
+        # Every rank imports torch._dynamo at its first weight initialisation (torch._refs' normal_ on the meta device
+        # goes through torch._compile), ~0.6 CPU-s each: imported once here instead, while the launcher checks the
+        # launch. Before the CUDA check below: were the import ever to load the driver, the ranks would start cold.
+        import torch._dynamo  # noqa: F401
         self.cold = cuda_driver_loaded()
         try:
             while True:
