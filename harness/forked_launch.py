@@ -76,8 +76,11 @@ def launch(nproc: int, argv: list[str], before_rank=None) -> int:
         children[pid] = rank
 
     def forward(signum, _frame):  # as torchrun does: a preemption signal to the launcher reaches every rank
-        for other in children:
-            os.kill(other, signum)
+        for other in list(children):
+            try:
+                os.kill(other, signum)
+            except ProcessLookupError:  # exited and reaped meanwhile
+                pass
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, forward)
     exit_code = 0

@@ -51,8 +51,8 @@ def run_until(args: list[str], until, *, nproc: int, timeout: float, forked: boo
     is true: for learning runs that stop as soon as their criterion holds, whatever machine and step that is. The
     launcher gets SIGTERM and forwards it to the ranks, as torchrun does (the ranks stay its waited-for children, so
     tests/cpu_accounting.py counts them); every process of the session gets SIGTERM, then SIGKILL, only if it has
-    not ended 60 s later. Returns (stopped by `until`, exit
-    code, stdout with stderr). Past `timeout` the run is ended and the test fails with its output."""
+    not ended 60 s later. Returns (stopped by `until`, exit code, stdout with stderr). Past `timeout` the run is
+    ended and the test fails with its output."""
     import tempfile
     import time
 

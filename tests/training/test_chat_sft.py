@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from data.passkey import IGNORE_INDEX
 from data.synthetic_chat import conversations, write_dataset, write_tokenizer
 from models.llama import Llama, model_config
 from tests.trainer_runs import ROOT, run_until
+from training.checkpoint_files import published_steps, step_dir
 from training.step import StepSetup, micro_step
 
 RECIPE = os.path.join(ROOT, "recipes", "debug_sft_cp2.toml")
@@ -121,13 +121,6 @@ rounding: 1.000 after 600 steps here; 0.675 after 500 of the recipe's 800-step s
 the other CP rank zeroed (attention that does not cross shards fails this test)."""
 
 
-def _exports(out: str) -> dict[int, str]:
-    """{step: folder} of the run's published Hugging Face exports (each appears whole, by rename)."""
-    root = os.path.join(out, "hf")
-    names = os.listdir(root) if os.path.isdir(root) else []
-    return {int(n.split("-")[1]): os.path.join(root, n) for n in names if re.fullmatch(r"step-\d+", n)}
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_sft_recipe_learns_to_answer_from_early_in_a_long_user_turn(tmp_path):
@@ -141,9 +134,9 @@ def test_sft_recipe_learns_to_answer_from_early_in_a_long_user_turn(tmp_path):
     heldout, scores = conversations(200, seed=1), {}
 
     def learned() -> bool:
-        for step, folder in sorted(_exports(out).items()):
+        for step in published_steps(os.path.join(out, "hf")):  # each export appears whole, by rename
             if step not in scores and (step >= SCORED_FROM or step == SFT_STEPS):
-                scores[step] = heldout_exact(load_hf(folder), renderer, heldout)
+                scores[step] = heldout_exact(load_hf(step_dir(os.path.join(out, "hf"), step)), renderer, heldout)
                 print(f"held-out exact answers at step {step}: {scores[step]:.3f}")
         return any(score >= EXACT for score in scores.values())
 
