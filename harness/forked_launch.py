@@ -7,19 +7,26 @@ rank, which made most of a short parity run's time on a 2-core box (a 16-rank ru
 a toy model). Here the trainer is imported once and each rank is a forked child with torchrun's environment
 contract (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so it runs the same
 train.main() from the same process-group set-up on. Nothing has run in the parent before the fork (no thread pool,
-no process group). The first rank that fails stops the others, as torchrun does; the exit code is that rank's.
+no process group). The first rank that fails stops the others as torchrun does (SIGTERM, then SIGKILL to those still
+running STOP_GRACE_S later); the exit code is that rank's.
 SIGTERM and SIGUSR1 to the launcher are forwarded to every rank, as torchrun forwards them.
 Users and the launch tests keep torchrun (run_train.sh); this only makes the numeric comparisons cheaper.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import socket
 import sys
+import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STOP_GRACE_S = 30.0
+"""torchrun's grace between SIGTERM and SIGKILL for the ranks still running after one failed. A rank notes SIGTERM
+and stops at its next step (training/preemption.py), so one blocked in a collective with the failed rank would wait
+out its collective timeout (job.init_timeout_s: 600 s) without it, and the caller's limit first (seen in a CI)."""
 
 
 def _free_port() -> int:
@@ -41,8 +48,11 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _run_rank(train, rank: int, nproc: int, port: int, argv: list[str], before_rank=None) -> int:
+def _run_rank(train, rank: int, nproc: int, port: int, argv: list[str], before_rank=None,
+              stacks_after: float | None = None) -> int:
     _die_with_parent()
+    if stacks_after:  # a rank still running then writes every thread's stack to stderr: a hang says where it hangs
+        faulthandler.dump_traceback_later(stacks_after, exit=False)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -55,9 +65,10 @@ def _run_rank(train, rank: int, nproc: int, port: int, argv: list[str], before_r
         return 1
 
 
-def launch(nproc: int, argv: list[str], before_rank=None) -> int:
+def launch(nproc: int, argv: list[str], before_rank=None, stacks_after: float | None = None) -> int:
     """Forks `nproc` ranks of train.main(argv); returns the first failing rank's exit code, or 0. `before_rank()`
-    runs first in each rank, its environment set (a test double that wraps the rank's process, say)."""
+    runs first in each rank, its environment set (a test double that wraps the rank's process, say). `stacks_after`:
+    seconds after which a rank still running prints every thread's stack to stderr (a caller's time limit near)."""
     sys.path.insert(0, ROOT)
     import torch._dynamo  # noqa: F401  (each rank imports it at its first weight initialisation: once here instead)
     import train  # the expensive imports, once for every rank
@@ -69,7 +80,7 @@ def launch(nproc: int, argv: list[str], before_rank=None) -> int:
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            code = _run_rank(train, rank, nproc, port, argv, before_rank)
+            code = _run_rank(train, rank, nproc, port, argv, before_rank, stacks_after)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)  # as train.py does: no interpreter teardown with gloo threads alive
@@ -83,9 +94,16 @@ def launch(nproc: int, argv: list[str], before_rank=None) -> int:
                 pass
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, forward)
-    exit_code = 0
+    exit_code, kill_at = 0, None
     while children:
-        pid, status = os.wait()
+        pid, status = _wait_for_a_rank(kill_at)
+        if pid == 0:  # the grace is over
+            print(f"forked_launch: ranks {sorted(children.values())} still running {STOP_GRACE_S:.0f} s after SIGTERM; "
+                  "SIGKILL", file=sys.stderr)
+            for other in children:
+                os.kill(other, signal.SIGKILL)
+            kill_at = None
+            continue
         rank = children.pop(pid)
         code = os.waitstatus_to_exitcode(status)
         if code != 0 and exit_code == 0:
@@ -93,16 +111,29 @@ def launch(nproc: int, argv: list[str], before_rank=None) -> int:
             print(f"forked_launch: rank {rank} exited with {code}; stopping the other ranks", file=sys.stderr)
             for other in children:
                 os.kill(other, signal.SIGTERM)
+            kill_at = time.monotonic() + STOP_GRACE_S
     return exit_code
 
 
+def _wait_for_a_rank(kill_at: float | None) -> tuple[int, int]:
+    """os.wait(), or with a deadline (monotonic seconds) (0, 0) once it passes with no rank ended."""
+    if kill_at is None:
+        return os.wait()
+    while time.monotonic() < kill_at:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            return pid, status
+        time.sleep(0.05)
+    return 0, 0
+
+
 def run_as_child(nproc: int, train_args: list[str], environ: dict, cwd: str, out_path: str, err_path: str,
-                 before_rank=None) -> None:
+                 before_rank=None, stacks_after: float | None = None) -> None:
     """The body of a process forked from a server that imported the trainer (the tests' forkserver, the bench's dry
     runs): `train_args` on `nproc` forked ranks, or with `nproc` 0 `python train.py *train_args` in this very process
     (a dry run, a check), with the environment and working directory a subprocess would have had, stdout and stderr
     in the files a subprocess' pipes would have captured (one file for both when the paths are equal); `before_rank`
-    as for launch. Exits with the run's code, as train.py does: no interpreter teardown with gloo threads alive."""
+    and `stacks_after` as for launch. Exits with the run's code, as train.py does: no interpreter teardown with gloo threads alive."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
@@ -114,8 +145,10 @@ def run_as_child(nproc: int, train_args: list[str], environ: dict, cwd: str, out
     code = 1
     try:
         if nproc:
-            code = launch(nproc, train_args, before_rank)
+            code = launch(nproc, train_args, before_rank, stacks_after)
         else:
+            if stacks_after:
+                faulthandler.dump_traceback_later(stacks_after, exit=False)
             sys.path.insert(0, ROOT)
             sys.argv = [os.path.join(ROOT, "train.py"), *train_args]
             import train

@@ -135,6 +135,14 @@ def _run_ranks_once(fn, world_size: int, args: tuple, timeout: float, threads: i
     return [results[r] for r in range(world_size)]
 
 
+class RunTimedOut(subprocess.TimeoutExpired):
+    """subprocess.TimeoutExpired whose message ends with the run's last output, the ranks' stacks included (they
+    print them shortly before the limit): a hang in CI fails with where it hung, not only the command line."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n--- the end of its stderr ---\n{(self.stderr or '')[-12000:]}"
+
+
 def forked_train(nproc: int, train_args: list[str], env: dict, cwd: str,
                  timeout: float, before_rank=None) -> subprocess.CompletedProcess:
     """`python harness/forked_launch.py NPROC train.py *train_args` as subprocess.run(capture_output=True, text=True)
@@ -142,12 +150,14 @@ def forked_train(nproc: int, train_args: list[str], env: dict, cwd: str,
     trainer again. Imports that read the environment ran in the server, so an `env` that differs from the test
     process' in more than the thread count needs the real subprocess (forked_launch.command). `nproc` 0: `python
     train.py *train_args` itself, one process and no rank (the dry runs: ~4.5 CPU-s of imports each before).
-    `before_rank`: a module-level function each rank runs first (forked_launch.launch)."""
+    `before_rank`: a module-level function each rank runs first (forked_launch.launch). Past `timeout` it raises
+    RunTimedOut, with every rank's stacks as they were ~15 s before the limit."""
     ctx = fresh_process_context()
     with tempfile.TemporaryDirectory() as folder:
         out_path, err_path = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
         proc = ctx.Process(target=forked_launch.run_as_child,
-                           args=(nproc, list(train_args), dict(env), cwd, out_path, err_path, before_rank))
+                           args=(nproc, list(train_args), dict(env), cwd, out_path, err_path, before_rank,
+                                 max(timeout - 15, 0.8 * timeout)))
         proc.start()
         proc.join(timeout)
         timed_out = proc.exitcode is None
@@ -158,7 +168,7 @@ def forked_train(nproc: int, train_args: list[str], env: dict, cwd: str,
             stdout, stderr = f_out.read(), f_err.read()
     args = ["forked_launch", str(nproc), "train.py", *train_args] if nproc else ["train.py", *train_args]
     if timed_out:
-        raise subprocess.TimeoutExpired(args, timeout, output=stdout, stderr=stderr)
+        raise RunTimedOut(args, timeout, output=stdout, stderr=stderr)
     code = proc.exitcode if proc.exitcode >= 0 else 128 - proc.exitcode
     return subprocess.CompletedProcess(args, code, stdout, stderr)
 
