@@ -2,7 +2,8 @@
 step on USR1) requeues; 76 (a collective timed out and no restart was left: training/rank_positions.HANG_EXIT_CODE)
 requeues up to MAX_HANG_REQUEUES times per job, then ends the job; anything else ends it. The script runs as
 written, with `srun` and `scontrol` replaced by stubs on PATH (the step's exit code is the test's; `scontrol
-requeue` is written down): the real-cluster tests (tests/test_slurm.py, slow tier) cover the USR1 path end to end."""
+requeue` is written down): the real-cluster tests (tests/test_slurm.py, slow tier) cover the USR1 and hang paths end
+to end."""
 from __future__ import annotations
 
 import os
@@ -55,6 +56,22 @@ def test_a_hang_requeues_up_to_max_hang_requeues_then_ends_the_job(tmp_path):
     done, calls = _submit(tmp_path, HANG_EXIT_CODE)
     assert done.returncode == HANG_EXIT_CODE and calls == [], done.stdout
     assert "after 2 hang requeue(s) (MAX_HANG_REQUEUES): the job ends" in done.stdout, done.stdout
+    assert not _hang_counter(tmp_path).exists()  # the job ended for good: its count goes with it
+
+
+def _hang_counter(tmp_path):
+    return tmp_path / "repo" / "slurm" / "logs" / ".hang-requeues-42"
+
+
+def test_a_job_that_ends_after_a_hang_requeue_leaves_no_count_behind(tmp_path):
+    """Job ids come round again (a cluster's counter reset, the tests' own clusters): a count left by an ended job
+    would cut a later job's hang requeues short."""
+    _submit(tmp_path, HANG_EXIT_CODE)
+    assert _hang_counter(tmp_path).read_text().strip() == "1"
+    _submit(tmp_path, EXIT_CODES["SIGUSR1"])  # requeued on the time limit: the job goes on, so does its count
+    assert _hang_counter(tmp_path).exists()
+    _submit(tmp_path, 0)
+    assert not _hang_counter(tmp_path).exists()
 
 
 @pytest.mark.parametrize("status, requeued", [(EXIT_CODES["SIGUSR1"], True), (0, False), (1, False), (74, False)])

@@ -296,3 +296,65 @@ def test_the_time_limit_saves_requeues_and_the_second_allocation_finishes_with_i
           f"allocation, saved and resumed at step {saved.group(1)}, the second allocation ran {second}, the job "
           f"COMPLETED after one requeue {total:.0f} s after submission; {LIMIT_STEPS} losses equal the uninterrupted "
           f"run's")
+
+
+HANG_STEPS, HANG_AT_STEP, HANG_STEP_TIMEOUT_S = 12, 9, 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # installing Slurm if this test runs first (600 s) + the runs and waits below (900 s)
+def test_a_hang_requeues_the_job_and_the_second_allocation_finishes_with_identical_losses(slurm, tmp_path):
+    """Issue 58's hang path on a real Slurm: rank 1 stops itself (SIGSTOP; tests/training/paced_runs.FREEZE_ITSELF)
+    before step 9's forward in the job's first allocation only -> rank 0's collective times out after the 20 s step
+    timeout and the run ends with the hang line and exit 76 -> slurm/train.sbatch requeues the job (hang requeue 1
+    of 2) -> the second allocation resumes from the step-8 checkpoint and finishes: each step logged once, every
+    loss the uninterrupted run's, bit for bit, and the job's hang count gone once it COMPLETED. The tiny model
+    (paced_runs.TINY): where a rank stopped, and what the job does then, show at any size."""
+    from tests.training.paced_runs import FREEZE_ITSELF, TINY, hook_folder, uninterrupted_losses
+
+    args = ["--parallelism.dp_shard", "-1", "--training.steps", str(HANG_STEPS), "--training.seq_len", "128",
+            "--training.local_batch_size", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "4",
+            "--job.init_timeout_s", "120", "--job.step_timeout_s", str(HANG_STEP_TIMEOUT_S),
+            "--metrics.enable_tensorboard", "false", *TINY]
+    reference = uninterrupted_losses(tuple(args))
+    hook = hook_folder(tmp_path / "hook", FREEZE_ITSELF)
+    out, log = str(tmp_path / "run"), str(tmp_path / "job.out")
+    env = child_env(hook, base=dict(slurm.env, PYTHON=sys.executable, GPUS_PER_NODE="2", OMP_NUM_THREADS="1",
+                                    GLOO_SOCKET_IFNAME="lo", RDZV_PORT=str(_free_ports(1)[0]), REPO=ROOT,
+                                    FREEZE_RANK="1", FREEZE_AT=f"micro_step:{HANG_AT_STEP}",
+                                    FREEZE_WHILE="SLURM_RESTART_COUNT=0"))
+    env.pop("NPROC", None)
+    cmd = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--exclusive=user", f"--output={log}",
+           "--time=10", os.path.join(ROOT, "slurm", "train.sbatch"), "--job.dump_folder", out, *args]
+    submitted = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    counter = os.path.join(ROOT, "slurm", "logs", f".hang-requeues-{job}")
+    if os.path.exists(counter) and "restart count" not in (open(log).read() if os.path.exists(log) else ""):
+        os.remove(counter)  # left by an ended job of an earlier test cluster whose ids began at 1 too
+    ctld_log = os.path.join(slurm.folder, "slurmctld.log")
+    began = time.monotonic()
+
+    def ended() -> bool:  # for good: not the first allocation's end when it requeued
+        text = open(log).read() if os.path.exists(log) else ""
+        return (_job_state(env, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+                and ("Restarts=0 " not in _show_job(env, job) or "requeueing" not in text))
+
+    _wait_for(ended, 600, "the job to end after its hang requeue", [log, ctld_log], lambda: _show_job(env, job))
+    total = time.monotonic() - began
+    text, shown = open(log).read(), _show_job(env, job)
+    assert _job_state(env, job) == "COMPLETED" and "Restarts=1 " in shown, f"{shown}\n{text[-4000:]}"
+    assert "restart count 1" in text and "restart count 2" not in text, text[-4000:]
+    hang = re.search(rf"error: hang at step {HANG_AT_STEP} \(forward/backward.*\): rank 1 on \S+ .* never arrived; "
+                     rf"rank\(s\) 0 waited {HANG_STEP_TIMEOUT_S}s .* resume from \S+step-8; tracebacks in .+", text)
+    assert hang and "OOM" not in text, text[-4000:]
+    assert f"requeueing job {job} (hang requeue 1 of 2)" in text, text[-4000:]
+    resumed = re.search(r"resumed from .*\(step (\d+)\)", text)
+    assert resumed and resumed.group(1) == "8", text[-4000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == list(range(1, HANG_STEPS + 1)), records  # none lost, none repeated
+    assert all(r["loss"] == reference[r["step"]] for r in records), (records, reference)
+    assert not os.path.exists(counter)
+    print(f"hang at step {HANG_AT_STEP}: named after the {HANG_STEP_TIMEOUT_S} s step timeout, the job requeued and "
+          f"COMPLETED from step 8 {total:.0f} s after submission; {HANG_STEPS} losses equal the uninterrupted run's")
