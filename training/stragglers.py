@@ -46,7 +46,8 @@ def waiting_in_collective(frame) -> bool:
         return False
     import linecache
 
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    lineno = frame.f_lineno  # None while the frame runs an instruction without a line (CPython 3.11+)
+    line = linecache.getline(frame.f_code.co_filename, lineno) if lineno is not None else ""
     if ".wait(" in line:
         return True
     for _ in range(_FRAMES_LOOKED_AT):

@@ -58,6 +58,23 @@ def test_the_sampler_tells_collective_waits_from_own_work():
     assert split.sampler_cpu_s < 0.1
 
 
+def test_a_frame_between_lines_is_read_not_raised_on():
+    """CPython 3.11+ gives a frame's f_lineno as None while it runs an instruction with no line of its own; the
+    sampler read its line with it and its thread died with a TypeError (seen once on a 16-rank parity run's rank),
+    leaving the rest of the run with no time split and a traceback on stderr."""
+    from types import SimpleNamespace
+
+    from training.stragglers import waiting_in_collective
+
+    ours = SimpleNamespace(f_code=SimpleNamespace(co_filename=__file__), f_lineno=None, f_back=None)
+    assert waiting_in_collective(ours) is False
+    inside = os.path.join(os.path.dirname(torch.distributed.__file__), "distributed_c10d.py")
+    assert waiting_in_collective(SimpleNamespace(f_code=SimpleNamespace(co_filename=inside), f_lineno=None,
+                                                 f_back=None)) is True
+    assert waiting_in_collective(SimpleNamespace(f_code=ours.f_code, f_lineno=None, f_back=SimpleNamespace(
+        f_code=SimpleNamespace(co_filename=inside), f_lineno=10, f_back=None))) is True
+
+
 def test_a_rank_slow_in_records_in_a_row_is_named_and_one_slow_record_is_not():
     stragglers = Stragglers(threshold=0.25, intervals=2)  # any threshold: the logic
     even = [(0.1, 1.0, 0.5), (0.1, 1.05, 0.45), (0.1, 0.95, 0.55), (0.1, 1.0, 0.5)]
