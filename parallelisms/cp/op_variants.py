@@ -6,8 +6,9 @@
 - packed (CP 1 with documents): packed_documents' one packed call (cuDNN THD, flash varlen) or per-document calls;
 - ulysses / hybrid: the all-to-all to head shards, the ring's exchange over the ring group (one rank for Ulysses),
   and the all-to-all back. The backward repeats the forward's all-to-all of q, k, v, out and lse (the eager path
-  keeps the head-sharded tensors from its forward instead): one more all-to-all per layer in exchange for an op
-  whose saved tensors are its own inputs and outputs.
+  keeps the head-sharded tensors from its forward instead): one more all-to-all per layer, twice the backward's
+  bytes (measured: tests/parallelisms/test_activation_checkpoint.py), in exchange for an op whose saved tensors are
+  its own inputs and outputs.
 
 The backward gets no kernel auxiliaries from the forward (a tensor-only op boundary): every kernel here runs
 dropout-free, where those are placeholders (kernel_blocks.philox_placeholders).

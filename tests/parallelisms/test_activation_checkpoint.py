@@ -122,6 +122,74 @@ def test_op_mode_under_cp_runs_each_layer_s_attention_and_exchanges_once(head_gr
     assert (full.calls, full.forward_bytes_sent) == (2 * plain.calls, 2 * plain.forward_bytes_sent)
 
 
+def _cp_variant_stats(mode: str, variant: str, world_size: int = 2):
+    """As `_cp_ring_stats` for a variant of tests/parallelisms/cp_block_probe.VARIANTS through `context_parallel`
+    (rank 0 of a fake group of `world_size`; documents at a group of one: the packed call): (the CP counters
+    (calls, forward bytes, backward bytes), {aten attention kernel: runs} seen below the checkpoint's modes)."""
+    from parallelisms.context_parallel import context_parallel
+    from parallelisms.cp.counters import CommStats
+    from tests.parallelisms.cp_block_probe import VARIANTS, document_ids
+    from training.planning.fake.world import fake_process_group
+
+    load_balancer, cp_impl, with_ids = VARIANTS[variant]
+    model = Llama(LlamaConfig(**TINY))
+    apply_activation_checkpointing(model, mode, 1)
+    model.init_weights(0)
+    tokens = torch.randint(0, TINY["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(5))
+    buffers = [tokens] + ([document_ids(1, 32)] if with_ids else [])
+    stats, kernels = CommStats(), AttentionKernels()
+    with fake_process_group(world_size, 0) as group, \
+            context_parallel(group, buffers, [1] * len(buffers), load_balancer=load_balancer, cp_impl=cp_impl,
+                             document_ids=buffers[1] if with_ids else None, stats=stats):
+        with kernels:
+            model(tokens).float().sum().backward()
+    return (stats.calls, stats.forward_bytes_sent, stats.backward_bytes_sent), kernels.runs
+
+
+class AttentionKernels(TorchDispatchMode):
+    """Runs of each attention kernel (aten's CPU flash forward and backward) and of the registered CP ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "attention" in name:
+            self.runs[name] = self.runs.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("variant, world_size", [("ring", 2), ("allgather", 2), ("documents", 2), ("ulysses", 2),
+                                                 ("hybrid", 2), ("documents", 1)],
+                         ids=["ring", "allgather", "documents", "ulysses", "hybrid", "packed at cp1"])
+def test_op_mode_runs_each_layer_s_cp_attention_once_in_every_variant(variant, world_size):
+    """Issue 57 item 2 over every variant (the ring's test above: head groups): under `op` each layer's CP
+    attention runs once, as the registered op, whose outputs the policy saves whole, so the recompute neither runs
+    an attention kernel nor exchanges anything (eager; the compiled block's single op per graph is in
+    test_cp_compiled_op.py); full checkpointing runs every forward kernel and exchange twice, as it must. Measured
+    (4 blocks, 32 tokens; calls, forward bytes, backward bytes): ring (4, 16384, 49152), all-gather
+    (4, 16384, 32768), documents (4, 8192, 24576), hybrid at CP 2 (a ring; 4, 16384, 49152), packed at CP 1 (4, 0, 0)
+    in op mode as with no checkpointing. Ulysses in op mode: calls and the forward's all-to-alls as without
+    checkpointing, plus the log-sum-exp's (512 bytes), but its backward sends 49,664 bytes against 24,576: the op
+    keeps Q, K, V and the output in the sequence layout and all-to-alls them to heads again in its backward (so
+    does every compiled Ulysses step, whatever the checkpointing), the trade made for an op whose saved tensors are
+    its own inputs and outputs (cp/op_variants.py). Asserted as measured, so that a change to it shows."""
+    plain, plain_kernels = _cp_variant_stats("none", variant, world_size)
+    op, op_kernels = _cp_variant_stats("op", variant, world_size)
+    full, full_kernels = _cp_variant_stats("full", variant, world_size)
+    forward_kernel = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    assert plain[0] == 4 and op[0] == 4 and full[0] == 8, (plain, op, full)
+    assert op_kernels == {"titan_cp.attention.default": 4, "titan_cp.attention_backward.default": 4}, op_kernels
+    assert full_kernels[forward_kernel] == 2 * plain_kernels[forward_kernel], (full_kernels, plain_kernels)
+    assert full[1] == 2 * plain[1], (full, plain)
+    if variant == "ulysses":
+        lse_bytes = 4 * 32 * 4  # (heads, tokens) float32: the op's log-sum-exp back to the sequence layout
+        assert op[1:] == (plain[1] + lse_bytes, 2 * plain[2] + lse_bytes), (op, plain)
+    else:
+        assert op[1:] == plain[1:], (op, plain)
+
+
 def test_op_policy_saves_every_attention_kernel_the_cuda_path_calls():
     """The varlen and packed-document calls run `aten._flash_attention_forward` (cp/kernel_varlen.py); outside the
     registered CP op the policy must save them as it saves SDPA's kernels, or the recompute runs them again."""
