@@ -10,7 +10,11 @@ on fake CUDA tensors (CP 1 on a gloo group of one, the kernels forced, the docum
 trainer moves it) and every copy of dout's values during its backward is counted, inside the op's body too, and
 each backward kernel's grad_out is checked to be in the layout it reads as is. Measured on the code before the
 change: one copy in each case, and flash handed a grad_out it copies again; after: none, and every kernel reads it
-as is. On CPU the op still hands the CPU flash kernel a contiguous dout (the same numbers bit for bit)."""
+as is. On CPU the op still hands the CPU flash kernel a contiguous dout (the same numbers bit for bit).
+
+The forward's real body runs there too (issue 57 item 1: a custom op under the fake mode would answer with its fake
+implementation): flash, dense cuDNN, varlen flash over the packed documents and cuDNN THD, each the kernel the case
+forces, its outputs checked against the fake's by the op itself (shape, dtype, device, strides)."""
 from __future__ import annotations
 
 import pytest
@@ -55,6 +59,23 @@ def _dout_copies_in_backward(rank, world_size, cases):
         `_flash_attention_backward`: "CUDA code assumes that dout is contiguous"), and contiguous tokens (T, H, D)
         for the varlen call."""
         return (grad_out.transpose(1, 2) if grad_out.dim() == 4 else grad_out).is_contiguous()
+
+    class RealForward(TorchDispatchMode):
+        """The CP op's forward body run here (on fake CUDA tensors; a custom op would otherwise answer with its fake
+        implementation under the fake mode), and the attention kernels it calls."""
+
+        def __init__(self):
+            super().__init__()
+            self.kernels = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is cp_op.ATTENTION_OP:
+                with self:
+                    return cp_op.cp_attention._init_fn(*args, **kwargs)
+            if "attention" in func.name():
+                self.kernels.append(func.name())
+            return func(*args, **kwargs)
 
     class DoutCopies(TorchDispatchMode):
         """Copies of dout's values: copies that read dout's memory (whatever view of it) or a copy made of it; the
@@ -108,7 +129,10 @@ def _dout_copies_in_backward(rank, world_size, cases):
                     run.packed = run.packed.to("cuda")
                 q, k, v = (torch.randn(B, S, heads, HEAD_DIM, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
                            for heads in (HEADS, KV_HEADS, KV_HEADS))
-                out, lse = torch.ops.titan_cp.attention(q, k, v, *constants)
+                with RealForward() as forward:  # its results checked against the fake's by the op itself
+                    out, lse = torch.ops.titan_cp.attention(q, k, v, *constants)
+                assert (out.shape, out.dtype, out.device.type) == (q.shape, q.dtype, "cuda")
+                assert (lse.shape, lse.dtype) == ((B, HEADS, S), torch.float32)
                 # the gradient of out.transpose(1, 2).reshape(B, S, H * D), as autograd hands it to the op
                 dout = torch.randn(B, S, HEADS * HEAD_DIM, dtype=torch.bfloat16, device="cuda")
                 dout = dout.view(B, S, HEADS, HEAD_DIM).transpose(1, 2)
@@ -117,6 +141,7 @@ def _dout_copies_in_backward(rank, world_size, cases):
                     dq, dk, dv, *_ = cp_op._backward(ctx, dout, None)
                 assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
         results[name] = {"copies": counted.copies, "variant": run.op_variant, "kernels": counted.kernels,
+                         "forward_kernels": forward.kernels,
                          "in_kernel_layout": counted.ready, "thd_calls": list(frontend.calls)}
     return results
 
@@ -127,12 +152,16 @@ def test_the_ops_backward_hands_cuda_kernels_dout_without_a_copy():
     if isinstance(results, str):
         pytest.skip(results)  # no compiler for the fake CUDA device guard (planning/fake/cuda.py)
     print(results)
+    # the forward's real body on fake CUDA (issue 57 item 1): each forced kernel is the one that ran
+    assert {name: r["forward_kernels"] for name, r in results.items()} == {
+        "flash": ["aten::_scaled_dot_product_flash_attention"], "cudnn": ["aten::_scaled_dot_product_cudnn_attention"],
+        "documents flash": ["aten::_flash_attention_forward"], "documents cudnn_thd": []}, results
     assert results["flash"]["kernels"] == ["aten::_scaled_dot_product_flash_attention_backward"], results
     assert results["cudnn"]["kernels"] == ["aten::_scaled_dot_product_cudnn_attention_backward"], results
     assert results["documents flash"]["variant"] == "packed", results
     assert any("flash_attention_backward" in name for name in results["documents flash"]["kernels"]), results
     thd_case = results.pop("documents cudnn_thd")
     assert thd_case["variant"] == "packed" and thd_case["kernels"] == [] and thd_case["copies"] == 0, thd_case
-    assert thd_case["thd_calls"] == ["backward"], thd_case  # one graph call for the whole batch, bindings checked
+    assert thd_case["thd_calls"] == ["forward", "backward"], thd_case  # one graph call each for the whole batch
     assert {name: r["copies"] for name, r in results.items()} == {name: 0 for name in results}, results
     assert all(r["in_kernel_layout"] == [True] and r["thd_calls"] == [] for r in results.values()), results
