@@ -5,9 +5,10 @@
 #   --gpu: the GPU tier only (CUDA variants of tests/gpu, on the GPUs this machine has); prints the device, torch
 #          and CUDA versions; without a visible GPU it prints one line and exits 0; when nvidia-smi lists GPUs but
 #          torch has no CUDA it prints one line (how to install a CUDA torch with TORCH_SPEC) and exits 1
-#   --gpu --report OUTDIR: checks a freshly booted GPU node in one command (harness/gpu_report.py, at most 8 minutes
-#          on one H100): WHEELS=DIR first installs DIR/*.whl, then each GPU test file under its own time limit,
-#          bench/bench_gpu.py --short and one 64K-token step against the dry run; logs and summary.md go to OUTDIR
+#   --gpu --report [OUTDIR]: checks a freshly booted GPU node in one command (harness/gpu_report.py, at most 8
+#          minutes on one H100): WHEELS=DIR first installs DIR/*.whl, then each GPU test file under its own time
+#          limit, bench/bench_gpu.py --short and one 64K-token step against the dry run; logs and summary.md go to
+#          OUTDIR, by default bench/measurements/<gpu>_gpu_report_<date>
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/bootstrap.sh" requirements.txt requirements-test.txt
@@ -25,15 +26,17 @@ while [ $# -gt 0 ]; do
     --slow) marker=(-m "not gpu") ;;
     --gpu) marker=(-m gpu) ;;
     --report)
-      if [ $# -lt 2 ]; then echo "error: --report needs a folder: ./run_tests.sh --gpu --report OUTDIR" >&2; exit 2; fi
-      case "$2" in /*) report="$2" ;; *) report="$PWD/$2" ;; esac  # the caller's folder: the script cds below
-      shift ;;
+      report="default"  # harness/gpu_report.py names the folder: bench/measurements/<gpu>_gpu_report_<date>
+      if [ $# -ge 2 ] && [ "${2#-}" = "$2" ]; then
+        case "$2" in /*) report="$2" ;; *) report="$PWD/$2" ;; esac  # the caller's folder: the script cds below
+        shift
+      fi ;;
     *) args+=("$1") ;;
   esac
   shift
 done
 if [ -n "$report" ] && { [ "${marker[1]}" != "gpu" ] || [ ${#args[@]} -gt 0 ]; }; then
-  echo "error: --report goes with --gpu and nothing else: ./run_tests.sh --gpu --report OUTDIR" >&2
+  echo "error: --report goes with --gpu and nothing else: ./run_tests.sh --gpu --report [OUTDIR]" >&2
   exit 2
 fi
 case "${WHEELS:-/}" in /*) ;; *) export WHEELS="$PWD/$WHEELS" ;; esac  # the caller's folder too
@@ -55,6 +58,7 @@ print(n, torch.__version__, torch.version.cuda or "none", torch.cuda.get_device_
     exit 0
   fi
   echo "GPU tier: $gpus x $name, torch $torch_version, CUDA $cuda_version"
+  if [ "$report" = "default" ]; then exec "$PY" -m harness.gpu_report; fi
   if [ -n "$report" ]; then exec "$PY" -m harness.gpu_report "$report"; fi
 fi
 if [ ${#args[@]} -eq 0 ] && [ "${marker[1]}" != "gpu" ]; then

@@ -1,6 +1,7 @@
 """`./run_tests.sh --gpu --report DIR`: one command that checks a freshly booted, possibly air-gapped GPU node.
 
-    WHEELS=DIR ./run_tests.sh --gpu --report OUTDIR     (WHEELS: optional, a folder of .whl files)
+    WHEELS=DIR ./run_tests.sh --gpu --report [OUTDIR]   (WHEELS: optional, a folder of .whl files; OUTDIR: by
+                                                         default bench/measurements/<gpu>_gpu_report_<date>)
 
 In order, each step a process group of its own under a time limit (killed at the limit, then the next step runs):
   1. with WHEELS set, `python -m pip install --no-index --no-deps WHEELS/*.whl` into this interpreter: the pure-Python
@@ -293,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         return report(os.path.abspath(argv[1]), [], f"CPU twin (--fake), torch {torch.__version__}", fake=True)
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: ./run_tests.sh --gpu --report OUTDIR   (WHEELS=DIR: install DIR/*.whl first)")
+    if len(argv) > 1 or argv[:1] and argv[0].startswith("-"):
+        print("usage: ./run_tests.sh --gpu --report [OUTDIR]   (WHEELS=DIR: install DIR/*.whl first; OUTDIR: "
+              "bench/measurements/<gpu>_gpu_report_<date> by default)")
         return 2
     import torch
 
@@ -310,7 +312,24 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     title = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA "
              f"{torch.version.cuda}")
-    return report(os.path.abspath(argv[0]), wheels, title)
+    import datetime
+
+    out_dir = argv[0] if argv else default_report_folder(torch.cuda.get_device_name(), datetime.date.today())
+    print(f"GPU report: writing {out_dir}", flush=True)
+    return report(os.path.abspath(out_dir), wheels, title)
+
+
+def default_report_folder(device_name: str, day, root: str = ROOT) -> str:
+    """Where a report goes when no folder is named: bench/measurements/<gpu>_gpu_report_<date> (the GPU's model, e.g.
+    h100 from "NVIDIA H100 80GB HBM3"), as the committed reports are named, with _2, _3 ... when that one exists:
+    a second run on the same day keeps the first's figures."""
+    words = [w for w in device_name.lower().replace("-", " ").split() if w not in ("nvidia", "tesla", "geforce")]
+    base = os.path.join(root, "bench", "measurements", f"{words[0] if words else 'gpu'}_gpu_report_{day.isoformat()}")
+    folder, n = base, 1
+    while os.path.exists(folder):
+        n += 1
+        folder = f"{base}_{n}"
+    return folder
 
 
 if __name__ == "__main__":

@@ -263,3 +263,19 @@ def test_the_cpu_twin_runs_the_compiled_op_step_and_writes_the_page(tmp_path):
         run = figures["runs"][name]
         assert run["loss_rel"] <= 1e-3 and run["grad_norm_rel"] <= 1e-3 and run["graph_breaks"] == 0, figures
         assert run["graphs"] >= 1, figures
+
+
+def test_with_no_folder_named_the_report_goes_where_the_committed_ones_are(tmp_path):
+    """`./run_tests.sh --gpu --report` alone: bench/measurements/<gpu>_gpu_report_<date>, named as the committed
+    reports are, and a second run that day gets a folder of its own."""
+    import datetime
+
+    from harness.gpu_report import default_report_folder
+
+    day = datetime.date(2026, 12, 5)
+    first = default_report_folder("NVIDIA H100 80GB HBM3", day, root=str(tmp_path))
+    assert first == str(tmp_path / "bench" / "measurements" / "h100_gpu_report_2026-12-05")
+    os.makedirs(first)
+    assert default_report_folder("NVIDIA H100 80GB HBM3", day, root=str(tmp_path)) == first + "_2"
+    h200 = default_report_folder("NVIDIA H200", day, root=str(tmp_path))
+    assert os.path.basename(h200) == "h200_gpu_report_2026-12-05"
