@@ -1,5 +1,5 @@
 """The GPU tier's entry point as a user meets it on a machine without GPUs: `./run_tests.sh --gpu` (and
-`./run_tests.sh --gpu --report DIR`, harness/gpu_report.py) prints one line, runs nothing and exits 0; and the tier's
+`./run_tests.sh --gpu --report [DIR]`, harness/gpu_report.py) prints one line, runs nothing and exits 0; and the tier's
 cuda variants exist for every area it checks (they are collected in every tier, and only --gpu selects them)."""
 from __future__ import annotations
 
@@ -32,13 +32,25 @@ def test_gpu_report_without_a_visible_gpu_is_one_line_and_exit_0(tmp_path):
     assert not (tmp_path / "report").exists()  # nothing ran, nothing was installed, nothing written
 
 
-def test_report_goes_with_gpu_alone_and_needs_a_folder():
+def test_gpu_report_with_no_folder_named_without_a_visible_gpu_is_one_line_and_exit_0():
+    """With no OUTDIR the report would go to bench/measurements/<gpu>_gpu_report_<date>: without a GPU nothing is
+    written there either."""
     env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
-    for args in (["--report", "out"], ["--gpu", "--report"], ["--gpu", "--report", "out", "-k", "x"]):
+    before = set(os.listdir(os.path.join(ROOT, "bench", "measurements")))
+    done = subprocess.run([os.path.join(ROOT, "run_tests.sh"), "--gpu", "--report"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [done.stdout.strip()] and "no GPU visible" in done.stdout, done.stdout
+    assert set(os.listdir(os.path.join(ROOT, "bench", "measurements"))) == before
+
+
+def test_report_goes_with_gpu_alone():
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    for args in (["--report", "out"], ["--report"], ["--gpu", "--report", "out", "-k", "x"]):
         done = subprocess.run([os.path.join(ROOT, "run_tests.sh"), *args], env=env, cwd=ROOT, capture_output=True,
                               text=True, timeout=60)
         assert done.returncode == 2 and not done.stdout, (args, done.stdout, done.stderr)
-        assert done.stderr.splitlines() == [done.stderr.strip()] and "./run_tests.sh --gpu --report OUTDIR" in \
+        assert done.stderr.splitlines() == [done.stderr.strip()] and "./run_tests.sh --gpu --report [OUTDIR]" in \
             done.stderr, done.stderr
 
 
