@@ -130,10 +130,11 @@ def _wait_for_a_rank(kill_at: float | None) -> tuple[int, int]:
 def run_as_child(nproc: int, train_args: list[str], environ: dict, cwd: str, out_path: str, err_path: str,
                  before_rank=None, stacks_after: float | None = None) -> None:
     """The body of a process forked from a server that imported the trainer (the tests' forkserver, the bench's dry
-    runs): `train_args` on `nproc` forked ranks, or with `nproc` 0 `python train.py *train_args` in this very process
-    (a dry run, a check), with the environment and working directory a subprocess would have had, stdout and stderr
-    in the files a subprocess' pipes would have captured (one file for both when the paths are equal); `before_rank`
-    and `stacks_after` as for launch. Exits with the run's code, as train.py does: no interpreter teardown with gloo threads alive."""
+    runs): `train_args` on `nproc` forked ranks, or with `nproc` 0 `python train.py *train_args` in this very
+    process (a dry run, a check), with the environment and working directory a subprocess would have had, stdout and
+    stderr in the files a subprocess' pipes would have captured (one file for both when the paths are equal);
+    `before_rank` and `stacks_after` as for launch. Exits with the run's code, as train.py does: no interpreter
+    teardown with gloo threads alive."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)

@@ -206,6 +206,13 @@ def _job_state(env: dict, job: str) -> str:
     return fields.get("JobState", "")
 
 
+def _ended_for_good(env: dict, job: str, log: str) -> bool:
+    """The job has ended and will not run again: not the first allocation's end when it requeued."""
+    text = open(log).read() if os.path.exists(log) else ""
+    return (_job_state(env, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+            and ("Restarts=0 " not in _show_job(env, job) or "requeueing" not in text))
+
+
 def _logged_steps(folder: str) -> list[int]:
     path = os.path.join(folder, "metrics.jsonl")
     if not os.path.exists(path):
@@ -270,11 +277,8 @@ def test_the_time_limit_saves_requeues_and_the_second_allocation_finishes_with_i
               [log, ctld_log], lambda: _show_job(env, job))
     warned = time.monotonic() - started
 
-    def ended() -> bool:  # for good: not the first allocation's end when it requeued
-        return (_job_state(env, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and
-                ("Restarts=0 " not in _show_job(env, job) or "requeueing" not in open(log).read()))
-
-    _wait_for(ended, 300, "the requeued job to finish", [log, ctld_log], lambda: _show_job(env, job))
+    _wait_for(lambda: _ended_for_good(env, job, log), 300, "the requeued job to finish", [log, ctld_log],
+              lambda: _show_job(env, job))
     total = time.monotonic() - began
     text, shown = open(log).read(), _show_job(env, job)
     second = re.search(r"RunTime=(\S+)", shown).group(1)  # the last allocation's
@@ -334,13 +338,8 @@ def test_a_hang_requeues_the_job_and_the_second_allocation_finishes_with_identic
         os.remove(counter)  # left by an ended job of an earlier test cluster whose ids began at 1 too
     ctld_log = os.path.join(slurm.folder, "slurmctld.log")
     began = time.monotonic()
-
-    def ended() -> bool:  # for good: not the first allocation's end when it requeued
-        text = open(log).read() if os.path.exists(log) else ""
-        return (_job_state(env, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
-                and ("Restarts=0 " not in _show_job(env, job) or "requeueing" not in text))
-
-    _wait_for(ended, 600, "the job to end after its hang requeue", [log, ctld_log], lambda: _show_job(env, job))
+    _wait_for(lambda: _ended_for_good(env, job, log), 600, "the job to end after its hang requeue", [log, ctld_log],
+              lambda: _show_job(env, job))
     total = time.monotonic() - began
     text, shown = open(log).read(), _show_job(env, job)
     assert _job_state(env, job) == "COMPLETED" and "Restarts=1 " in shown, f"{shown}\n{text[-4000:]}"

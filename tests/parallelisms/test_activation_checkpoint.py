@@ -12,20 +12,21 @@ from models.llama import Llama, LlamaConfig, canonical_name
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 
 TINY = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, rope_theta=10000.0)
-CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_ATTENTION = str(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
 
 
-class AttentionKernelCount(TorchDispatchMode):
-    """Counts executions of the CPU attention kernel (a value selective checkpointing serves from its cache never
-    reaches this mode, which sits below it)."""
+class AttentionKernels(TorchDispatchMode):
+    """Runs of each attention kernel (aten's CPU flash forward and backward) and of the registered CP ops, by name (a
+    value selective checkpointing serves from its cache never reaches this mode, which sits below it)."""
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.runs = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is CPU_ATTENTION:
-            self.count += 1
+        name = str(func)
+        if "attention" in name:
+            self.runs[name] = self.runs.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -48,12 +49,12 @@ def _run(mode: str, every: int = 2):
     model.init_weights(0)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, TINY["vocab_size"], (2, 33), generator=g)
-    kernels, calls = AttentionKernelCount(), SdpaCalls()
+    kernels, calls = AttentionKernels(), SdpaCalls()
     with kernels, calls:
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
     grads = {canonical_name(n): p.grad for n, p in model.named_parameters()}
-    return loss.item(), grads, kernels.count, calls.count, model
+    return loss.item(), grads, kernels.runs.get(CPU_ATTENTION, 0), calls.count, model
 
 
 @pytest.fixture(scope="module")
@@ -91,23 +92,6 @@ def test_unknown_mode_is_refused():
         apply_activation_checkpointing(Llama(LlamaConfig(**TINY)), "sometimes")
 
 
-def _cp_ring_stats(mode: str, head_groups: int):
-    """One forward and backward of TINY (4 blocks) under the CP ring as rank 0 of a fake process group of 2 (the
-    exchanges run; their data is not real): the ring's counters (calls, bytes sent in forward and in backward)."""
-    from parallelisms.cp.counters import CommStats
-    from parallelisms.cp.op import SdpaToContextParallel
-    from training.planning.fake.world import fake_process_group
-    model = Llama(LlamaConfig(**TINY))
-    apply_activation_checkpointing(model, mode, 1)
-    model.init_weights(0)
-    tokens = torch.randint(0, TINY["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(5))
-    stats = CommStats()
-    with fake_process_group(2, 0) as group, \
-            SdpaToContextParallel(group, "zigzag", {32}, None, stats, head_groups=head_groups):
-        model(tokens).float().sum().backward()  # backward inside the block, as the trainer runs it
-    return stats
-
-
 @pytest.mark.parametrize("head_groups", [1, 2])
 def test_op_mode_under_cp_runs_each_layer_s_attention_and_exchanges_once(head_groups):
     """Issue 57 item 2: the `op` policy saves the attention kernels' outputs, but on the eager Python path of the CP
@@ -115,17 +99,17 @@ def test_op_mode_under_cp_runs_each_layer_s_attention_and_exchanges_once(head_gr
     forward's bytes twice; calls are counted per layer and head group). Attention now goes through the registered
     CP op in op mode, eager too, whose outputs the policy saves whole: the calls and bytes of no checkpointing.
     Full checkpointing recomputes the ring, as it must."""
-    plain, op, full = (_cp_ring_stats(mode, head_groups) for mode in ("none", "op", "full"))
-    assert plain.calls == 4 * head_groups and plain.forward_bytes_sent > 0 and plain.backward_bytes_sent > 0
-    assert (op.calls, op.forward_bytes_sent, op.backward_bytes_sent) == \
-        (plain.calls, plain.forward_bytes_sent, plain.backward_bytes_sent)
-    assert (full.calls, full.forward_bytes_sent) == (2 * plain.calls, 2 * plain.forward_bytes_sent)
+    plain, op, full = (_cp_variant_stats(mode, "ring", head_groups=head_groups)[0] for mode in ("none", "op", "full"))
+    assert plain[0] == 4 * head_groups and plain[1] > 0 and plain[2] > 0
+    assert op == plain
+    assert full[:2] == (2 * plain[0], 2 * plain[1])
 
 
-def _cp_variant_stats(mode: str, variant: str, world_size: int = 2):
-    """As `_cp_ring_stats` for a variant of tests/parallelisms/cp_block_probe.VARIANTS through `context_parallel`
-    (rank 0 of a fake group of `world_size`; documents at a group of one: the packed call): (the CP counters
-    (calls, forward bytes, backward bytes), {aten attention kernel: runs} seen below the checkpoint's modes)."""
+def _cp_variant_stats(mode: str, variant: str, world_size: int = 2, head_groups: int = 0):
+    """One forward and backward of TINY (4 blocks, 32 tokens) under `mode` through `context_parallel` with a variant
+    of tests/parallelisms/cp_block_probe.VARIANTS, as rank 0 of a fake process group of `world_size` (the exchanges
+    run; their data is not real; documents at a group of one: the packed call): (the CP counters (calls, forward
+    bytes, backward bytes), {attention kernel or CP op: runs} seen below the checkpoint's modes)."""
     from parallelisms.context_parallel import context_parallel
     from parallelisms.cp.counters import CommStats
     from tests.parallelisms.cp_block_probe import VARIANTS, document_ids
@@ -140,24 +124,10 @@ def _cp_variant_stats(mode: str, variant: str, world_size: int = 2):
     stats, kernels = CommStats(), AttentionKernels()
     with fake_process_group(world_size, 0) as group, \
             context_parallel(group, buffers, [1] * len(buffers), load_balancer=load_balancer, cp_impl=cp_impl,
-                             document_ids=buffers[1] if with_ids else None, stats=stats):
+                             document_ids=buffers[1] if with_ids else None, stats=stats, head_groups=head_groups):
         with kernels:
-            model(tokens).float().sum().backward()
+            model(tokens).float().sum().backward()  # backward inside the block, as the trainer runs it
     return (stats.calls, stats.forward_bytes_sent, stats.backward_bytes_sent), kernels.runs
-
-
-class AttentionKernels(TorchDispatchMode):
-    """Runs of each attention kernel (aten's CPU flash forward and backward) and of the registered CP ops."""
-
-    def __init__(self):
-        super().__init__()
-        self.runs = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if "attention" in name:
-            self.runs[name] = self.runs.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("variant, world_size", [("ring", 2), ("allgather", 2), ("documents", 2), ("ulysses", 2),

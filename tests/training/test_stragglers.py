@@ -163,22 +163,23 @@ def _run(tmp_path, steps: int, log_freq: int, **env):
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_a_rank_sleeping_in_its_forward_is_named_and_no_rank_is_named_without_one(tmp_path):
-    """Rank 1 sleeps 1 s in each micro-step of the tiny model (whose steps take tens of milliseconds on a quiet box):
-    rank 0 waits for it in its collectives, so rank 1's own time is the largest; it is named from the second record (`metrics.straggler_intervals` = 2), within the 3 the issue allows. In CI, with
-    other workers sharing the two cores, a record's slowest rank can be the one the scheduler starved (the CI of
-    6b374db saw it once in record 1, which then held step 1's set-up too; the split now leaves the process's first
-    step out), so only the naming and the last record are asserted. Without the hook, 50 steps (5 records of 10
-    steps) name nobody at the default threshold (0.5): two ranks' own times differ, within 1.11x on a quiet box and
-    1.3x with three busy loops beside them, not by 50% twice in a row. (Records of 5 tiny steps, ~0.3 s: the CI of
-    3abfd93 saw rank 0 1.5x the other twice in a row, starved by the other workers on the two cores; a 10-step
-    record averages such a slice out, as a real step of seconds does.) A rank that other processes really starve is a
-    straggler (a noisy neighbour), and the CI of ab819d2 saw one: rank 1 named at 43.5x in two records of a CI
-    worker's run. So the run-queue wait of each rank's main thread in each micro-step is read from the kernel
-    (/proc/thread-self/schedstat, outside the code under test), and a rank named without a hook fails the test
-    unless its run-queue wait exceeded the other rank's by at least half its own-time excess in that record.
-    The sleep was 0.3 s until the official CI of e8e1995, whose busy workers took rank 0's own time to ~0.26 s a step:
-    the last record measured rank 1 at 2.2x, but the one before fell under the 1.5x and nobody was named. At 1 s a
-    step, rank 0's own time would have to pass ~0.7 s a step for that (a sleep costs wall time, no CPU)."""
+    """Rank 1 sleeps 1 s in each micro-step of the tiny model (whose steps take tens of milliseconds on a quiet
+    box): rank 0 waits for it in its collectives, so rank 1's own time is the largest; it is named from the second
+    record (`metrics.straggler_intervals` = 2), within the 3 the issue allows. In CI, with other workers sharing the
+    two cores, a record's slowest rank can be the one the scheduler starved (the CI of 6b374db saw it once in record
+    1, which then held step 1's set-up too; the split now leaves the process's first step out), so only the naming
+    and the last record are asserted. Without the hook, 50 steps (5 records of 10 steps) name nobody at the default
+    threshold (0.5): two ranks' own times differ, within 1.11x on a quiet box and 1.3x with three busy loops beside
+    them, not by 50% twice in a row. (Records of 5 tiny steps, ~0.3 s: the CI of 3abfd93 saw rank 0 1.5x the other
+    twice in a row, starved by the other workers on the two cores; a 10-step record averages such a slice out, as a
+    real step of seconds does.) A rank that other processes really starve is a straggler (a noisy neighbour), and
+    the CI of ab819d2 saw one: rank 1 named at 43.5x in two records of a CI worker's run. So the run-queue wait of
+    each rank's main thread in each micro-step is read from the kernel (/proc/thread-self/schedstat, outside the
+    code under test), and a rank named without a hook fails the test unless its run-queue wait exceeded the other
+    rank's by at least half its own-time excess in that record. The sleep was 0.3 s until the official CI of
+    e8e1995, whose busy workers took rank 0's own time to ~0.26 s a step: the last record measured rank 1 at 2.2x,
+    but the one before fell under the 1.5x and nobody was named. At 1 s a step, rank 0's own time would have to pass
+    ~0.7 s a step for that (a sleep costs wall time, no CPU)."""
     stdout, records = _run(tmp_path / "slow", 6, 2, SLOW_RANK=1, SLOW_FORWARD_S=1.0)
     lines = [line for line in stdout.splitlines() if line.startswith("step ")]
     splits = [r["straggler"] for r in records]
