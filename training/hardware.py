@@ -118,4 +118,11 @@ def peak_memory_gib(device: Device) -> float:
     """Peak allocated bytes on the GPU, or the process's peak resident set on CPU, in GiB."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+    return peak_host_gib()
+
+
+def peak_host_gib() -> float:
+    """This process's peak resident set in GiB (ru_maxrss, KiB on Linux): the host side of a step, which is where
+    `training.cpu_offload` keeps the whole training state and activation offload its block inputs; the dry run
+    predicts it per rank (dry_run.json `host_peak_gib_per_rank`) and the GPU report holds the two side by side."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -17,7 +17,7 @@ from models.llama import flops_per_token
 from parallelisms.comm import Collectives
 from parallelisms.context_parallel import CommStats
 from parallelisms.parallelize import compile_counters
-from training.hardware import Device, peak_memory_gib
+from training.hardware import Device, peak_host_gib, peak_memory_gib
 from training.ramp import RampStage
 from training.planning.workload import Layout, float8_gathered_params, fsdp_bytes_per_step
 
@@ -152,11 +152,11 @@ class StepMetrics:
         float8 = float8_gathered_params(m, t.float8, stage.cfg.model.mlp_chunk_tokens > 0)
         fsdp_bytes = sum(fsdp_bytes_per_step(m, layout, t.dtype, stage.grad_accum_steps,
                                              stage.cfg.parallelism.reshard_after_forward, float8))
-        # Maxima over ranks: step_time is the slowest rank's; -step_time gives the fastest rank's; then each
-        # micro-step's busiest rank's pairs.
-        step_time, memory, data_time, cp_bytes, fastest, *busiest = self.comm.reduce_values(
+        # Maxima over ranks: step_time is the slowest rank's; -step_time gives the fastest rank's; the largest peak
+        # resident set; then each micro-step's busiest rank's pairs.
+        step_time, memory, data_time, cp_bytes, fastest, host_memory, *busiest = self.comm.reduce_values(
             [step_time, peak_memory_gib(self.device), data_time, self._cp_bytes_per_step(step), -step_time,
-             *visible_pairs], op="max")
+             peak_host_gib(), *visible_pairs], op="max")
         all_pairs = self.comm.reduce_values([sum(visible_pairs)], op="sum")[0]
         tokens_per_sec = stage.tokens_per_step / step_time
         # dp x cp ranks hold distinct tokens; TP and PP ranks repeat their dp x cp rank's pairs.
@@ -174,6 +174,7 @@ class StepMetrics:
             "seq_len": t.seq_len, "cp": d.cp, "global_batch_size": stage.global_batch_rows,
             "tokens_per_step": stage.tokens_per_step, "rope_theta": m.rope_theta,
             "stage": max(0, stage.index), "tokens_seen": tokens_seen, "memory": memory,
+            "host_memory": host_memory,  # the busiest rank's peak resident set, GiB (on CPU the same as memory)
             "step_time": step_time, "data_time": data_time, "step_time_fastest_rank": -fastest,
             "cp_comm_bytes": cp_bytes, "fsdp_comm_bytes": fsdp_bytes, "cp_attention_calls": self.comm_stats.calls,
             "attention_kernel": self.attention_kernel, **self._documents_record(),

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -106,8 +107,9 @@ def test_record_reports_balance_and_the_mfu_of_the_pairs_computed():
                                              "--training.global_batch_size", "4"])
     dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1, world_size=2)
     stage = RampStage(-1, 0, 10, cfg, dims)
-    # rank 1's numbers, in the order the record reduces them: the maxima (5 times, 2 micro-steps), then the pairs sum
-    comm = TwoRankComm([[1.0, 0.0, 0.0, 0.0, -1.0, 10.0, 10.0], [20.0]])
+    # rank 1's numbers, in the order the record reduces them: the maxima (5 times, its peak resident set of 1,000 GiB,
+    # 2 micro-steps), then the pairs sum
+    comm = TwoRankComm([[1.0, 0.0, 0.0, 0.0, -1.0, 1000.0, 10.0, 10.0], [20.0]])
     metrics = StepMetrics(comm, CommStats(), Device("cpu", "gloo", torch.device("cpu")), 1e9, "test", 0)
     r = metrics.record(stage, 1, loss=1.0, lr=1e-3, grad_norm=1.0, step_time=2.0, data_time=0.0, tokens_seen=256,
                        visible_pairs=[30, 10])
@@ -117,6 +119,23 @@ def test_record_reports_balance_and_the_mfu_of_the_pairs_computed():
     per_pair = 12 * m.n_layers * m.n_heads * m.head_dim
     assert r["mfu"] == pytest.approx((flops_per_token(m, 0) * 256 + per_pair * 60) / 2.0 / 2e9)
     assert r["mfu_causal"] == pytest.approx(flops_per_token(m, 64) * 256 / 2.0 / 2e9)
+    assert r["host_memory"] == 1000.0  # the larger rank's peak resident set: rank 1's, not this process's
+
+
+def test_the_host_peak_counts_the_pages_a_step_touched():
+    """`host_memory` (training.hardware.peak_host_gib, the process's peak resident set) is what the GPU report holds
+    against the dry run's host peak under training.cpu_offload: 256 MiB written by this process raise it by at least
+    that much above the resident set before (/proc's VmRSS; a fresh interpreter, so no earlier test's peak counts)."""
+    import subprocess
+    import sys
+
+    code = ("from training.hardware import peak_host_gib; import torch; "
+            "from training.launch_checks.host_memory import resident_bytes; before = resident_bytes() / 2**30; "
+            "t = torch.ones(64 * 2**20); print(before, peak_host_gib())")  # 64 Mi float32 = 256 MiB
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    before, after = map(float, done.stdout.split())
+    assert after - before >= 0.25 - 0.01, (before, after)
 
 
 def test_fsdp_bytes_count_the_float8_all_gather():
