@@ -62,7 +62,17 @@ class MatmulsByValue(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        return True  # as torch's own checkpoint modes: dynamo compiles under it instead of running the frame eagerly
+        """True, as torch's own checkpoint modes: dynamo compiles a block's frame under this mode instead of running
+        it eagerly. The check (torch 2.11 and 2.13 alike): torch/_dynamo/convert_frame.py `CatchErrorsWrapper.__call__`
+        returns `ConvertFrameReturn()` (the frame runs eagerly, logged at DEBUG only: "non-infra torch dispatch mode
+        present") when torch/utils/_python_dispatch.py `any_torch_dispatch_mode_on_stack()` finds a non-infra
+        dispatch mode whose `ignore_compile_internals()` is False (with `config.inline_torch_dispatch_torch_compile`,
+        default True; otherwise the same test through `is_in_any_mode_without_ignore_compile_internals()`). Torch
+        2.11's torch/utils/checkpoint.py (v2.11.0 wheel, git_version 70d99e998b4955e0049d13a98d77ae1b14db1f45)
+        defines it True on `_CachingTorchDispatchMode` and `_CachedTorchDispatchMode` already, so with this mode the
+        compiled `op` block compiles there too. tests/parallelisms/test_activation_checkpoint.py holds both contexts
+        of `_op_context` to it on the installed torch and compiles under each."""
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

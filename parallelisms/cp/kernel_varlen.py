@@ -224,7 +224,8 @@ def varlen_backward(dout, q, k_blk, v_blk, out, lse, aux, call: VarlenCall, scal
                                                  thd.default_scale(scale, q.size(-1)),
                                                  torch.are_deterministic_algorithms_enabled())
     if aux is None:  # the registered CP op's backward keeps none: dropout-free, placeholders as
-        # kernel_blocks.philox_placeholders makes them (not imported: this file stays a floor below it)
+        # kernel_blocks.philox_placeholders makes them (not imported: this file stays a floor below it); torch 2.11's
+        # mha_varlen_bwd reads the seed only when dropout_p > 0 (that docstring cites the lines)
         aux = (torch.zeros(2, dtype=torch.int64, device=q.device), torch.zeros((), dtype=torch.int64, device=q.device))
     rng_state, unused = aux
     lses = gather_tokens(lse, call.q_batch, call.q_rows).transpose(0, 1).contiguous()  # (Hq, total_q)

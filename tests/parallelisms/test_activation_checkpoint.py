@@ -245,6 +245,33 @@ def test_op_mode_saves_out_matmuls_as_it_saves_plain_ones():
         assert loss == ref_loss and all(torch.equal(g, r) for g, r in zip(grads, ref_grads)), mode
 
 
+def test_op_checkpoint_dispatch_modes_leave_a_compiled_block_compiled():
+    """Dynamo runs a frame eagerly, saying so only in a DEBUG log, while a dispatch mode whose
+    `ignore_compile_internals()` is False is active (torch/_dynamo/convert_frame.py `CatchErrorsWrapper.__call__`,
+    torch 2.11 and 2.13: `any_torch_dispatch_mode_on_stack()`). A compiled block under the `op` policy runs inside
+    the checkpoint's dispatch modes and MatmulsByValue (parallelize.apply_compile keeps the checkpoint eager around
+    it), so each of them must say True, in the forward's context and the recompute's: then dynamo's test finds
+    nothing and a function compiled under either context is compiled (one frame), not run eagerly. Torch's own
+    `_CachingTorchDispatchMode` / `_CachedTorchDispatchMode` say True in 2.11's checkpoint.py as in 2.13's."""
+    from torch._dynamo.testing import CompileCounter
+    from torch.utils._python_dispatch import (_get_current_dispatch_mode_stack, any_torch_dispatch_mode_on_stack,
+                                              is_in_any_mode_without_ignore_compile_internals)
+
+    import parallelisms.activation_checkpoint as activation_checkpoint
+
+    expected = {"forward": {"_CachingTorchDispatchMode", "MatmulsByValue"},
+                "recompute": {"_CachedTorchDispatchMode", "MatmulsByValue"}}
+    for phase, context in zip(("forward", "recompute"), activation_checkpoint._op_context()):
+        counter = CompileCounter()
+        with context:
+            modes = {type(m).__name__: m.ignore_compile_internals() for m in _get_current_dispatch_mode_stack()}
+            skipped = any_torch_dispatch_mode_on_stack(), is_in_any_mode_without_ignore_compile_internals()
+            torch.compile(lambda x: x.sin() + 1, backend=counter)(torch.ones(3))
+        assert set(modes) == expected[phase] and all(modes.values()), (phase, modes)
+        assert skipped == (False, False), (phase, skipped)
+        assert counter.frame_count == 1, (phase, "dynamo ran the frame eagerly")
+
+
 @pytest.mark.slow
 def test_a_compiled_block_saves_the_matmuls_op_saves_eagerly(monkeypatch):
     """Under torch.compile (inductor, parallelize.apply_compile) the `op` policy is handed the same matmuls as eagerly

@@ -6,6 +6,8 @@
    layout (LSE (B, H, Lq, 1)): two blocks merged by the real `LseAccumulator`, then each block's backward against
    the merged out / lse, compared with full-sequence float64 SDPA. This checks the LSE conversions both ways.
 3. `kernel_for(..., prefer="cudnn")` picks it where it serves, and the default choice is unchanged.
+4. Every CUDA backward (flash, cuDNN, efficient, flash varlen) run without the forward's aux, as the CP op's
+   backward runs it, gets dropout_p 0 and the int64 seed / offset placeholders on q's device.
 The real kernel's numbers are for a GPU (`./run_tests.sh --gpu`).
 """
 from __future__ import annotations
@@ -225,3 +227,54 @@ def test_default_kernel_choice_is_unchanged():
         assert isinstance(kernel_for("cuda", torch.bfloat16, 256, False, **prefer), CudaFlashBlock)
         assert isinstance(kernel_for("cuda", torch.float16, 64, True, **prefer), CudaEfficientBlock)
         assert isinstance(kernel_for("cpu", torch.bfloat16, 64, False, **prefer), CpuFlashBlock)
+
+
+RNG_ARGUMENTS = {  # backward op: its (seed, offset) arguments by schema name
+    aten._scaled_dot_product_flash_attention_backward.default: ("philox_seed", "philox_offset"),
+    aten._scaled_dot_product_cudnn_attention_backward.default: ("philox_seed", "philox_offset"),
+    aten._scaled_dot_product_efficient_attention_backward.default: ("philox_seed", "philox_offset"),
+    aten._flash_attention_backward.default: ("rng_state", "unused"),
+}
+
+
+def _varlen_backward_without_aux(dout, q, k, v, out, lse):
+    """kernel_varlen's flash call for one causal sequence of the whole block, as the CP op's backward makes it."""
+    import numpy as np
+
+    from parallelisms.cp.kernel_varlen import VarlenCall, varlen_backward
+    length = q.size(2)
+    rows, batch = torch.arange(length, device=q.device), torch.zeros(length, dtype=torch.int64, device=q.device)
+    cum = torch.tensor([0, length], dtype=torch.int32, device=q.device)
+    call = VarlenCall(True, batch, rows, batch, rows, cum, cum, length, length,
+                      (np.zeros(length, dtype=np.int64), np.arange(length)))
+    return varlen_backward(dout, q, k, v, out, lse, None, call, None)
+
+
+@pytest.mark.parametrize("kernel", ["cuda_flash", "cuda_cudnn", "cuda_efficient", "flash_varlen"])
+def test_a_backward_without_the_forwards_aux_runs_dropout_free_on_placeholders(fake_cuda, kernel):
+    """The registered CP op's backward keeps no kernel state from the forward (cp/op_variants.py): every CUDA backward
+    then gets `philox_placeholders`, int64 zeros on q's device (seed (2,), offset ()), and dropout_p 0.0. Torch
+    2.11's flash (mha_bwd / mha_varlen_bwd), cuDNN (run_cudnn_SDP_bprop) and efficient backwards read seed and
+    offset only when dropout_p > 0 (the lines: kernel_blocks.philox_placeholders), so the 0.0 is what makes the
+    placeholders safe: this holds every call to it, on fake CUDA tensors."""
+    batch, heads, kv_heads, length, head_dim, dtype = 1, 4, 2, 16, 64, torch.bfloat16
+    blocks = {"cuda_flash": CudaFlashBlock(), "cuda_cudnn": CudnnBlock(), "cuda_efficient": CudaEfficientBlock(),
+              "flash_varlen": CudaFlashBlock()}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, dout = (trainer_layout(batch, length, heads, head_dim, dtype, "cuda") for _ in range(2))
+        k, v = (trainer_layout(batch, length, kv_heads, head_dim, dtype, "cuda") for _ in range(2))
+        block = blocks[kernel]
+        out, lse, _aux = block.forward(q, k, v, is_causal=True, scale=None, mask=None)
+        with AttentionCalls() as calls:
+            if kernel == "flash_varlen":
+                _varlen_backward_without_aux(dout, q, k, v, out, lse)
+            else:
+                block.backward(dout, q, k, v, out, lse_for_backward(lse), None, is_causal=True, scale=None, mask=None)
+    backward_calls = [(op, args) for op, args in calls.calls if op in RNG_ARGUMENTS]
+    assert len(backward_calls) == 1, [op for op, _ in calls.calls]
+    (op, args), = backward_calls
+    named = dict(zip((a.name for a in op._schema.arguments), args))
+    seed, offset = (named[name] for name in RNG_ARGUMENTS[op])
+    assert named["dropout_p"] == 0.0, (op, named["dropout_p"])
+    assert seed.shape == (2,) and offset.shape == () and seed.dtype == offset.dtype == torch.int64, op
+    assert seed.device == offset.device == q.device, op
