@@ -220,3 +220,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         return _TiledRotary.apply(x, cos, sin, x.size(1))
     per_token = max(1, x.numel() // max(1, x.size(1)))
     return _TiledRotary.apply(x, cos, sin, max(1, tile_elements // per_token))
+
+
+def rotary_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    tile_elements: int = ROTARY_TILE_ELEMENTS) -> torch.Tensor:
+    """The gradient of `apply_rotary`'s input from its output's gradient: the rotation by the opposite angle, the
+    same float32 values as autograd's backward of `apply_rotary` (`_TiledRotary.backward`). For code that runs the
+    backward itself where autograd records nothing: the grouped attention sublayer's backward, which also runs as the
+    body of a registered op (parallelisms/sublayer_groups.py)."""
+    sign = torch.arange(-1.0, 2.0, 2.0, device=grad.device)
+    if cos.size(1) != grad.size(1) or torch.compiler.is_compiling():
+        return _tiled(grad, cos, sin, sign, grad.size(1), backward=True)
+    per_token = max(1, grad.numel() // max(1, grad.size(1)))
+    return _tiled(grad, cos, sin, sign, max(1, tile_elements // per_token), backward=True)

@@ -48,7 +48,7 @@ def uses_loss_parallel(cfg: Config, mesh: TrainingMesh) -> bool:
     return mesh.dims.tp > 1 and cfg.parallelism.loss_parallel
 
 
-def apply_compile(model: torch.nn.Module, split: bool = False, eager_attention: bool = False) -> None:
+def apply_compile(model: torch.nn.Module, split: bool = False) -> None:
     """Compiles each whole transformer block with `fullgraph=True` (norms, residual adds, projections, RoPE, the CP
     attention op, MLP) inside its activation-checkpoint wrapper, before FSDP2 wraps it. Under CP the attention is one
     registered op (parallelisms/cp/op.py), so a block is one graph. Every layer shares the compiled code (the module
@@ -64,13 +64,10 @@ def apply_compile(model: torch.nn.Module, split: bool = False, eager_attention: 
     (sequence-sharded -> replicated) running eagerly between them; traced inside one graph those hooks gave the
     norm weights wrong gradients (tests/training/test_compile_tp_block.py is the minimal repro).
 
-    `eager_attention` (parallelism.attention_sublayer_groups > 1): the feed-forward's forward alone is compiled; the
-    attention sublayer runs its head groups eagerly (parallelisms/sublayer_groups.py), as the dry run measures."""
+    The attention sublayer in head groups (parallelism.attention_sublayer_groups > 1) is one registered op in the
+    block's graph, as the CP attention is (parallelisms/sublayer_groups.py)."""
     for name, block in model.layers.items():
-        if eager_attention:
-            inner = getattr(block, "_checkpoint_wrapped_module", block)
-            inner.feed_forward.forward = torch.compile(inner.feed_forward.forward)
-        elif split:
+        if split:
             inner = getattr(block, "_checkpoint_wrapped_module", block)  # set on the block, not on an AC wrapper
             for module in (inner.attention, inner.feed_forward):
                 module.forward = torch.compile(module.forward)
@@ -152,7 +149,7 @@ def parallelize(model: torch.nn.Module, mesh: TrainingMesh, cfg: Config) -> torc
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.every, ac.offload, ac.offload_prefetch, ac.offload_keep_last)
     if cfg.training.compiles(mesh.world.device_type):
-        apply_compile(model, split=mesh.dims.tp > 1, eager_attention=cfg.parallelism.attention_sublayer_groups > 1)
+        apply_compile(model, split=mesh.dims.tp > 1)
     if uses_autocast(cfg, mesh):
         cast_under_autocast(model)
         apply_autocast(model, getattr(torch, cfg.training.dtype))

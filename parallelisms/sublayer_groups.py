@@ -25,9 +25,13 @@ Where it does not apply, the model's own forward runs (the hook answers None): n
 (a model called outside the trainer's step, which opens a one-rank block at CP 1 for it: training/step.py), a
 variant that picks its exchange from the first call's heads (hybrid, auto), Ulysses where a group's query heads do
 not split over the CP ranks, tensor parallelism (DTensor weights), float8 or biased projections, per-head q/k
-norms (the launch check refuses a recipe that asks for groups with those: `refusal`), or inside a compiled graph
-(the backward's per-group autograd is eager: with groups, parallelize.apply_compile compiles the feed-forward only
-and leaves the sublayer eager).
+norms (the launch check refuses a recipe that asks for groups with those: `refusal`).
+
+Under `torch.compile` the sublayer is one registered op pair (`torch.ops.titan_cp.grouped_sublayer` and its
+backward) over the same forward and backward bodies, so a whole block stays one graph with the group loop inside the
+op (parallelize.apply_compile); its arguments are tensors and the group count and head size, and it reads the open
+block when it runs, as the CP op does. RoPE's backward is the rotation by the opposite angle (models/rope.py
+`rotary_backward`), so the backward records no autograd graph and runs the same as an op body.
 """
 from __future__ import annotations
 
@@ -37,11 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.rope import apply_rotary
+from config.errors import Refusal
+from models.rope import apply_rotary, rotary_backward
 from models.tile_loops import tile_starts
 from parallelisms.cp.kernel_blocks import grad_out_layout
 from parallelisms.cp.layouts import ALLGATHER, RING, ULYSSES
-from parallelisms.cp.op import ACTIVE
+from parallelisms.cp.op import ACTIVE, LIBRARY, own_outputs
 from parallelisms.cp.op_variants import PACKED, backward as attention_backward, forward as attention_forward
 
 GROUPED_VARIANTS = (RING, ALLGATHER, PACKED, ULYSSES)
@@ -87,28 +92,49 @@ def install(model: nn.Module, groups: int) -> int:
 
 
 class SublayerGroups:
-    """The hook an Attention module calls first: the grouped sublayer's output, or None where it does not apply."""
+    """The hook an Attention module calls first: the grouped sublayer's output, or None where it does not apply.
+
+    Eager (and on the dry run's fake tensors): `_GroupedSublayer`, an autograd function over the bodies below, so the
+    dry run's probe sees every group's tensors. Inside a compiled block: the registered op pair
+    `torch.ops.titan_cp.grouped_sublayer` / `grouped_sublayer_backward` over the same bodies, one node of the block's
+    graph (the group loop runs inside it: no graph per group, no graph break), whose run constants are the group
+    count and head size only; the open `context_parallel` block is read when the op runs, as the CP op reads it
+    (cp/op.py)."""
 
     def __init__(self, groups: int):
         self.groups = groups
         self.calls = 0  # sublayers run in groups (the tests read it)
 
     def __call__(self, attention: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        if self.groups <= 1 or torch.compiler.is_compiling():
+        if self.groups <= 1 or not _plain(attention, x):
             return None
-        run = ACTIVE.sole()
-        if run is None:
+        weights = (attention.wq.weight, attention.wk.weight, attention.wv.weight, attention.wo.weight)
+        if attention.wk.weight.size(0) // attention.head_dim % self.groups:
             return None
-        variant = _variant(run)
-        if variant not in GROUPED_VARIANTS or not _plain(attention, x):
-            return None
-        n_kv = attention.wk.weight.size(0) // attention.head_dim
-        n_q = attention.wq.weight.size(0) // attention.head_dim
-        if n_kv % self.groups or (variant == ULYSSES and (n_q // self.groups) % dist.get_world_size(run.group)):
+        if torch.compiler.is_compiling():
+            self.calls += 1
+            return GROUPED_SUBLAYER_OP(x, *weights, cos, sin, self.groups, attention.head_dim)[0]
+        plan = _open_plan(attention.head_dim, attention.wq.weight.size(0), attention.wk.weight.size(0), self.groups)
+        if plan is None:
             return None
         self.calls += 1
-        return _GroupedSublayer.apply(x, attention.wq.weight, attention.wk.weight, attention.wv.weight,
-                                      attention.wo.weight, cos, sin, _Plan(run, attention.head_dim, n_kv, self.groups))
+        return _GroupedSublayer.apply(x, *weights, cos, sin, plan)
+
+
+def _open_plan(head_dim: int, q_rows: int, kv_rows: int, groups: int) -> _Plan | None:
+    """The plan of one call on the open `context_parallel` block, or None where the grouped sublayer does not apply
+    there (no block, a variant that picks its exchange per call, Ulysses with a group's query heads not splitting
+    over the ranks)."""
+    run = ACTIVE.sole()
+    if run is None:
+        return None
+    variant = _variant(run)
+    n_q, n_kv = q_rows // head_dim, kv_rows // head_dim
+    if variant not in GROUPED_VARIANTS or n_kv % groups:
+        return None
+    if variant == ULYSSES and (n_q // groups) % dist.get_world_size(run.group):
+        return None
+    return _Plan(run, head_dim, n_kv, groups)
 
 
 def _variant(run) -> str:
@@ -146,58 +172,136 @@ class _Plan:
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
+def _forward_body(plan: _Plan, x, wq, wk, wv, wo, cos, sin):
+    """(the sublayer's output, the attention output (B, S, H, D), its float32 log-sum-exp (B, H, S))."""
+    bsz, seqlen, _ = x.shape
+    n_q = wq.size(0) // plan.head_dim
+    variant = plan.run.op_variant
+    out = x.new_empty(bsz, seqlen, n_q, plan.head_dim)  # (B, S, H, D): the output projection's input layout
+    lse = torch.empty(bsz, n_q, seqlen, dtype=torch.float32, device=x.device)
+    for g in tile_starts(plan.groups, 1, x):  # every group; a dry run's fake tensors: three
+        q_heads, kv_heads = plan.slices(n_q, g)
+        q_rows, kv_rows = plan.rows(q_heads), plan.rows(kv_heads)
+        q, k, v = plan.project(x, wq[q_rows], wk[kv_rows], wv[kv_rows], cos, sin)
+        g_out, g_lse = attention_forward(plan.run, variant, q, k, v, True, plan.scale)
+        out[:, :, q_heads] = g_out.transpose(1, 2)
+        lse[:, q_heads] = g_lse
+        del q, k, v, g_out, g_lse
+    return F.linear(out.view(bsz, seqlen, -1), wo), out, lse
+
+
+def _backward_body(plan: _Plan, dy, x, wq, wk, wv, wo, cos, sin, out, lse):
+    """(dx, dwq, dwk, dwv, dwo), every op run directly (no autograd graph: it is also a registered op's body)."""
+    bsz, seqlen, dim = x.shape
+    n_q, d = wq.size(0) // plan.head_dim, plan.head_dim
+    x_flat, dy_flat = x.reshape(-1, dim), dy.reshape(-1, dim)
+    dwo = dy_flat.t().mm(out.view(bsz * seqlen, -1))
+    dx = torch.zeros_like(x)  # accumulated in place over the groups: no whole-width temporary per projection
+    dx_flat = dx.view(-1, dim)
+    dwq, dwk, dwv = (torch.empty_like(w) for w in (wq, wk, wv))  # every row written once, by its group
+    for g in tile_starts(plan.groups, 1, x):
+        q_heads, kv_heads = plan.slices(n_q, g)
+        q_rows, kv_rows = plan.rows(q_heads), plan.rows(kv_heads)
+        d_out = F.linear(dy, wo[:, q_rows].t()).view(bsz, seqlen, -1, d).transpose(1, 2)
+        q, k, v = plan.project(x, wq[q_rows], wk[kv_rows], wv[kv_rows], cos, sin)
+        g_out = torch.empty_like(q.transpose(1, 2)).copy_(out[:, :, q_heads]).transpose(1, 2)  # q's layout
+        dq, dk, dv = attention_backward(plan.run, plan.run.op_variant, grad_out_layout(d_out), q, k, v, g_out,
+                                        lse[:, q_heads].contiguous(), True, plan.scale)
+        del d_out, g_out, q, k, v
+        dq_in, dk_in = rotary_backward(dq.transpose(1, 2), cos, sin), rotary_backward(dk.transpose(1, 2), cos, sin)
+        del dq, dk
+        for grad, rows, weight, dweight in ((dq_in, q_rows, wq, dwq), (dk_in, kv_rows, wk, dwk),
+                                            (dv.transpose(1, 2), kv_rows, wv, dwv)):
+            flat = grad.reshape(bsz * seqlen, -1)
+            dx_flat.addmm_(flat, weight[rows])
+            dweight[rows] = flat.t().mm(x_flat)
+        del dq_in, dk_in, dv, flat, grad
+    return dx, dwq, dwk, dwv, dwo
+
+
 class _GroupedSublayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wq, wk, wv, wo, cos, sin, plan: _Plan):
-        bsz, seqlen, _ = x.shape
-        n_q = wq.size(0) // plan.head_dim
-        variant = plan.run.op_variant
-        out = x.new_empty(bsz, seqlen, n_q, plan.head_dim)  # (B, S, H, D): the output projection's input layout
-        lse = torch.empty(bsz, n_q, seqlen, dtype=torch.float32, device=x.device)
-        for g in tile_starts(plan.groups, 1, x):  # every group; a dry run's fake tensors: three
-            q_heads, kv_heads = plan.slices(n_q, g)
-            q_rows, kv_rows = plan.rows(q_heads), plan.rows(kv_heads)
-            q, k, v = plan.project(x, wq[q_rows], wk[kv_rows], wv[kv_rows], cos, sin)
-            g_out, g_lse = attention_forward(plan.run, variant, q, k, v, True, plan.scale)
-            out[:, :, q_heads] = g_out.transpose(1, 2)
-            lse[:, q_heads] = g_lse
-            del q, k, v, g_out, g_lse
+        y, out, lse = _forward_body(plan, x, wq, wk, wv, wo, cos, sin)
         ctx.save_for_backward(x, wq, wk, wv, wo, cos, sin, out, lse)
         ctx.plan = plan
-        return F.linear(out.view(bsz, seqlen, -1), wo)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, wq, wk, wv, wo, cos, sin, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        bsz, seqlen, dim = x.shape
-        n_q, d = wq.size(0) // plan.head_dim, plan.head_dim
-        x_flat, dy_flat = x.reshape(-1, dim), dy.reshape(-1, dim)
-        dwo = dy_flat.t().mm(out.view(bsz * seqlen, -1))
-        dx = torch.zeros_like(x)  # accumulated in place over the groups: no whole-width temporary per projection
-        dx_flat = dx.view(-1, dim)
-        dwq, dwk, dwv = (torch.empty_like(w) for w in (wq, wk, wv))  # every row written once, by its group
-        for g in tile_starts(plan.groups, 1, x):
-            q_heads, kv_heads = plan.slices(n_q, g)
-            q_rows, kv_rows = plan.rows(q_heads), plan.rows(kv_heads)
-            d_out = F.linear(dy, wo[:, q_rows].t()).view(bsz, seqlen, -1, d).transpose(1, 2)
-            with torch.enable_grad():  # RoPE's backward through autograd, on this group's q and k only
-                q_in, k_in = (F.linear(x, w).view(bsz, seqlen, -1, d).detach().requires_grad_()
-                              for w in (wq[q_rows], wk[kv_rows]))
-                q, k = apply_rotary(q_in, cos, sin), apply_rotary(k_in, cos, sin)
-            v = F.linear(x, wv[kv_rows]).view(bsz, seqlen, -1, d)
-            g_out = torch.empty_like(q).copy_(out[:, :, q_heads]).transpose(1, 2)  # the forward's layout: q's
-            dq, dk, dv = attention_backward(plan.run, plan.run.op_variant, grad_out_layout(d_out),
-                                            q.detach().transpose(1, 2), k.detach().transpose(1, 2),
-                                            v.transpose(1, 2), g_out, lse[:, q_heads].contiguous(), True,
-                                            plan.scale)
-            del d_out, g_out
-            dq_in, dk_in = torch.autograd.grad((q, k), (q_in, k_in), (dq.transpose(1, 2), dk.transpose(1, 2)))
-            del q, k, v, dq, dk, q_in, k_in
-            for grad, rows, weight, dweight in ((dq_in, q_rows, wq, dwq), (dk_in, kv_rows, wk, dwk),
-                                                (dv.transpose(1, 2), kv_rows, wv, dwv)):
-                flat = grad.reshape(bsz * seqlen, -1)
-                dx_flat.addmm_(flat, weight[rows])
-                dweight[rows] = flat.t().mm(x_flat)
-            del dq_in, dk_in, dv, flat, grad
-        return dx, dwq, dwk, dwv, dwo, None, None, None
+        return *_backward_body(ctx.plan, dy, *ctx.saved_tensors), None, None, None
+
+
+def _plan_or_refuse(op: str, x, wq, wk, groups: int, head_dim: int) -> _Plan:
+    plan = _open_plan(head_dim, wq.size(0), wk.size(0), groups)
+    if plan is None:
+        raise Refusal(f"torch.ops.{LIBRARY}.{op} ran where the grouped attention sublayer does not apply (no "
+                      "context_parallel block open, or its cp_impl picks the exchange per call, or Ulysses' groups do "
+                      "not split over the ranks): run the compiled model inside the trainer's step, or set "
+                      "parallelism.attention_sublayer_groups = 0")
+    return plan
+
+
+@torch.library.custom_op(f"{LIBRARY}::grouped_sublayer", mutates_args=())
+def grouped_sublayer(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, groups: int,
+                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the sublayer's output, attention output (B, S, H, D), float32 log-sum-exp (B, H, S)): `_forward_body` on the
+    open `context_parallel` block."""
+    plan = _plan_or_refuse("grouped_sublayer", x, wq, wk, groups, head_dim)
+    results = _forward_body(plan, x, wq, wk, wv, wo, cos, sin)
+    return own_outputs("grouped_sublayer", list(results), list(_forward_fakes(x, wq, wo, head_dim, "meta")),
+                       (x, wq, wk, wv, wo, cos, sin))
+
+
+def _forward_fakes(x, wq, wo, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward's outputs as its fake implementation lays them out: y (B, S, dim), out (B, S, H, D) in x's dtype,
+    lse (B, H, S) float32, all contiguous."""
+    bsz, seqlen, _ = x.shape
+    n_q = wq.size(0) // head_dim
+    return (x.new_empty(bsz, seqlen, wo.size(0), device=device),
+            x.new_empty(bsz, seqlen, n_q, head_dim, device=device),
+            x.new_empty(bsz, n_q, seqlen, dtype=torch.float32, device=device))
+
+
+@grouped_sublayer.register_fake
+def _(x, wq, wk, wv, wo, cos, sin, groups, head_dim):
+    return _forward_fakes(x, wq, wo, head_dim, x.device)
+
+
+@torch.library.custom_op(f"{LIBRARY}::grouped_sublayer_backward", mutates_args=())
+def grouped_sublayer_backward(dy: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                              wv: torch.Tensor, wo: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, groups: int,
+                              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+    """(dx, dwq, dwk, dwv, dwo): `_backward_body` from the forward's own output and log-sum-exp."""
+    plan = _plan_or_refuse("grouped_sublayer_backward", x, wq, wk, groups, head_dim)
+    grads = _backward_body(plan, dy, x, wq, wk, wv, wo, cos, sin, out, lse)
+    return own_outputs("grouped_sublayer_backward", list(grads),
+                       [torch.empty_like(t, device="meta") for t in (x, wq, wk, wv, wo)],
+                       (dy, x, wq, wk, wv, wo, cos, sin, out, lse))
+
+
+@grouped_sublayer_backward.register_fake
+def _(dy, x, wq, wk, wv, wo, cos, sin, out, lse, groups, head_dim):
+    return tuple(torch.empty_like(t) for t in (x, wq, wk, wv, wo))
+
+
+def _setup_context(ctx, inputs, output):
+    x, wq, wk, wv, wo, cos, sin, groups, head_dim = inputs
+    _, out, lse = output
+    ctx.save_for_backward(x, wq, wk, wv, wo, cos, sin, out, lse)
+    ctx.constants = (groups, head_dim)
+
+
+def _backward(ctx, dy, d_out, d_lse):
+    """The op's out and lse are the backward's saved state, not results the model reads: their gradients are
+    None."""
+    grads = GROUPED_SUBLAYER_BACKWARD_OP(dy.contiguous(), *ctx.saved_tensors, *ctx.constants)
+    return *grads, None, None, None, None
+
+
+grouped_sublayer.register_autograd(_backward, setup_context=_setup_context)
+GROUPED_SUBLAYER_OP = torch.ops.titan_cp.grouped_sublayer.default
+GROUPED_SUBLAYER_BACKWARD_OP = torch.ops.titan_cp.grouped_sublayer_backward.default

@@ -105,7 +105,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     """(out like q, float32 log-sum-exp (B, Hq, S_local)) of this rank's queries against the whole sequence."""
     out, lse = variant_forward(ACTIVE.current(group_name), variant, q, k, v, is_causal, scale)
     lse = lse.contiguous()
-    return _own_outputs("attention", [out, lse], _forward_fakes(q), (q, k, v))
+    return own_outputs("attention", [out, lse], _forward_fakes(q), (q, k, v))
 
 
 def _forward_fakes(q: torch.Tensor) -> list[torch.Tensor]:
@@ -113,7 +113,7 @@ def _forward_fakes(q: torch.Tensor) -> list[torch.Tensor]:
     return [torch.empty_like(q, device="meta"), torch.empty(q.shape[:-1], dtype=torch.float32, device="meta")]
 
 
-def _own_outputs(op: str, results: list, fakes: list, inputs: tuple) -> tuple:
+def own_outputs(op: str, results: list, fakes: list, inputs: tuple) -> tuple:
     """Each result checked against what the fake implementation says (shape, dtype, device: inductor plans every
     buffer from the fake and trusts it, so a variant that returned, say, float32 where the fake says bf16 would be
     read wrongly without a word), then in the fake's memory layout, so the strides a graph was traced with are the
@@ -148,7 +148,7 @@ def cp_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     """(dq, dk, dv) from the forward's own output and log-sum-exp: nothing is recomputed but the exchanges."""
     grads = variant_backward(ACTIVE.current(group_name), variant, dout, q, k, v, out, lse, is_causal, scale)
     fakes = [torch.empty_like(x, device="meta") for x in (q, k, v)]
-    return _own_outputs("attention_backward", list(grads), fakes, (dout, q, k, v, out, lse))
+    return own_outputs("attention_backward", list(grads), fakes, (dout, q, k, v, out, lse))
 
 
 @cp_attention_backward.register_fake

@@ -5,7 +5,7 @@ own `_forward_fakes`, the meta layout its registered fake returns; the reference
 import pytest
 import torch
 
-from parallelisms.cp.op import _forward_fakes, _own_outputs
+from parallelisms.cp.op import _forward_fakes, own_outputs
 
 
 def _q():
@@ -16,11 +16,11 @@ def test_right_outputs_pass_in_the_fakes_layout_and_own_storage():
     q = _q()
     out = torch.randn(2, 4, 8, 16)  # contiguous (B, H, S, D): q's layout differs
     lse = torch.randn(2, 4, 8)
-    got_out, got_lse = _own_outputs("attention", [out, lse], _forward_fakes(q), (q,))
+    got_out, got_lse = own_outputs("attention", [out, lse], _forward_fakes(q), (q,))
     assert got_out.stride() == torch.empty_like(q).stride() and torch.equal(got_out, out)
     assert got_lse is lse  # already right: no copy
     aliased = q.detach()  # an output sharing an input's storage is copied
-    (own,) = _own_outputs("attention_backward", [aliased], [torch.empty_like(q, device="meta")], (q,))
+    (own,) = own_outputs("attention_backward", [aliased], [torch.empty_like(q, device="meta")], (q,))
     assert own.untyped_storage().data_ptr() != q.untyped_storage().data_ptr() and torch.equal(own, q)
 
 
@@ -34,6 +34,6 @@ def test_an_output_the_fake_does_not_describe_is_refused_in_one_line(which, bad,
     results = [torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8)]
     results[which] = bad(q)
     with pytest.raises(RuntimeError) as err:
-        _own_outputs("attention", results, _forward_fakes(q), (q,))
+        own_outputs("attention", results, _forward_fakes(q), (q,))
     message = str(err.value)
     assert expect in message and "titan_cp.attention" in message and "\n" not in message, message

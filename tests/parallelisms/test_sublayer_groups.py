@@ -20,7 +20,9 @@ SEQ = 48
 """Zigzag at CP 2 cuts the sequence in 4 chunks of 12 tokens: every kind of ring step, documents crossing chunks."""
 
 
-def _grouped_against_one_process(rank, size, cp_impl, balancer, with_docs, groups):
+def _grouped_against_one_process(rank, size, cp_impl, balancer, with_docs, groups, graphs=None):
+    """(loss difference, worst relative gradient difference, grouped calls); `graphs`: a dict to fill with what
+    compiling each block whole (fullgraph, aot_eager) made: the ops its graphs call, graphs built, graph breaks."""
     from parallelisms.context_parallel import context_parallel
     from parallelisms.sublayer_groups import install
 
@@ -29,6 +31,8 @@ def _grouped_against_one_process(rank, size, cp_impl, balancer, with_docs, group
     reference.init_weights(3)
     model = copy.deepcopy(reference)
     assert install(model, groups) == CONFIG["n_layers"]
+    if graphs is not None:
+        _compile_blocks(model, graphs)
     tokens, labels, positions, docs = next(_batches(1, 2, SEQ, CONFIG["vocab_size"], with_docs,
                                                     torch.Generator().manual_seed(11)))
     want = _reference_loss(reference, tokens, labels, positions, docs, with_docs) / labels.numel()
@@ -45,7 +49,29 @@ def _grouped_against_one_process(rank, size, cp_impl, balancer, with_docs, group
         dist.all_reduce(p.grad)
         worst = max(worst, ((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item())
     calls = sum(block.attention.sublayer_hook.calls for block in model.layers.values())
+    if graphs is not None:
+        from torch._dynamo.utils import counters
+
+        graphs.update(built=counters["stats"]["unique_graphs"], breaks=sum(counters["graph_break"].values()))
     return abs(loss.item() - want.item()), worst, calls
+
+
+def _compile_blocks(model, graphs: dict) -> None:
+    """Each block's forward compiled whole, as parallelize.apply_compile does, on aot_eager (the graphs the trainer
+    hands inductor, run by eager kernels: the op's path without inductor's C++ builds); the ops each graph calls are
+    written into graphs["ops"]."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs["ops"] = set()
+
+    def backend(gm, inputs):
+        graphs["ops"].update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, inputs)
+
+    for block in model.layers.values():
+        block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
 
 
 CASES = [("ring", "zigzag", False, 2), ("ring", "zigzag", True, 4), ("ring", "striped", False, 4),
@@ -87,6 +113,84 @@ def _cp1_cases(rank, size):
     return [_grouped_against_one_process(rank, size, *case) for case in CP1_CASES]
 
 
+COMPILED_CASES = [("ring", "zigzag", False, 2), ("ring", "zigzag", True, 4), ("allgather", "zigzag", True, 2),
+                  ("ulysses", "zigzag", False, 2), ("ulysses", "zigzag", True, 4)]
+
+
+@pytest.mark.timeout(240)
+def test_compiled_blocks_run_the_grouped_sublayer_as_one_op_with_the_one_process_numbers():
+    """Each block compiled whole (fullgraph): the grouped sublayer is one registered op in its graph
+    (torch.ops.titan_cp.grouped_sublayer, the group loop inside it), both layers share one graph, no graph break, no
+    SDPA left in the graph; loss and gradients as eager's bounds against the one-process model: at cp 2 ring
+    (dense, documents), all-gather with documents and Ulysses (dense, documents), and at CP 1 dense and packed
+    documents."""
+    for world, cases, results in ((2, COMPILED_CASES, run_ranks(_compiled_cases, world_size=2, timeout=200)[0]),
+                                  (1, CP1_CASES, run_ranks(_compiled_cp1_cases, world_size=1, timeout=100)[0])):
+        for case, (loss_diff, grad_diff, calls, graphs) in zip(cases, results):
+            assert loss_diff < 2e-6 and grad_diff < 2e-5, (world, case, loss_diff, grad_diff)
+            assert calls == CONFIG["n_layers"], (world, case, calls)
+            assert "titan_cp.grouped_sublayer.default" in graphs["ops"], (world, case, graphs)
+            assert not any("scaled_dot_product" in op for op in graphs["ops"]), (world, case, graphs)
+            assert graphs["built"] == 1 and graphs["breaks"] == 0, (world, case, graphs)
+
+
+def _compiled(rank, size, cases):
+    results = []
+    for case in cases:
+        graphs = {}
+        results.append((*_grouped_against_one_process(rank, size, *case, graphs=graphs), graphs))
+    return results
+
+
+def _compiled_cases(rank, size):
+    return _compiled(rank, size, COMPILED_CASES)
+
+
+def _compiled_cp1_cases(rank, size):
+    return _compiled(rank, size, CP1_CASES)
+
+
+def _opcheck_grouped(rank, size):
+    """torch.library.opcheck of the grouped sublayer's op pair inside a one-rank block, dense and packed documents:
+    schema, the fake against the real outputs, autograd registration, AOT dispatch."""
+    from torch.library import opcheck
+
+    from parallelisms.context_parallel import context_parallel
+    from parallelisms.cp.op import ACTIVE
+
+    generator = torch.Generator().manual_seed(3)
+    reports = []
+    for with_docs in (False, True):
+        tokens = torch.zeros(1, SEQ, dtype=torch.long)
+        docs = (torch.arange(SEQ) >= SEQ // 3).long()[None]
+        buffers = [tokens] + ([docs] if with_docs else [])
+        with context_parallel(dist.group.WORLD, buffers, [1] * len(buffers),
+                              document_ids=buffers[1] if with_docs else None):
+            dim, head_dim = CONFIG["dim"], CONFIG["dim"] // CONFIG["n_heads"]
+            x = torch.randn(1, SEQ, dim, generator=generator)
+            wq, wo = (torch.randn(dim, dim, generator=generator) * 0.1 for _ in range(2))
+            wk, wv = (torch.randn(CONFIG["n_kv_heads"] * head_dim, dim, generator=generator) * 0.1 for _ in range(2))
+            angles = torch.arange(SEQ, dtype=torch.float32)[None, :, None, None] * torch.rand(head_dim // 2)
+            cos, sin = angles.cos(), angles.sin()
+            constants = (2, head_dim)
+            y, out, lse = torch.ops.titan_cp.grouped_sublayer(x, wq, wk, wv, wo, cos, sin, *constants)
+            forward = opcheck(torch.ops.titan_cp.grouped_sublayer.default,
+                              tuple(t.clone().requires_grad_() for t in (x, wq, wk, wv, wo)) + (cos, sin) + constants)
+            backward = opcheck(torch.ops.titan_cp.grouped_sublayer_backward.default,
+                               (torch.randn(y.shape, generator=generator), x, wq, wk, wv, wo, cos, sin, out, lse,
+                                *constants))
+            reports.append((ACTIVE.current(dist.group.WORLD.group_name).op_variant, forward, backward))
+    return reports
+
+
+@pytest.mark.timeout(120)
+def test_the_grouped_sublayer_op_pair_passes_opcheck():
+    (reports,) = run_ranks(_opcheck_grouped, world_size=1, timeout=100)
+    assert [variant for variant, _, _ in reports] == ["ring", "packed"]
+    for variant, forward, backward in reports:
+        assert all(r == "SUCCESS" for r in (*forward.values(), *backward.values())), (variant, forward, backward)
+
+
 def _ulysses_and_outside(rank, size):
     from parallelisms.context_parallel import context_parallel
     from parallelisms.sublayer_groups import install
@@ -119,7 +223,7 @@ TRAINER = ["--training.steps", "3", "--training.seq_len", "256", "--parallelism.
 def test_the_trainer_with_grouped_sublayers_compiled_steps_as_the_eager_ungrouped_run(tmp_path):
     """Slow tier (two 2-rank trainer runs, one compiled: ~45 CPU-s): the recipe key through the composer, under FSDP,
     full checkpointing (the grouped function runs again in the recompute), block-input offload and
-    `training.compile` (the feed-forward compiled, the grouped sublayer eager beside it: parallelize.apply_compile),
+    `training.compile` (each block one inductor graph with the grouped sublayer's op in it: parallelize.apply_compile),
     debug model at cp 2, float32: 3 steps' losses and gradient norms equal the eager run without groups within
     1e-5 relative, the compiled meshes' bound (tests/training/test_compile.py; step 3 reads AdamW state from steps 1
     and 2). The debug model has 16 K/V heads: 4 groups of 4."""
@@ -131,7 +235,11 @@ def test_the_trainer_with_grouped_sublayers_compiled_steps_as_the_eager_ungroupe
         done = run_train("--job.dump_folder", out, *TRAINER, "--parallelism.attention_sublayer_groups", groups,
                          "--training.compile", compiled, nproc=2, timeout=400, forked=True)
         assert done.returncode == 0, done.stderr[-3000:]
-        runs[groups] = [(r["loss"], r["grad_norm"]) for r in read_metrics(out)]
+        records = read_metrics(out)
+        runs[groups] = [(r["loss"], r["grad_norm"]) for r in records]
+        if compiled == "true":  # every block compiled whole: no frame left eager, no graph break
+            counters = records[-1]["compile"]
+            assert counters["frames_failed"] == 0 and not counters["graph_breaks"], counters
     assert len(runs["4"]) == 3
     for (loss, norm), (want_loss, want_norm) in zip(runs["4"], runs["0"]):
         assert abs(loss - want_loss) <= 1e-5 * want_loss and abs(norm - want_norm) <= 1e-5 * want_norm, runs
