@@ -13,8 +13,9 @@ The trainers are compared at --seq and again at --long-seq (TorchTitan at --seq 
 table, the dry run's prediction of each of our runs (step time and peak memory, on the accelerator the device's
 name maps to) is printed beside the measured figures.
 
-Without a CUDA device it prints one line and exits 0. --short (about a minute; `./run_tests.sh --gpu --report`
-runs it): one run of each side of the transformers comparison, 6 steps, 3 ring repetitions, no TorchTitan runs.
+Without a CUDA device it prints one line and exits 0. --short (about a minute): one run of each side of the
+transformers comparison, 6 steps, 3 ring repetitions, no TorchTitan runs. `./run_tests.sh --gpu --report` runs
+bench/bench_gpu_report.py instead: these runs at 8K and 64K, one row printed per run, under a time budget.
 
 Two peers, each on the work it does the same way as ours:
 - Hugging Face transformers' LlamaForCausalLM (bench/transformers_peer.py: the plain loop a user writes, fp32 master
@@ -160,14 +161,14 @@ def torchtitan_unavailable() -> str | None:
             "drive yet (its TOML job config has not been run by it)")
     if installed is None:
         return f"TorchTitan is not installed; torch {torch.__version__} needs TorchTitan {need}"
+    if not installed.startswith("0.3."):  # before the import probe: a release not driven costs no import
+        return (f"TorchTitan {installed} is installed, but this bench drives only 0.3.0 (bench/torchtitan_config.py): "
+                f"{installed}'s TOML job config has not been run by it")
     probe = subprocess.run([sys.executable, "-c", "import torchtitan, torchtitan.train"],
                            env=child_env(), capture_output=True, text=True, timeout=300)
     if probe.returncode:
         return (f"TorchTitan {installed} does not import here ({last_error(probe.stderr)}); torch "
                 f"{torch.__version__} needs TorchTitan {need}")
-    if not installed.startswith("0.3."):
-        return (f"TorchTitan {installed} imports here, but this bench drives only 0.3.0 (bench/torchtitan_config.py): "
-                f"{installed}'s TOML job config has not been run by it")
     return None
 
 
@@ -283,8 +284,8 @@ def compare_trainers(args) -> None:
         if best.get(ours) and best.get(peer):
             print(f"{ours} / {SIDES[peer].split(',')[0]}: tok/s {best[ours][0] / best[peer][0]:.3f}"
                   + (f", peak memory {best[ours][2] / best[peer][2]:.3f}" if best[peer][2] == best[peer][2] else ""))
-    if args.short:  # the report's own step (harness/gpu_report.py step_64k) sets its prediction beside it
-        print("\n--short: no dry-run prediction rows (the GPU report's step_64k prints prediction vs measurement)")
+    if args.short:  # a quick look: the dry runs would double its time
+        print("\n--short: no dry-run prediction rows (python -m harness.gpu_report --measure-step OUT: the 64K step's)")
         return
     rows = prediction_rows(args, best, accelerator_of(torch.cuda.get_device_name()))
     if rows:

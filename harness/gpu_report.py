@@ -12,16 +12,19 @@ In order, each step a process group of its own under a time limit (killed at the
      happens), with pytest-timeout per test (thread method, so a hang dumps every thread's stack into the log before
      the process ends), so one hung or crashed file costs its own limit and the others still run; the files run in
      LANES lanes side by side on the GPU;
-  4. bench/bench_gpu.py --short (our trainer and a peer on the bench shape, ring at CP=1 vs SDPA);
-  5. one 64K-token step of the bench shape: `train.py --dry-run`'s predicted peak memory and step time against
-     train.py on this GPU.
+  4. the bench (bench/bench_gpu_report.py): our trainer eager, compiled and with documents at 8K and 64K on the
+     bench shape beside the transformers loop (and TorchTitan where a release bench_gpu drives imports), one run
+     each, in the order they settle, each started only while its estimated time fits the step's budget;
+  5. the offload step (harness/gpu_measure_step.py): Llama 3.2 3B's shape with training.cpu_offload at 128K tokens
+     (or the longest length that fits its limit, said so): the dry run's device and host peaks and step time
+     against train.py on this GPU.
 Each step's output goes to OUTDIR/<step>.log; OUTDIR/summary.md (harness/report_summary.py, from the logs alone) is
 written again after every step, so a run cut short still leaves what it measured, and printed at the end. Exit 0 when
 every step was ok. `python -m harness.gpu_report --fake OUTDIR` is the CPU twin: the same runner and summary over the
 compiled-op step at a tiny shape (tests/test_gpu_report.py runs it in the fast tier). Without a visible GPU, run_tests.sh prints one line and exits 0
 before this module runs.
 
-The lone steps' limits and the longest lane's add up to TOTAL_LIMIT_S of wall time (8 minutes). The first H200 set
+The lone steps' limits and the longest lane's add up to TOTAL_LIMIT_S of wall time (9 minutes). The first H200 set
 them (bench/measurements/h200_gpu_report_2026-12-04: one after another under the first guesses, 10 of 13 steps were
 cut); the report's own table shows each step's seconds next to its limit, so the next node's numbers can set them.
 """
@@ -30,22 +33,21 @@ from __future__ import annotations
 import glob
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
 
+from harness.gpu_measure_step import BENCH_SHAPE, OFFLOAD_LIMIT_S, measure_step, offload_step
 from harness.launch_env import ROOT, child_env
 from harness.process_tree import end_process_group
 from harness.report_summary import FIGURES, FOOTER_EXIT, FOOTER_KILLED, HEADER, all_ok, parse_step, summarize
-from config.accelerators import accelerator_of
-from training.metrics import read_metrics
 
-TOTAL_LIMIT_S = 480
-"""The report's wall-clock bound: the steps that run alone, plus the longest lane of test files (below). 8 minutes, so
-that one call fits a 15-minute GPU lease with the node's start and a rerun of a step."""
+TOTAL_LIMIT_S = 540
+"""The report's wall-clock bound: the steps that run alone, plus the longest lane of test files (below). 9 minutes
+(issue 57's bound), so that one call fits a 15-minute GPU lease with the node's start; 8 before the bench at two
+lengths and the 3B offload step replaced bench_gpu --short and the bench shape's 64K step."""
 WHEELS_LIMIT_S = 15
 """Installing the wheel folder: two wheels (torchao, torchdata) took about 1 s on an H100 node; with
 nvidia-cudnn-frontend's (11.6 MB) 9-10 s on an H200 (bench/measurements/h200_gpu_report_2026-12-04)."""
@@ -54,7 +56,7 @@ LANES = 4
 file its own process and limit): on the first H200 every file's pytest start and CUDA set-up took 10-12 s, and one
 after another the files needed ~9 minutes of limits; in four lanes they took 3.5 minutes (that lease's second call).
 They check numbers, not speed, and each measures its own process's memory, so sharing the GPU changes no verdict.
-The steps that time things (the compiled op, the bench, the 64K step) run alone."""
+The steps that time things (the compiled op, the bench, the offload step) run alone."""
 FILE_LIMIT_S = {"test_gpu_trainer.py": 170, "test_gpu_cp.py": 150, "test_gpu_cpu_offload.py": 85,
                 "test_gpu_memory.py": 80, "test_gpu_documents_layout.py": 70, "test_gpu_float8.py": 70,
                 "test_gpu_cudnn_thd.py": 45, "test_gpu_block_kernels.py": 30, "test_gpu_activation_offload.py": 25,
@@ -71,8 +73,14 @@ PER_TEST_MARGIN_S = 5
 """Each file's tests get its limit less this (GPU_TEST_LIMIT_S, tests/gpu/devices.py): pytest-timeout dumps the
 stacks of a hung test before the file is ended."""
 BENCH_LIMIT_S = 85
-"""bench_gpu --short: its kernel comparison and the first of our trainer's rounds took 70 s on the first H200."""
-STEP_LIMIT_S = 55
+"""The bench step's limit; the bench gets BENCH_BUDGET_S of it and starts a run only while its estimate fits what is
+left (bench/bench_gpu_report.py RUN_ESTIMATES: estimates from the first H200's launches, about 10 s of start and
+CUDA set-up each, until a GPU has run this step). What is left of 540 s after the wheels (15), the compiled op (120),
+the longest test lane (205) and the offload step (115): about the 8K runs (ours eager, transformers, documents,
+compiled: ~85 s estimated); the 64K runs (~115 s more) and TorchTitan (~60 s) run where they fit, the rest are listed
+as not run. The whole set: `python bench/bench_gpu_report.py` with no budget."""
+BENCH_BUDGET_S = 78
+"""BENCH_LIMIT_S less the interpreter's start, the peak-FLOP read and the last row's printing."""
 COMPILED_OP_LIMIT_S = 120
 """Three one-rank launches of two steps at 8K tokens (eager, compiled, compiled under `op` AC): 98 s on the first
 H200 with four test lanes beside it (compiles of 6.9 and 8.6 s); 70 s alone was not enough."""
@@ -82,10 +90,6 @@ FAKE_SEQ_LEN = 256
 FAKE_COMPILED_OP_LIMIT_S = 180
 """The CPU twin's limit: inductor's cold C++ compile of the tiny block is most of its ~45 CPU-s, and a CI box runs
 two other test workers beside it."""
-BENCH_SHAPE = {"dim": 2048, "n_layers": 8, "n_heads": 16, "n_kv_heads": 8}
-"""bench/bench_gpu.py's default Llama shape, handed to it explicitly so that the bench and the 64K step agree."""
-STEP_SEQ_LEN = 65536
-STEP_STEPS = 3
 
 
 @dataclass
@@ -149,10 +153,10 @@ def plan(out_dir: str, wheels: list[str], fake: bool = False) -> list[Step]:
                                            os.path.relpath(files[name], ROOT)], limits[name], lane_of[name],
                           {"GPU_TEST_LIMIT_S": str(per_test)}))
     shape = [arg for key, value in BENCH_SHAPE.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
-    steps.append(Step("bench_gpu", "bench", [sys.executable, os.path.join("bench", "bench_gpu.py"), "--short", *shape],
-                      BENCH_LIMIT_S))
-    steps.append(Step("step_64k", "step", [sys.executable, "-m", "harness.gpu_report", "--measure-step",
-                                           os.path.join(out_dir, "step_64k")], STEP_LIMIT_S))
+    steps.append(Step("bench_gpu", "bench", [sys.executable, os.path.join("bench", "bench_gpu_report.py"),
+                                             "--budget-s", str(BENCH_BUDGET_S), *shape], BENCH_LIMIT_S))
+    steps.append(Step("offload_3b", "step", [sys.executable, "-m", "harness.gpu_report", "--offload-step",
+                                             os.path.join(out_dir, "offload_3b")], OFFLOAD_LIMIT_S))
     return steps
 
 
@@ -178,50 +182,6 @@ def run_step(step: Step, log_path: str) -> str:
         log.write("\n" + footer + "\n")
     with open(log_path) as f:
         return f.read()
-
-
-def _run(what: str, command: list[str], env: dict) -> None:
-    """Runs a command of the 64K step into this log; a failure ends the step in one line (the cause is above it)."""
-    done = subprocess.run(command, cwd=ROOT, env=env)
-    if done.returncode:
-        raise SystemExit(f"64K step: {what} failed (exit {done.returncode}); its output is above")
-
-
-def measure_step(out: str, seq_len: int = STEP_SEQ_LEN, shape: dict = BENCH_SHAPE, steps: int = STEP_STEPS) -> dict:
-    """The dry run's prediction and a real run of the same recipe (debug recipe, `shape`, one rank, batch 1, bf16,
-    plain causal attention: the dry run measures document masking as causal, an upper bound, so causal is the case
-    its memory is exact for). Prints the figures as one JSON line (report_summary.FIGURES) and returns them."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    memory = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 0.0
-    accelerator = accelerator_of(name, memory) if cuda else "h100-sxm"  # the table's (config/accelerators.py)
-    if accelerator is None:
-        raise SystemExit(f"64K step: no accelerator in config/accelerators.py for {name!r}: nothing to predict "
-                         f"with; add its data sheet there")
-    recipe = [os.path.join(ROOT, "train.py"), os.path.join(ROOT, "recipes", "debug.toml"),
-              *[arg for key, value in shape.items() for arg in (f"--model.{key}", str(value))],
-              "--training.seq_len", str(seq_len), "--training.local_batch_size", "1", "--training.dtype", "bfloat16",
-              "--parallelism.dp_shard", "1", "--data.document_masking", "false", "--metrics.enable_tensorboard",
-              "false", "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1"]
-    dry_dir, run_dir = os.path.join(out, "dry_run"), os.path.join(out, "run")
-    _run("train.py --dry-run", [sys.executable, *recipe, "--dry-run", "--hardware.accelerator", accelerator,
-                                 "--job.dump_folder", dry_dir], env=child_env(CUDA_VISIBLE_DEVICES=""))  # no GPU
-    with open(os.path.join(dry_dir, "dry_run.json")) as f:
-        stage = json.load(f)["stages"][0]
-    _run("train.py", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *recipe,
-                      "--job.dump_folder", run_dir], env=child_env())
-    records = read_metrics(run_dir)
-    figures = {
-        "shape": ", ".join(f"{key} {value}" for key, value in shape.items()), "seq_len": seq_len, "steps": steps,
-        "accelerator": accelerator, "device": name,
-        "predicted_peak_gib": stage["predicted_peak_gib_per_rank"],  # the one predicted peak (dry_run.write_json)
-        "predicted_step_s": stage["predicted_step_s"], "predicted_step_s_band": stage["predicted_step_s_band"],
-        "measured_peak_gib": max(r["memory"] for r in records),
-        "measured_step_s": statistics.median(r["step_time"] for r in records[1:] or records)}
-    print(FIGURES + json.dumps(figures), flush=True)
-    return figures
 
 
 def compiled_op_step(out: str, fake: bool) -> int:
@@ -285,9 +245,11 @@ def report(out_dir: str, wheels: list[str], title: str, fake: bool = False) -> i
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--measure-step"] and len(argv) == 2:
+    if argv[:1] == ["--measure-step"] and len(argv) == 2:  # the bench shape's 64K step, by hand
         measure_step(argv[1])
         return 0
+    if argv[:1] == ["--offload-step"] and len(argv) == 2:
+        return offload_step(argv[1])
     if argv[:1] == ["--compiled-op"] and len(argv) in (2, 3) and argv[2:] in ([], ["--fake"]):
         return compiled_op_step(argv[1], fake=argv[2:] == ["--fake"])
     if argv[:1] == ["--fake"] and len(argv) == 2:

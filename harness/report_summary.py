@@ -1,6 +1,6 @@
 """The one-page summary of `./run_tests.sh --gpu --report DIR` (harness/gpu_report.py), as a pure function of the
 logs the report wrote: a table of the steps (test files with pytest's counts, seconds against each step's limit), the
-bench's figures, and the dry run's prediction against one measured 64K-token step.
+bench's runs, and the dry run's prediction (device and host peaks, step time) against a measured step.
 
 Why from the log texts alone: a log is what a user brings back from an air-gapped node, and the same text must give
 the same table here (tests/test_gpu_report.py reads canned logs: pytest's closing line, a timeout, a crash with no
@@ -17,7 +17,13 @@ HEADER = "gpu_report: step {name} ({kind}), limit {limit:.0f} s: {command}"
 FOOTER_EXIT = "gpu_report: exit {rc} after {seconds:.1f} s"
 FOOTER_KILLED = "gpu_report: killed at the {limit:.0f} s limit after {seconds:.1f} s"
 FIGURES = "gpu_report figures: "
-"""Prefix of the JSON line the 64K-token step prints: the dry run's prediction and the GPU's measurement."""
+"""Prefix of the JSON line a measured step prints (the dry run's prediction and the GPU's measurement) and the
+compiled-op step's."""
+BENCH_ROW = "bench_gpu row: "
+"""Prefix of one bench run's JSON line (bench/bench_gpu_report.py): printed as the run ends, so a cut step keeps it."""
+BENCH_NOT_RUN = "bench_gpu not run: "
+"""Prefix of a bench run left out because its estimate did not fit the time left (JSON: seq, side, estimate_s,
+left_s)."""
 
 _HEADER = re.compile(r"^gpu_report: step (?P<name>\S+) \((?P<kind>\w+)\), limit (?P<limit>[\d.]+) s: ", re.M)
 _EXIT = re.compile(r"^gpu_report: exit (?P<rc>-?\d+) after (?P<seconds>[\d.]+) s", re.M)
@@ -117,6 +123,37 @@ def bench_lines(text: str) -> list[str]:
     return out
 
 
+def _json_lines(text: str, prefix: str) -> list[dict]:
+    return [json.loads(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)]
+
+
+def _cell(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def bench_table(text: str) -> list[str]:
+    """The bench's runs as one table, a row per run in the order they ran (a failed run says why in its tok/s cell),
+    ours against the transformers loop at the same length in the last column; then the runs left out, and the
+    bench's own one-line notes (TorchTitan's availability)."""
+    rows, left_out = _json_lines(text, BENCH_ROW), _json_lines(text, BENCH_NOT_RUN)
+    peers = {row["seq"]: row["tok_s"] for row in rows if row["side"] == "transformers" and "tok_s" in row}
+    out = ["| tokens | system | tok/s | peak GiB | MFU, causal attention as half | MFU, attention in full | "
+           "tok/s / transformers | run s |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if "error" in row:
+            out.append(f"| {row['seq']:,} | {row['side']} | failed: {row['error'].replace('|', '/')} | | | | | |")
+            continue
+        ratio = f"{row['tok_s'] / peers[row['seq']]:.3f}" if row["side"] != "transformers" and peers.get(
+            row["seq"]) else "-"
+        out.append(f"| {row['seq']:,} | {row['system']} | {row['tok_s']:,.0f} | {_cell(row['peak_gib'], '.2f')} | "
+                   f"{row['mfu_causal']:.1%} | {row['mfu_full']:.1%} | {ratio} | {row['seconds']:.0f} |")
+    out.append("")
+    out += [f"- not run: {r['side']} at {r['seq']:,} tokens (estimated {r['estimate_s']:.0f} s, {r['left_s']:.0f} s "
+            f"left of the bench's budget)" for r in left_out]
+    out += [f"- {line}" for line in text.splitlines() if line.startswith("TorchTitan")]
+    return out if rows or left_out else []
+
+
 def step_figures(text: str) -> dict | None:
     lines = [line for line in text.splitlines() if line.startswith(FIGURES)]
     return json.loads(lines[-1][len(FIGURES):]) if lines else None
@@ -128,19 +165,25 @@ def _ratio(predicted: float, measured: float) -> str:
 
 
 def prediction_table(figures: dict) -> list[str]:
-    band = figures["predicted_step_s_band"]
-    return [
-        f"Shape: {figures['shape']}; {figures['seq_len']:,} tokens, batch 1, bf16, causal; measured: median of "
-        f"steps 2..{figures['steps']} of train.py on this GPU; predicted: `--dry-run` for hardware.accelerator = "
-        f"{figures['accelerator']}.",
-        "",
-        "| | predicted | measured | predicted / measured |",
-        "|---|---|---|---|",
-        f"| peak memory, GiB | {figures['predicted_peak_gib']:.2f} | {figures['measured_peak_gib']:.2f} | "
-        f"{_ratio(figures['predicted_peak_gib'], figures['measured_peak_gib'])} |",
-        f"| step time, s | {figures['predicted_step_s']:.3f} (band {band[0]:.3f}..{band[1]:.3f}) | "
-        f"{figures['measured_step_s']:.3f} | {_ratio(figures['predicted_step_s'], figures['measured_step_s'])} |",
-    ]
+    """A measured step (harness/gpu_measure_step.py): device peak, host peak (where the run logged one), the pinned
+    host bytes of activation offload, and step time, predicted against measured."""
+    band, steps = figures["predicted_step_s_band"], figures["steps"]
+    measured = f"median of steps 2..{steps}" if steps > 1 else "its one step (warm-up included)"
+    offload = ", training.cpu_offload" if figures.get("cpu_offload") else ""
+    out = [f"{figures.get('recipe', 'debug.toml')}, {figures['shape']}{offload}; {figures['seq_len']:,} tokens, batch "
+           f"1, bf16; measured: {measured} of train.py on this GPU; predicted: `--dry-run` for hardware.accelerator "
+           f"= {figures['accelerator']}." + (f" Length: {figures['note']}." if figures.get("note") else ""), "",
+           "| | predicted | measured | predicted / measured |", "|---|---|---|---|",
+           f"| device peak, GiB | {figures['predicted_peak_gib']:.2f} | {figures['measured_peak_gib']:.2f} | "
+           f"{_ratio(figures['predicted_peak_gib'], figures['measured_peak_gib'])} |"]
+    for label, key in (("host peak (resident set), GiB", "host_gib"), ("pinned activation arena, GiB", "pinned_gib")):
+        predicted, got = figures.get(f"predicted_{key}"), figures.get(f"measured_{key}")
+        if predicted is not None and got is not None:
+            out.append(f"| {label} | {predicted:.2f} | {got:.2f} | {_ratio(predicted, got)} |")
+    step_s = (figures["predicted_step_s"], figures["measured_step_s"])
+    out.append(f"| step time, s | {step_s[0]:.3f} (band {band[0]:.3f}..{band[1]:.3f}) | {step_s[1]:.3f} | "
+               f"{_ratio(*step_s)} |")
+    return out
 
 
 def compiled_op_table(figures: dict) -> list[str]:
@@ -178,11 +221,12 @@ def summarize(logs: list[str], title: str = "") -> str:
             + f". {spent:.0f} s spent of {limits:.0f} s of limits."]
     for text, r in zip(logs, rows):
         if r.kind == "bench":
-            out += ["", f"## {r.name}", ""] + (bench_lines(text) or [f"no figures: {r.result}"])
+            out += ["", f"## {r.name}", ""] + (bench_table(text) or bench_lines(text) or [f"no figures: {r.result}"])
         elif r.kind == "step":
             figures = step_figures(text)
             out += ["", f"## {r.name}: the dry run's prediction vs the GPU", ""]
             out += prediction_table(figures) if figures else [f"no figures: {r.result}"]
+            out += [f"- {line}" for line in text.splitlines() if line.startswith("offload step: ")]
         elif r.kind == "compiled":
             figures = step_figures(text)
             out += ["", f"## {r.name}: compiled against eager", ""]
