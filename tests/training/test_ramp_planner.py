@@ -273,3 +273,65 @@ def test_planned_recipe_passes_check_and_dry_run_unchanged(tmp_path):
     stages = json.loads((tmp_path / "dry" / "dry_run.json").read_text())["stages"]
     assert [(s["seq_len"], s["fits"]) for s in stages] == [(256, True), (2048, True), (8192, True)]
     assert stages[-1]["cp"] > 1
+
+
+# ---- the frontier's memory cuts ---------------------------------------------------------------------------------------
+
+CUTS_BASE = ["--model.n_layers", "4", "--model.dim", "256", "--model.n_heads", "8", "--model.n_kv_heads", "4",
+             "--training.loss_chunk_tokens", "512", "--training.tokens_per_step", "16384", "--parallelism.dp_shard",
+             "1", "--training.cpu_offload", "true", "--model.mlp_chunk_tokens", "1024", "--model.norm_chunk_tokens",
+             "1024", "--hardware.device_memory_gib"]
+
+
+def _cut_plans(usable_mib: float, host_mib: float):
+    """Two 2-stage plans to 16K on 1 GPU with activation offload, the state on the host: the default host, and a
+    host of `host_mib`; each with what the planner turned on, its last stage's measured peak and host per node, and
+    the dry run's measurement of that last stage with each cut it turned on taken back out."""
+    sys.path.insert(0, ROOT)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import dataclasses
+
+    from training.planning.dry_run import PlanRow, measure_row
+    from training.planning.memory_probe import with_section
+    from training.planning.ramp_lengths import PlanRequest
+    from training.planning.ramp_planner import plan_ramp
+
+    out = []
+    for host in (None, host_mib):
+        base = _tiny(*CUTS_BASE, _memory_gib(usable_mib), *(["--hardware.host_memory_gib", repr(host / 1024)]
+                                                            if host else []))
+        plan = plan_ramp(base, PlanRequest(gpus=1, target_seq_len=16384, stages=2, offload="on"))
+        last = plan.stages[-1]
+        ac, p = plan.base.activation_checkpoint, plan.base.parallelism
+        turned = dict(groups=p.attention_sublayer_groups, prefetch=ac.offload_prefetch, keep_last=ac.offload_keep_last)
+        cfg = last.chosen.cfg
+        without = {}
+        for name, section, values in (("groups", "parallelism", dict(attention_sublayer_groups=0)),
+                                      ("prefetch", "activation_checkpoint", dict(offload_prefetch=True)),
+                                      ("keep_last", "activation_checkpoint", dict(offload_keep_last=0))):
+            if getattr(getattr(cfg, section), next(iter(values))) != next(iter(values.values())):
+                row = measure_row(PlanRow(name, dataclasses.replace(with_section(cfg, section, **values))), 1, 8)
+                without[name] = (row.peak_gib * 1024, (row.host_gib + row.host.tensors / 2**30) * 1024)
+        out.append(dict(note=plan.note, turned=turned, peak=last.measured.peak_gib * 1024,
+                        host=(last.measured.host_gib + last.measured.host.tensors / 2**30) * 1024, without=without))
+    return out
+
+
+@pytest.mark.slow
+def test_the_planner_turns_on_the_memory_cuts_it_needs_and_no_more():
+    """91 MiB usable: this attention-heavy tiny model's 16K stage (state on the host, activation offload) measures
+    112.8 MiB, 94.3 with the sublayer in 4 K/V head groups, 88.3 with its block inputs also brought back one at a
+    time (no prefetch): the planner turns on those two, in that order, and not `offload_keep_last`. With a 158 MiB
+    host (the 16K stage's block inputs, 32 MiB, and the state's host side, 134 MiB, do not fit it) it also keeps the
+    last two blocks' inputs on the device (host 150 MiB). Each plan's last stage fits, and with any cut it turned on
+    taken out the dry run says it does not."""
+    default_host, small_host = _in_fresh_process(_cut_plans, 91.0, 158.0)
+    assert default_host["turned"] == dict(groups=4, prefetch=False, keep_last=0), default_host
+    assert small_host["turned"] == dict(groups=4, prefetch=False, keep_last=2), small_host
+    assert default_host["note"] == ("parallelism.attention_sublayer_groups = 4, chosen by the planner: 16,384 tokens fit "
+                                    "no layout without it; activation_checkpoint.offload_prefetch = false, chosen by "
+                                    "the planner: 16,384 tokens fit no layout without it"), default_host["note"]
+    for result, host in ((default_host, float("inf")), (small_host, 158.0)):
+        assert result["peak"] <= 91.0 and result["host"] <= host, result
+        for name, (peak, host_taken_out) in result["without"].items():
+            assert peak > 91.0 or host_taken_out > host, (name, result)

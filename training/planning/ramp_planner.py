@@ -13,11 +13,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from config import RecipeError
 from config.schema import Config, RampTable
 from models.llama import recipe_model_config
+from parallelisms.sublayer_groups import refusal as sublayer_groups_refusal
 from training.planning.dry_run import RUNTIME_RESERVE_GIB, PlanRow, RowResult, measure_row, node_host_gib, stage_times
 from training.planning.memory_probe import GIB, RankMemory, measure_memory, with_section
 from training.launch_checks.preflight import preflight_stages
@@ -223,17 +225,79 @@ def plan_stage(ask: StageAsk, probes: ProbeCache, usable: float,
     return None
 
 
-def plan_ramp(base: Config, request: PlanRequest) -> RampPlan:
-    """The plan, or a RecipeError naming the smallest GPU count (or the feature) that would make it fit."""
+def plan_ramp(base: Config, request: PlanRequest, progress: Callable[[str], None] | None = None) -> RampPlan:
+    """The plan, or a RecipeError naming the smallest GPU count (or the feature) that would make it fit. Where the
+    base fits no plan, the planner turns on what trades speed or host memory for device memory, in this order, each
+    kept once turned on: FSDP2's CPU offload of the state, then the frontier's memory cuts (`memory_cuts`). The plan's
+    note says what it turned on and why; `progress` gets a line per attempt (a long plan takes minutes)."""
+    say = progress or (lambda line: None)
     plan, failing_seq_len, probes = _plan(base, request)
+    first_failing, current, turned_on = failing_seq_len, base, []
     if plan is None and offloadable(base):  # the state on the host: FSDP2's CPU offload, for the whole run
-        plan = _plan(with_section(base, "training", cpu_offload=True), request)[0]
-        if plan is not None:
-            plan.note = (f"training.cpu_offload = true, chosen by the planner: {failing_seq_len:,} tokens fit no "
-                         f"layout with the parameters, gradients and AdamW state on the GPUs")
+        say(f"plan: {failing_seq_len:,} tokens fit no layout; trying training.cpu_offload = true")
+        current = with_section(base, "training", cpu_offload=True)
+        plan, failing_seq_len, last_probes = _plan(current, request)
+        turned_on.append(f"training.cpu_offload = true, chosen by the planner: {first_failing:,} tokens fit no layout "
+                         "with the parameters, gradients and AdamW state on the GPUs")
+    else:
+        last_probes = probes
+    state_alone = last_probes.line(current.parallelism.tp, False).optimizer  # no cut below makes it smaller
+    for cut in memory_cuts(current, request):
+        if plan is not None or state_alone > current.hardware.device_memory_gib - RUNTIME_RESERVE_GIB:
+            break
+        say(f"plan: {failing_seq_len:,} tokens fit no layout; trying {cut.setting}")
+        current = with_section(current, cut.section, **cut.values)
+        turned_on.append(f"{cut.setting}, chosen by the planner: {failing_seq_len:,} tokens fit no layout without it")
+        one_stage = dataclasses.replace(request, target_seq_len=failing_seq_len, stages=1, tokens_per_stage=0)
+        if _plan(current, one_stage)[0] is None:  # the length that failed, alone: cheaper than the whole ramp
+            continue
+        plan, failing_seq_len, _ = _plan(current, request)
     if plan is None:
-        raise RecipeError(what_would_fit(base, request, failing_seq_len, probes))
+        raise RecipeError(what_would_fit(base, request, first_failing, probes))
+    plan.note = "; ".join(turned_on)
     return plan
+
+
+@dataclass(frozen=True)
+class MemoryCut:
+    section: str
+    values: dict
+    setting: str
+    """How a recipe says it, for the plan's note."""
+
+
+MEMORY_CUT_TILE_TOKENS = 8192
+"""The SwiGLU's and the norms' tile when the planner turns them on (docs/frontier.md: 76.5 -> 58.4 KiB per token of
+an 8B block at 8M tokens on 8 GPUs came from 8K tiles and the grouped sublayer together)."""
+
+
+def memory_cuts(base: Config, request: PlanRequest) -> list[MemoryCut]:
+    """The frontier work's memory cuts (docs/frontier.md, bench/bench_frontier.py's rungs) that the base does not
+    have and that apply to it, in the order the planner adds them: the feed-forward and norms in 8K-token tiles; the
+    attention sublayer in one group per K/V head (on the ring or all-gather, where parallelisms/sublayer_groups.py
+    `refusal` allows it); each offloaded block input brought back only when its own recompute starts (one on the
+    device instead of two); the last two checkpointed blocks' inputs kept on the device (host memory traded for
+    device memory: last, for when the host binds). The two offload ones only where activation offload may run."""
+    m, p, ac = recipe_model_config(base), base.parallelism, base.activation_checkpoint
+    cuts = []
+    if base.model.mlp_chunk_tokens in (0, None) or base.model.mlp_chunk_tokens > MEMORY_CUT_TILE_TOKENS:
+        cuts.append(MemoryCut("model", dict(mlp_chunk_tokens=MEMORY_CUT_TILE_TOKENS,
+                                            norm_chunk_tokens=MEMORY_CUT_TILE_TOKENS),
+                              f"model.mlp_chunk_tokens = norm_chunk_tokens = {MEMORY_CUT_TILE_TOKENS}"))
+    groups = m.num_kv_heads
+    if (p.attention_sublayer_groups <= 1 < groups and p.cp_impl in ("ring", "allgather")
+            and not sublayer_groups_refusal(with_section(base, "parallelism", attention_sublayer_groups=groups),
+                                            m.n_heads, groups, m.qkv_bias or m.qk_norm)):
+        cuts.append(MemoryCut("parallelism", dict(attention_sublayer_groups=groups),
+                              f"parallelism.attention_sublayer_groups = {groups}"))
+    if request.offload != "off" or ac.offload:
+        if ac.offload_prefetch:
+            cuts.append(MemoryCut("activation_checkpoint", dict(offload_prefetch=False),
+                                  "activation_checkpoint.offload_prefetch = false"))
+        if ac.offload_keep_last < 2:
+            cuts.append(MemoryCut("activation_checkpoint", dict(offload_keep_last=2),
+                                  "activation_checkpoint.offload_keep_last = 2"))
+    return cuts
 
 
 def offloadable(base: Config) -> bool:
@@ -243,7 +307,8 @@ def offloadable(base: Config) -> bool:
 
 
 def _plan(base: Config, request: PlanRequest) -> tuple[RampPlan | None, int, ProbeCache]:
-    """(the plan, 0, probes), or (None, the first seq_len that fits no layout, probes)."""
+    """(the plan, 0, probes), or (None, the first seq_len that fits no layout on the TP that got farthest, probes):
+    a larger TP can fail sooner (the grouped sublayer refuses TP), and the length that binds is the farther one."""
     request.check(base)
     usable = base.hardware.device_memory_gib - RUNTIME_RESERVE_GIB
     lengths = stage_lengths(min(base.training.seq_len, request.target_seq_len), request.target_seq_len,
@@ -257,6 +322,7 @@ def _plan(base: Config, request: PlanRequest) -> tuple[RampPlan | None, int, Pro
     offloads = {"off": [False], "on": [True], "auto": [False, True]}[request.offload]
     if probes.line(base.parallelism.tp, False).optimizer > usable:  # the sharded state alone: no layout helps
         return None, request.target_seq_len, probes
+    farthest = 0  # the first length that fits no layout, on the TP that planned the most stages
     for tp in tp_options(base, request.gpus):
         planned, theta, start = [], recipe_model_config(base).rope_theta, 0
         for seq_len, n in zip(lengths, steps):
@@ -270,6 +336,7 @@ def _plan(base: Config, request: PlanRequest) -> tuple[RampPlan | None, int, Pro
                 if offload is False and len(offloads) > 1:
                     rejected[:] = [f"without offload {why}" for why in rejected]
             if found is None:
+                farthest = max(farthest, seq_len)
                 break
             planned.append(PlannedStage(seq_len, theta, start, n, *found, rejected))
             start += n
@@ -278,7 +345,7 @@ def _plan(base: Config, request: PlanRequest) -> tuple[RampPlan | None, int, Pro
                 # one model build has one checkpoint mode, and offload needs one: every stage checkpointed
                 return _plan(with_section(base, "activation_checkpoint", mode="full"), request)
             return RampPlan(base, request, tokens_per_step, planned, usable), 0, probes
-    return None, seq_len, probes
+    return None, farthest, probes
 
 
 def what_would_fit(base: Config, request: PlanRequest, seq_len: int, probes: ProbeCache) -> str:

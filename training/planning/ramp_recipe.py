@@ -125,7 +125,7 @@ def run_plan_ramp(cfg: Config, request: PlanRequest, argv_tail: str = "") -> int
     """Plans, prints the table and writes the recipe; a target that fits nothing raises a one-line RecipeError."""
     start = time.perf_counter()
     out = request.out or default_out(cfg.recipe_path, request)
-    plan = plan_ramp(cfg, request)
+    plan = plan_ramp(cfg, request, progress=lambda line: print(line, flush=True))
     text = render_recipe(plan, out, cfg.recipe_path, argv_tail)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
