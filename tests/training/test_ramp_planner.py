@@ -103,8 +103,6 @@ def _plan_and_check(usable_mib: float):
     the planned CP."""
     sys.path.insert(0, ROOT)
     os.environ["OMP_NUM_THREADS"] = "1"
-    import dataclasses
-
     from training.planning.dry_run import PlanRow, measure_row
     from training.planning.ramp_lengths import PlanRequest
     from training.planning.ramp_planner import StageAsk, plan_ramp, stage_candidate
@@ -289,8 +287,6 @@ def _cut_plans(usable_mib: float, host_mib: float):
     the dry run's measurement of that last stage with each cut it turned on taken back out."""
     sys.path.insert(0, ROOT)
     os.environ["OMP_NUM_THREADS"] = "1"
-    import dataclasses
-
     from training.planning.dry_run import PlanRow, measure_row
     from training.planning.memory_probe import with_section
     from training.planning.ramp_lengths import PlanRequest
@@ -310,7 +306,7 @@ def _cut_plans(usable_mib: float, host_mib: float):
                                       ("prefetch", "activation_checkpoint", dict(offload_prefetch=True)),
                                       ("keep_last", "activation_checkpoint", dict(offload_keep_last=0))):
             if getattr(getattr(cfg, section), next(iter(values))) != next(iter(values.values())):
-                row = measure_row(PlanRow(name, dataclasses.replace(with_section(cfg, section, **values))), 1, 8)
+                row = measure_row(PlanRow(name, with_section(cfg, section, **values)), 1, 8)
                 without[name] = (row.peak_gib * 1024, (row.host_gib + row.host.tensors / 2**30) * 1024)
         out.append(dict(note=plan.note, turned=turned, peak=last.measured.peak_gib * 1024,
                         host=(last.measured.host_gib + last.measured.host.tensors / 2**30) * 1024, without=without))
