@@ -48,26 +48,9 @@ class CpuFlashBlock:
 
 def philox_placeholders(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The (seed, offset) a dropout-free backward is handed when its forward's were not kept (the registered CP op's
-    backward, cp/op_variants.py): int64 zeros on q's device, seed (2,), offset (). With dropout_p 0 no kernel reads
-    them, they only fill the schema; every call here passes 0.0 (tests/parallelisms/test_cudnn_block.py checks it).
-
-    Read in torch 2.11's own source (v2.11.0 wheel: git_version 70d99e998b4955e0049d13a98d77ae1b14db1f45; the
-    .cu/.cpp files from stored pytorch/pytorch versions whose strings match that wheel's libtorch_cuda.so):
-    - flash, dense and varlen: attention_backward.cu `_scaled_dot_product_flash_attention_backward_cuda` and
-      `_flash_attention_backward` hand both tensors untouched to flash_attn/flash_api.cpp `mha_bwd` /
-      `mha_varlen_bwd`, whose only use of them is `if (is_dropout) params.rng_state =
-      philox_seed.data_ptr<uint64_t>();` (is_dropout = p_dropout > 0; the offset is never read): no device, dtype or
-      shape check, no `.item()`. With dropout a CUDA uint64 (2,) tensor would be needed (what 2.11's flash forward
-      returns: torch/_meta_registrations.py); ours would then fail the data_ptr dtype check, loudly.
-    - cuDNN: attention_backward.cu `_scaled_dot_product_cudnn_attention_backward_cuda` -> `_cudnn_attention_backward`
-      -> cudnn/MHA.cpp `run_cudnn_SDP_bprop`: the graph is built without them at dropout 0, and both
-      `check_tensor_matches_graph(.., SEED/OFFSET, ..)` and the variant pack's SEED/OFFSET pointers sit under
-      `if (dropout_probability != 0.0f)`; on SM 10.0 the stored version converts them with `.to(kLong)` first,
-      a no-op for these int64 tensors.
-    - efficient (CudaEfficientBlock): `_efficient_attention_backward` dereferences `*philox_seed.data_ptr<int64_t>()`
-      on the host only under `use_dropout`.
-    Older stored versions guard them the same way (2.2-era sources read the seed on the host,
-    `*philox_seed.data_ptr<int64_t>()`, under `if (is_dropout)` too)."""
+    backward, cp/op_variants.py): int64 zeros on q's device, seed (2,), offset (). Every call here passes dropout_p
+    0.0 (tests/parallelisms/test_cudnn_block.py), where torch 2.11's flash, cuDNN and efficient backwards never read
+    them (the source lines: docs/gpu_step.md, "The op's backward gets no kernel auxiliaries")."""
     return (torch.zeros(2, dtype=torch.int64, device=q.device), torch.zeros((), dtype=torch.int64, device=q.device))
 
 
