@@ -241,7 +241,8 @@ def plan_ramp(base: Config, request: PlanRequest, progress: Callable[[str], None
                          "with the parameters, gradients and AdamW state on the GPUs")
     else:
         last_probes = probes
-    state_alone = last_probes.line(current.parallelism.tp, False).optimizer  # no cut below makes it smaller
+    # the optimizer step's peak, which no cut below makes smaller (on a line the plan probed already)
+    state_alone = last_probes.line(current.parallelism.tp, False).optimizer
     for cut in memory_cuts(current, request):
         if plan is not None or state_alone > current.hardware.device_memory_gib - RUNTIME_RESERVE_GIB:
             break
@@ -249,9 +250,10 @@ def plan_ramp(base: Config, request: PlanRequest, progress: Callable[[str], None
         current = with_section(current, cut.section, **cut.values)
         turned_on.append(f"{cut.setting}, chosen by the planner: {failing_seq_len:,} tokens fit no layout without it")
         one_stage = dataclasses.replace(request, target_seq_len=failing_seq_len, stages=1, tokens_per_stage=0)
-        if _plan(current, one_stage)[0] is None:  # the length that failed, alone: cheaper than the whole ramp
+        alone = _plan(current, one_stage)  # the length that failed, alone: cheaper than the whole ramp
+        if alone[0] is None:
             continue
-        plan, failing_seq_len, _ = _plan(current, request)
+        plan, failing_seq_len, _ = alone if one_stage == request else _plan(current, request)
     if plan is None:
         raise RecipeError(what_would_fit(base, request, first_failing, probes))
     plan.note = "; ".join(turned_on)
