@@ -76,6 +76,14 @@ def _device() -> tuple[str, str, float]:
     return accelerator, name, host_gib
 
 
+def _train_command(recipe: str, overrides: list[str], seq_len: int, steps: int, host_gib: float) -> list[str]:
+    """train.py on recipes/`recipe` with `overrides`, one row of `seq_len` tokens, `steps` steps, this machine's host
+    memory: what the dry run plans and the run measures alike."""
+    return [os.path.join(ROOT, "train.py"), os.path.join(ROOT, "recipes", recipe), *overrides, "--training.seq_len",
+            str(seq_len), "--training.local_batch_size", "1", "--training.steps", str(steps),
+            "--hardware.host_memory_gib", f"{max(host_gib, 1.0):.0f}"]
+
+
 def dry_run(recipe: list[str], accelerator: str, folder: str) -> dict:
     """The recipe's first stage in dry_run.json (training/planning/dry_run.write_json), planned without a GPU."""
     _run("train.py --dry-run", [sys.executable, *recipe, "--dry-run", "--hardware.accelerator", accelerator,
@@ -96,9 +104,7 @@ def measure_step(out: str, seq_len: int = STEP_SEQ_LEN, shape: dict = BENCH_SHAP
         overrides = [*[arg for key, value in shape.items() for arg in (f"--model.{key}", str(value))],
                      "--training.dtype", "bfloat16", "--parallelism.dp_shard", "1", "--data.document_masking",
                      "false", "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "1"]
-    command = [os.path.join(ROOT, "train.py"), os.path.join(ROOT, "recipes", recipe), *overrides,
-               "--training.seq_len", str(seq_len), "--training.local_batch_size", "1", "--training.steps", str(steps),
-               "--hardware.host_memory_gib", f"{max(host_gib, 1.0):.0f}"]
+    command = _train_command(recipe, overrides, seq_len, steps, host_gib)
     if stage is None:
         stage = dry_run(command, accelerator, os.path.join(out, "dry_run"))
     run_dir = os.path.join(out, "run")
@@ -151,10 +157,8 @@ def offload_step(out: str, limit_s: float = OFFLOAD_LIMIT_S, lengths: tuple = OF
     stages: dict[int, dict] = {}
     chosen, line = None, ""
     for seq in lengths:
-        base = [os.path.join(ROOT, "train.py"), os.path.join(ROOT, "recipes", OFFLOAD_RECIPE), *overrides,
-                "--training.seq_len", str(seq), "--training.local_batch_size", "1", "--training.steps", str(steps),
-                "--hardware.host_memory_gib", f"{max(host_gib, 1.0):.0f}"]
-        stages[seq] = dry_run(base, accelerator, os.path.join(out, f"dry_run_{seq}"))
+        stages[seq] = dry_run(_train_command(OFFLOAD_RECIPE, overrides, seq, steps, host_gib), accelerator,
+                              os.path.join(out, f"dry_run_{seq}"))
         left = limit_s - (time.perf_counter() - start) - 5  # 5 s for the figures and the page
         chosen, line = pick_seq_len({s: st["predicted_step_s_band"] for s, st in stages.items()}, left, steps)
         if chosen is not None:
